@@ -1,0 +1,16 @@
+"""recdepth: recurrent-depth ("looped") GPT-2 — training, loop geometry, early exit.
+
+Where things are:
+  model.py        the looped GPT-2 (config dataclass, recurrence groups, truncated backprop)
+  sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
+  geometry.py     loop-geometry quantities (step norms, cosines, accelerations, DLR)
+  exits.py        early-exit rules and the reference `iterate` loop
+  decoding.py     token-by-token evaluation with a KV cache under an exit rule
+  tokenizer.py    GPT-2 BPE, offline
+  data.py         token caches and the LightningDataModule
+  lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
+  train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
+  bench.py        `python -m recdepth.bench` (throughput / MFU figures)
+"""
+
+__version__ = "0.1.0"

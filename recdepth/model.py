@@ -1,0 +1,394 @@
+"""The looped GPT-2 of SPEC §1, in one file (nanoGPT lineage).
+
+A GPT-2-style decoder (learned absolute positions, tied embeddings, SiLU MLP, sandwich
+RMSNorm as in Huginn) in which some contiguous runs of layers — *recurrence groups* —
+are applied several times. The paper's pattern is groups = [[4], [5, 6], [7]]; the
+Huginn shape (prelude / one recurrent core / coda) is the case of a single group.
+
+One application of group g (layers l_1..l_m), SPEC §1:
+
+    u      = adapter_g(concat(s, e_g))          # Linear(2d -> d, bias=False)
+    s_next = layer_{l_m}( ... layer_{l_1}(u) ... )
+
+where e_g is the hidden state entering the group (fixed across applications) and s the
+recurrent state, initialised from noise. The adapter is split into its two halves,
+W_s s + W_e e_g, so that W_e e_g is computed once per forward pass instead of once per
+application (the same function; it saves half the adapter's work and a concat per step).
+
+The same blocks serve three paths: the parallel forward (training and validation), the
+token-by-token forward with a KV cache (`recdepth.decoding`), and trajectory capture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# Size presets. `cpu` trains in minutes on a 2-core laptop; `paper` is the paper's GPT-2.
+SIZES: dict[str, dict[str, int]] = {
+    "cpu": dict(n_layer=12, n_head=4, n_embd=128, block_size=128),
+    "paper": dict(n_layer=12, n_head=12, n_embd=768, block_size=512),
+}
+STATE_INITS = ("normal", "zero", "input")
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a looped GPT-2. Validated at construction."""
+
+    n_layer: int = 12
+    """Number of distinct layers L (numbered 0..L-1, like nanoGPT's h.0 .. h.{L-1})."""
+    n_head: int = 12
+    """Attention heads per layer; must divide n_embd."""
+    n_embd: int = 768
+    """Model width d."""
+    block_size: int = 512
+    """Context length (learned absolute position embeddings)."""
+    vocab_size: int = 50257
+    """Real vocabulary size (GPT-2's 50257, or a compact corpus vocabulary)."""
+    groups: list[list[int]] = field(default_factory=lambda: [[4], [5, 6], [7]])
+    """Recurrence groups: disjoint, contiguous, in-range, ordered runs of layer indices."""
+    mean_recurrence: float = 12.0
+    """r, the mean number of applications per group; sets L_eff of the init (SPEC §1)."""
+    state_init: str = "normal"
+    """Initial recurrent state: `normal` (fresh truncated Gaussian noise, Huginn),
+    `zero`, or `input` (s = e_g)."""
+    state_std: float = math.sqrt(2 / 5)
+    """Per-coordinate std of the `normal` initial state (Huginn: sqrt(2/5), cut at 3 std)."""
+    pad_vocab_multiple: int = 64
+    """The embedding/LM-head rows are padded up to a multiple of this (speed); padded
+    logits are masked to -inf so they never take probability mass."""
+
+    def __post_init__(self):
+        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"model.{name}: expected a positive integer, got {v!r}")
+        if self.n_embd % self.n_head:
+            raise ValueError(
+                f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}"
+            )
+        if self.state_init not in STATE_INITS:
+            raise ValueError(
+                f"model.state_init: unknown {self.state_init!r} (expected one of {', '.join(STATE_INITS)})"
+            )
+        if not (isinstance(self.mean_recurrence, (int, float)) and self.mean_recurrence >= 1):
+            raise ValueError(f"model.mean_recurrence: expected a number >= 1, got {self.mean_recurrence!r}")
+        self.groups = validate_groups(self.groups, self.n_layer)
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def effective_depth(self) -> float:
+        """L_eff: layer applications per forward pass at the mean recurrence (SPEC §1)."""
+        looped = sum(len(g) for g in self.groups)
+        return (self.n_layer - looped) + self.mean_recurrence * looped
+
+    @classmethod
+    def from_size(cls, size: str, **overrides) -> GPTConfig:
+        if size not in SIZES:
+            raise ValueError(f"model.size: unknown size {size!r} (expected one of {', '.join(SIZES)})")
+        fields = dict(SIZES[size])
+        fields.update({k: v for k, v in overrides.items() if v is not None})
+        return cls(**fields)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def validate_groups(groups, n_layer: int) -> list[list[int]]:
+    """Check SPEC §1's rules for recurrence groups; return them as lists of ints."""
+    if groups is None:
+        return []
+    try:
+        groups = [[int(layer) for layer in g] for g in groups]
+    except TypeError:
+        raise ValueError(f"model.groups: expected a list of lists of layer indices, got {groups!r}") from None
+    seen: set[int] = set()
+    last = -1
+    for g in groups:
+        if not g:
+            raise ValueError(f"model.groups: empty group in {groups}")
+        for layer in g:
+            if not 0 <= layer < n_layer:
+                raise ValueError(
+                    f"model.groups: layer {layer} in group {g} is out of range 0..{n_layer - 1}"
+                )
+            if layer in seen:
+                raise ValueError(f"model.groups: layer {layer} appears in more than one group ({groups})")
+            seen.add(layer)
+        if g != list(range(g[0], g[0] + len(g))):
+            raise ValueError(f"model.groups: group {g} is not a contiguous increasing run of layers")
+        if g[0] <= last:
+            raise ValueError(f"model.groups: groups must be listed in layer order, got {groups}")
+        last = g[-1]
+    return groups
+
+
+# ------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class KVCache:
+    """K/V of one layer for token-by-token decoding, shaped [B, H, T, head_dim].
+
+    One entry per position ("latest" sharing, SPEC §4): a looped layer overwrites its
+    position's entry at every application, so earlier positions are always read at their
+    last computed application. Each row owns its own entries; `rows` restricts a write to
+    the rows still looping, so a row that has exited is never overwritten by another's step.
+    """
+
+    def __init__(self, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        if rows is None:
+            self.k[:, :, pos] = k[:, :, 0]
+            self.v[:, :, pos] = v[:, :, 0]
+        else:
+            self.k[rows, :, pos] = k[rows, :, 0]
+            self.v[rows, :, pos] = v[rows, :, 0]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # one new token at position `pos`, attending to positions 0..pos
+            cache.write(pos, k, v, rows)
+            y = F.scaled_dot_product_attention(q, cache.k[:, :, : pos + 1], cache.v[:, :, : pos + 1])
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(F.silu(self.fc(x)))
+
+
+class Block(nn.Module):
+    """Sandwich-normalised layer (SPEC §1):
+    x = norm2(attn(norm1(x)) + x);  x = norm4(mlp(norm3(x)) + x)."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.norm1, self.norm2 = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+        self.norm3, self.norm4 = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
+        self.attn = CausalSelfAttention(cfg)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cache: KVCache | None = None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
+        x = self.norm2(self.attn(self.norm1(x), cache, pos, rows) + x)
+        return self.norm4(self.mlp(self.norm3(x)) + x)
+
+
+class Adapter(nn.Module):
+    """Looped-input projection Linear(2d -> d, bias=False) applied to concat(s, e),
+    stored as its two d x d halves: adapter(concat(s, e)) = W_s s + W_e e."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.state = nn.Linear(d, d, bias=False)  # W_s
+        self.input = nn.Linear(d, d, bias=False)  # W_e
+
+    def weight(self) -> Tensor:
+        """The full [d, 2d] matrix of Linear(2d -> d) on concat(s, e)."""
+        return torch.cat([self.state.weight, self.input.weight], dim=1)
+
+
+# -------------------------------------------------------------------------- model
+class LoopedGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.n_embd
+        self.wte = nn.Embedding(cfg.padded_vocab_size, d)
+        self.wpe = nn.Embedding(cfg.block_size, d)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.adapters = nn.ModuleList(Adapter(d) for _ in cfg.groups)
+        self.ln_f = RMSNorm(d)
+        # Execution plan: ("layer", l) runs layer l once, ("group", g) loops group g.
+        starts = {g[0]: i for i, g in enumerate(cfg.groups)}
+        looped = {layer for g in cfg.groups for layer in g}
+        self.plan: list[tuple[str, int]] = []
+        for layer in range(cfg.n_layer):
+            if layer in starts:
+                self.plan.append(("group", starts[layer]))
+            elif layer not in looped:
+                self.plan.append(("layer", layer))
+        self.reset_parameters()
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.cfg.groups)
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Huginn's "takase" init (SPEC §1): truncated normal at ±3σ, σ = sqrt(2/(5d)) for
+        embeddings, qkv, adapters and MLP input; σ/sqrt(2·L_eff) for the output
+        projections of attention and MLP; norm weights 1."""
+        sigma = math.sqrt(2 / (5 * self.cfg.n_embd))
+        sigma_out = sigma / math.sqrt(2 * self.cfg.effective_depth)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:
+                nn.init.ones_(p)
+                continue
+            s = sigma_out if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else sigma
+            nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
+
+    # ------------------------------------------------------------- the loop
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
+        """s^(init) for a group entered with hidden state e (SPEC §1)."""
+        if self.cfg.state_init == "zero":
+            return torch.zeros_like(e)
+        if self.cfg.state_init == "input":
+            return e
+        std = self.cfg.state_std
+        s = torch.empty_like(e)
+        return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=generator)
+
+    def apply_group(self, g: int, s: Tensor, e_proj: Tensor, cache=None, pos: int = 0, rows=None) -> Tensor:
+        """One application of group g (SPEC §1); `e_proj` = W_e e_g, computed once per pass."""
+        u = self.adapters[g].state(s) + e_proj
+        for layer in self.cfg.groups[g]:
+            u = self.h[layer](u, None if cache is None else cache[layer], pos, rows)
+        return u
+
+    def run_group(
+        self,
+        g: int,
+        e: Tensor,
+        n: int,
+        backprop_depth: int | None = None,
+        generator: torch.Generator | None = None,
+        record: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Apply group g n times from a fresh initial state; return the final state.
+
+        Truncated backprop: only the last `backprop_depth` applications carry gradient,
+        the first n - k run under no_grad (the gradient still reaches e through the
+        adapter of every graded application). `record`, if given, receives every state
+        x^(0) .. x^(n-1) the group computes (the trajectory of SPEC §2).
+        """
+        if n < 1:
+            raise ValueError(f"loops: group {g} needs at least 1 application, got {n}")
+        e_proj = self.adapters[g].input(e)
+        s = self.initial_state(e, generator)
+        free = 0 if backprop_depth is None or not torch.is_grad_enabled() else max(n - backprop_depth, 0)
+        if free:
+            with torch.no_grad():
+                e_free = e_proj.detach()
+                for _ in range(free):
+                    s = self.apply_group(g, s, e_free)
+                    if record is not None:
+                        record.append(s)
+        for _ in range(n - free):
+            s = self.apply_group(g, s, e_proj)
+            if record is not None:
+                record.append(s)
+        return s
+
+    # --------------------------------------------------------------- forward
+    def decode_logits(self, x: Tensor) -> Tensor:
+        """The decoding head: final norm + tied LM head, padded entries masked to -inf."""
+        logits = F.linear(self.ln_f(x), self.wte.weight)
+        if self.cfg.padded_vocab_size != self.cfg.vocab_size:
+            logits[..., self.cfg.vocab_size :] = float("-inf")
+        return logits
+
+    def embed(self, idx: Tensor, pos0: int = 0) -> Tensor:
+        T = idx.shape[1]
+        if pos0 + T > self.cfg.block_size:
+            raise ValueError(f"sequence of length {pos0 + T} exceeds model.block_size={self.cfg.block_size}")
+        pos = torch.arange(pos0, pos0 + T, device=idx.device)
+        return self.wte(idx) + self.wpe(pos)
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        loops: Sequence[int] | None = None,
+        backprop_depth: int | None = None,
+        generator: torch.Generator | None = None,
+        trajectories: list[list[Tensor]] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Parallel forward over [B, T] token ids with `loops[g]` applications of group g
+        (default: round(mean_recurrence)). Returns (logits, mean cross-entropy or None).
+        `trajectories`, if given, gets one list of states per group."""
+        loops = self.default_loops() if loops is None else list(loops)
+        if len(loops) != self.n_groups:
+            raise ValueError(f"loops: expected {self.n_groups} loop counts (one per group), got {loops}")
+        x = self.embed(idx)
+        for kind, i in self.plan:
+            if kind == "layer":
+                x = self.h[i](x)
+            else:
+                rec = None
+                if trajectories is not None:
+                    rec = []
+                    trajectories.append(rec)
+                x = self.run_group(i, x, loops[i], backprop_depth, generator, rec)
+        logits = self.decode_logits(x)
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        return logits, loss
+
+    def default_loops(self) -> list[int]:
+        return [round(self.cfg.mean_recurrence)] * self.n_groups
+
+    # ----------------------------------------------------------------- FLOPs
+    def flops_per_token(self, loops: Sequence[int], seq_len: int, backprop_depth: int | None, train: bool) -> float:
+        """FLOPs per token of one pass that ran `loops[g]` applications of group g.
+
+        Matmul FLOPs (2 per multiply-add) of every layer application actually run, plus
+        attention (nanoGPT's 2·2·T·d per layer application, forward) and the LM head.
+        Training counts 3x (forward + backward) for graded work and 1x for the
+        applications that truncated backprop ran under no_grad.
+        """
+        d, T = self.cfg.n_embd, seq_len
+        layer = 2 * 12 * d * d + 4 * T * d  # qkv 3d², proj d², mlp 8d²; attention
+        fwd_graded = (self.cfg.n_layer - sum(len(g) for g in self.cfg.groups)) * layer
+        fwd_graded += 2 * d * self.cfg.padded_vocab_size  # LM head
+        fwd_free = 0.0
+        for g, n in zip(self.cfg.groups, loops):
+            app = len(g) * layer + 2 * d * d  # layers + W_s s
+            fwd_graded += 2 * d * d  # W_e e, once per pass
+            k = n if (backprop_depth is None or not train) else min(n, backprop_depth)
+            fwd_graded += k * app
+            fwd_free += (n - k) * app
+        return (3 * fwd_graded + fwd_free) if train else (fwd_graded + fwd_free)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

@@ -1,0 +1,540 @@
+"""Tests for recdepth.data: token caches, sources, windows, unigram baseline, errors.
+
+Every test writes its caches under tmp_path. Expected values come from independent
+computations (tiktoken's own encode/decode of the raw text, pure-Python loops, slicing the
+memmaps by hand), never from data.py's output.
+"""
+
+from __future__ import annotations
+
+import json
+import lzma
+import math
+import random
+from collections import Counter
+from importlib import resources
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import recdepth.data as data
+from recdepth.data import TokenDataModule
+from recdepth.tokenizer import EOT_ID, gpt2
+
+WORDS = (
+    "the king queen sword crown night day love death honour thou thee art hath doth "
+    "wherefore fair foul storm sea ship ghost blood letter garden 1599 — café naïve !? ;"
+).split()
+
+
+def make_text(seed: int, n_words: int = 400) -> str:
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n_words // 10):
+        lines.append(" ".join(rng.choice(WORDS) for _ in range(10)).capitalize() + ".")
+    return "\n".join(lines) + "\n"
+
+
+def expected_stream(texts: list[str]) -> list[int]:
+    """The GPT-2 token stream of `texts`, EOT after each, straight from tiktoken."""
+    out: list[int] = []
+    for t in texts:
+        out += gpt2().encode_ordinary(t) + [EOT_ID]
+    return out
+
+
+def full_stream(dm: TokenDataModule) -> np.ndarray:
+    """train + val as GPT-2 ids."""
+    return dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens]))
+
+
+def dm_files(tmp_path, paths, **kw) -> TokenDataModule:
+    args = dict(
+        block_size=8, batch_size=4, max_steps=5, val_fraction=0.25, cache_dir=tmp_path / "cache"
+    )
+    args.update(kw)
+    dm = TokenDataModule("files", paths=paths, **args)
+    dm.setup()
+    return dm
+
+
+@pytest.fixture
+def build_counter(monkeypatch):
+    """Counts how many times a cache is actually tokenized."""
+    calls = []
+    real = data._build_cache
+
+    def counting(*a, **k):
+        calls.append(a[0])
+        return real(*a, **k)
+
+    monkeypatch.setattr(data, "_build_cache", counting)
+    return calls
+
+
+# ---------------------------------------------------------------------------------------
+# Tokenization
+
+
+def test_shakespeare_roundtrip_and_eot(tmp_path):
+    raw = lzma.decompress(
+        resources.files("recdepth").joinpath("assets", "shakespeare.jsonl.xz").read_bytes()
+    )
+    docs = [json.loads(line)["text"] for line in raw.decode("utf-8").splitlines() if line.strip()]
+    assert len(docs) == 42
+
+    dm = TokenDataModule(
+        "shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path
+    )
+    dm.setup()
+    assert dm.id_map is not None  # compact vocab is the shakespeare default
+    stream = full_stream(dm)
+    n = len(stream)
+    # Tail split, nanoGPT style.
+    assert len(dm.train_tokens) == int(n * 0.95) and len(dm.val_tokens) == n - int(n * 0.95)
+    # One EOT after every play, the stream ends with one, and cutting at the EOTs gives
+    # back each play's text exactly.
+    eots = np.flatnonzero(stream == EOT_ID)
+    assert len(eots) == len(docs) and eots[-1] == n - 1
+    starts = np.concatenate([[0], eots[:-1] + 1])
+    for doc, s, e in zip(docs, starts, eots):
+        assert gpt2().decode(stream[s:e].tolist()) == doc
+    # Compact vocab: exactly the distinct GPT-2 ids of the corpus, sorted.
+    assert np.array_equal(dm.id_map, np.unique(stream))
+    assert dm.vocab_size == len(np.unique(stream)) < 50257
+    assert dm.eot_id == int(np.searchsorted(dm.id_map, EOT_ID))
+
+
+def test_tiny_files_stream_has_eot_after_each_document(tmp_path):
+    a, b = tmp_path / "a.txt", tmp_path / "b.txt"
+    a.write_text("To be, or not to be")
+    b.write_text("that is the question\n")
+    dm = dm_files(tmp_path, [str(a), str(b)], block_size=2, val_fraction=0.3)
+    stream = full_stream(dm).tolist()
+    ta = gpt2().encode_ordinary("To be, or not to be")
+    tb = gpt2().encode_ordinary("that is the question\n")
+    assert stream == ta + [EOT_ID] + tb + [EOT_ID]
+    assert (
+        gpt2().decode(stream)
+        == "To be, or not to be<|endoftext|>that is the question\n<|endoftext|>"
+    )
+
+
+# ---------------------------------------------------------------------------------------
+# Cache
+
+
+def test_cache_invalidation_on_changed_file(tmp_path, build_counter):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(0))
+    dm1 = dm_files(tmp_path, [str(f)])
+    assert len(build_counter) == 1 and dm1.cache.built
+    meta = dm1.cache_path / "meta.json"
+    mtime = meta.stat().st_mtime_ns
+    tokens1 = full_stream(dm1).copy()
+
+    # Unchanged file: same cache directory, not tokenized again.
+    dm2 = dm_files(tmp_path, [str(f)])
+    assert dm2.cache_path == dm1.cache_path
+    assert len(build_counter) == 1 and not dm2.cache.built
+    assert meta.stat().st_mtime_ns == mtime
+
+    # Changed contents (same path, same length class): new key, re-tokenized, new tokens.
+    f.write_text(make_text(1))
+    dm3 = dm_files(tmp_path, [str(f)])
+    assert dm3.cache_path != dm1.cache_path
+    assert len(build_counter) == 2
+    tokens3 = full_stream(dm3)
+    assert not np.array_equal(tokens1, tokens3)
+    assert tokens3.tolist() == expected_stream([make_text(1)])
+
+
+def test_key_depends_on_token_changing_options(tmp_path):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(0))
+    base = dm_files(tmp_path, [str(f)]).cache_path
+    assert dm_files(tmp_path, [str(f)], val_fraction=0.3).cache_path != base
+    assert dm_files(tmp_path, [str(f)], compact_vocab=True).cache_path != base
+    assert dm_files(tmp_path, [str(f)], max_tokens=100).cache_path != base
+    # Options that don't change the tokens share the cache.
+    assert dm_files(tmp_path, [str(f)], block_size=4, batch_size=2, seed=3).cache_path == base
+
+
+@pytest.mark.parametrize(
+    "damage", ["truncate_bin", "garbage_meta", "missing_meta", "missing_vocab"]
+)
+def test_damaged_cache_is_rebuilt(tmp_path, build_counter, damage):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(2))
+    dm = dm_files(tmp_path, [str(f)], compact_vocab=True)
+    expected = full_stream(dm).tolist()
+    d = dm.cache_path
+    if damage == "truncate_bin":
+        with open(d / "train.bin", "r+b") as fh:
+            fh.truncate(10)
+    elif damage == "garbage_meta":
+        (d / "meta.json").write_text("{not json")
+    elif damage == "missing_meta":
+        (d / "meta.json").unlink()
+    else:
+        (d / "vocab.npy").unlink()
+    dm2 = dm_files(tmp_path, [str(f)], compact_vocab=True)
+    assert len(build_counter) == 2 and dm2.cache.built
+    assert full_stream(dm2).tolist() == expected
+
+
+def test_crash_mid_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(3))
+    dm = dm_files(tmp_path, [str(f)])
+    d = dm.cache_path
+    # Rebuild after damaging it, and crash half-way through tokenizing.
+    (d / "meta.json").write_text("{}")
+
+    def boom(docs, max_tokens=None):
+        yield np.array([1, 2, 3], dtype=np.uint16)
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(data, "encode_documents", boom)
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        dm_files(tmp_path, [str(f)])
+    assert not (d / "meta.json").exists()
+    assert not [p for p in d.iterdir() if ".tmp-" in p.name]  # temp files cleaned up
+    monkeypatch.undo()
+    assert full_stream(dm_files(tmp_path, [str(f)])).tolist() == expected_stream([make_text(3)])
+
+
+# ---------------------------------------------------------------------------------------
+# Vocabulary
+
+
+def test_compact_vocab_maps_back(tmp_path):
+    text = make_text(4)
+    f = tmp_path / "doc.txt"
+    f.write_text(text)
+    dm = dm_files(tmp_path, [str(f)], compact_vocab=True)
+    ref = gpt2().encode_ordinary(text) + [EOT_ID]  # independent encoding
+    assert dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == ref
+    assert dm.vocab_size == len(set(ref))
+    assert int(max(dm.train_tokens.max(), dm.val_tokens.max())) == dm.vocab_size - 1
+    # from_gpt2 inverts to_gpt2, also on tensors.
+    assert np.array_equal(dm.from_gpt2(ref), np.concatenate([dm.train_tokens, dm.val_tokens]))
+    t = torch.tensor(ref[:10])
+    assert torch.equal(dm.to_gpt2(dm.from_gpt2(t)), t)
+    absent = next(i for i in range(50257) if i not in set(ref))
+    with pytest.raises(ValueError, match=f"GPT-2 id {absent} is not in the model vocabulary"):
+        dm.from_gpt2([ref[0], absent])
+    assert dm.decode(dm.from_gpt2(ref[:-1])) == text
+
+
+def test_full_vocab_is_identity(tmp_path):
+    text = make_text(5)
+    f = tmp_path / "doc.txt"
+    f.write_text(text)
+    dm = dm_files(tmp_path, [str(f)])  # compact off by default for files
+    assert dm.id_map is None and dm.vocab_size == 50257 and dm.eot_id == EOT_ID
+    raw = np.concatenate([dm.train_tokens, dm.val_tokens]).tolist()
+    assert raw == gpt2().encode_ordinary(text) + [EOT_ID]
+    assert dm.to_gpt2(raw).tolist() == raw and dm.from_gpt2(raw).tolist() == raw
+    with pytest.raises(ValueError, match="50257"):
+        dm.from_gpt2([50257])
+
+
+# ---------------------------------------------------------------------------------------
+# Windows
+
+
+def test_train_windows(tmp_path):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(6, 2000))
+    T, B, S = 16, 4, 6
+    dm = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=S, seed=7)
+    train = np.asarray(dm.train_tokens, dtype=np.int64)
+    batches = list(dm.train_dataloader())
+    assert len(batches) == S
+    starts = []
+    for x, y in batches:
+        assert x.dtype == y.dtype == torch.long and x.shape == y.shape == (B, T)
+        assert torch.equal(x[:, 1:], y[:, :-1])
+        for row_x, row_y in zip(x.numpy(), y.numpy()):
+            # Find where this window sits in the train split and check y is the next tokens.
+            hits = [s for s in range(len(train) - T) if np.array_equal(train[s : s + T], row_x)]
+            assert hits
+            assert any(np.array_equal(train[s + 1 : s + T + 1], row_y) for s in hits)
+            starts.append(hits)
+    assert len(starts) == S * B  # exactly max_steps * batch_size windows
+
+    # Offsets: deterministic in the seed, different across seeds, in range, prefix-stable.
+    same = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=S, seed=7)
+    other = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=S, seed=8)
+    longer = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=3 * S, seed=7)
+    assert np.array_equal(dm.train_offsets, same.train_offsets)
+    assert not np.array_equal(dm.train_offsets, other.train_offsets)
+    assert np.array_equal(longer.train_offsets[: S * B], dm.train_offsets)
+    assert dm.train_offsets.min() >= 0 and longer.train_offsets.max() <= len(train) - T - 1
+    for (x1, y1), (x2, y2) in zip(batches, same.train_dataloader()):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    # Each batch is the windows at its offsets.
+    for k, (x, _) in enumerate(batches):
+        for i in range(B):
+            o = dm.train_offsets[k * B + i]
+            assert np.array_equal(x[i].numpy(), train[o : o + T])
+
+    # Skipping ahead gives exactly the remaining batches.
+    resumed = list(dm.train_dataloader(start_step=2))
+    assert len(resumed) == S - 2
+    for (x1, y1), (x2, y2) in zip(batches[2:], resumed):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+    dm.start_step = 5
+    assert len(dm.train_dataloader()) == 1
+
+    # A worker process sees the same data (the memmap is reopened, not pickled).
+    dm.num_workers = 1
+    x_w, _ = next(iter(dm.train_dataloader(start_step=0)))
+    assert torch.equal(x_w, batches[0][0])
+
+
+def test_val_windows(tmp_path):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(7, 2000))
+    T, B = 16, 3
+    for cap in (None, 100):
+        dm = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, val_tokens=cap)
+        val = np.asarray(dm.val_tokens, dtype=np.int64)
+        used = len(val) if cap is None else min(cap, len(val))
+        xs, ys = [], []
+        for x, y in dm.val_dataloader():
+            assert x.shape[1] == T and x.shape[0] <= B
+            assert torch.equal(x[:, 1:], y[:, :-1])
+            xs.append(x)
+            ys.append(y)
+        x, y = torch.cat(xs).numpy(), torch.cat(ys).numpy()
+        n_windows = (used - 1) // T
+        assert len(x) == n_windows
+        # Non-overlapping, consecutive, in order: inputs tile val[:n*T], targets val[1:n*T+1].
+        assert np.array_equal(x.reshape(-1), val[: n_windows * T])
+        assert np.array_equal(y.reshape(-1), val[1 : n_windows * T + 1])
+        assert n_windows * T + 1 <= used
+        assert np.array_equal(dm.heldout_tokens(20), val[:20])
+
+
+# ---------------------------------------------------------------------------------------
+# Unigram baseline
+
+
+@pytest.mark.parametrize("compact", [True, False])
+def test_unigram_ce_matches_slow_loop(tmp_path, compact):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(8, 600))
+    dm = dm_files(tmp_path, [str(f)], block_size=8, compact_vocab=compact, val_tokens=50)
+    train = [int(t) for t in dm.train_tokens]
+    counts = Counter(train)
+    V = dm.vocab_size
+    assert V == (len(set(train + [int(t) for t in dm.val_tokens])) if compact else 50257)
+    targets = [int(t) for _, y in dm.val_dataloader() for t in y.reshape(-1)]
+    slow = sum(-math.log((counts[t] + 1) / (len(train) + V)) for t in targets) / len(targets)
+    assert dm.unigram_ce() == pytest.approx(slow, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------
+# FineWeb, jsonl, parquet
+
+
+FINEWEB_COLUMNS = [
+    "text",
+    "id",
+    "dump",
+    "url",
+    "date",
+    "file_path",
+    "language",
+    "language_score",
+    "token_count",
+]
+
+
+def write_fineweb_parquet(path, texts):
+    n = len(texts)
+    table = pa.table(
+        {
+            "text": texts,
+            "id": [f"<urn:uuid:{i}>" for i in range(n)],
+            "dump": ["CC-MAIN-2024-10"] * n,
+            "url": [f"https://example.org/{i}" for i in range(n)],
+            "date": ["2024-02-21T00:00:00Z"] * n,
+            "file_path": ["s3://commoncrawl/x.warc.gz"] * n,
+            "language": ["en"] * n,
+            "language_score": pa.array([0.9] * n, type=pa.float64()),
+            "token_count": pa.array(
+                [len(gpt2().encode_ordinary(t)) for t in texts], type=pa.int64()
+            ),
+        }
+    )
+    assert table.column_names == FINEWEB_COLUMNS
+    pq.write_table(table, path)
+
+
+def test_fineweb_local_parquet(tmp_path):
+    texts = [make_text(10 + i, 120) for i in range(6)]
+    (tmp_path / "fw").mkdir()
+    write_fineweb_parquet(tmp_path / "fw" / "000.parquet", texts[:3])
+    write_fineweb_parquet(tmp_path / "fw" / "001.parquet", texts[3:])
+    ref = expected_stream(texts)
+    kw = dict(block_size=8, batch_size=2, max_steps=2, cache_dir=tmp_path / "cache")
+    for path in (tmp_path / "fw", str(tmp_path / "fw" / "*.parquet")):
+        dm = TokenDataModule("fineweb", path=path, **kw)
+        dm.setup()
+        assert dm.vocab_size == 50257
+        assert len(dm.train_tokens) + len(dm.val_tokens) == len(ref)
+        assert full_stream(dm).tolist() == ref
+    one = TokenDataModule("fineweb", path=tmp_path / "fw" / "000.parquet", **kw)
+    one.setup()
+    assert full_stream(one).tolist() == expected_stream(texts[:3])
+    capped = TokenDataModule("fineweb", path=tmp_path / "fw", max_tokens=300, **kw)
+    capped.setup()
+    assert full_stream(capped).tolist() == ref[:300]
+    assert capped.cache.meta["n_tokens"] == 300
+
+
+class FakeHubStream:
+    """Stands in for an endless streaming IterableDataset from the hub."""
+
+    column_names = FINEWEB_COLUMNS
+
+    def __init__(self):
+        self.rows = 0
+
+    def iter(self, batch_size):
+        i = 0
+        while True:
+            texts = [make_text(i + j, 50) for j in range(batch_size)]
+            i += batch_size
+            self.rows += batch_size
+            yield {"text": texts, "id": [str(j) for j in range(batch_size)]}
+
+
+def test_fineweb_hub_stops_at_max_tokens(tmp_path, monkeypatch):
+    import datasets
+
+    seen = {}
+    stream = FakeHubStream()
+
+    def fake_load_dataset(path, **kw):
+        seen.update(kw, path=path)
+        return stream
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    dm = TokenDataModule(
+        "fineweb", block_size=8, batch_size=2, max_steps=2, max_tokens=5000, cache_dir=tmp_path
+    )
+    dm.setup()
+    assert seen["path"] == "HuggingFaceFW/fineweb" and seen["name"] == "sample-10BT"
+    assert seen["split"] == "train" and seen["streaming"] is True
+    assert len(dm.train_tokens) + len(dm.val_tokens) == 5000
+    ref: list[int] = []
+    doc = 0
+    while len(ref) < 5000:
+        ref += expected_stream([make_text(doc, 50)])
+        doc += 1
+    assert full_stream(dm).tolist() == ref[:5000]
+    assert stream.rows < 20000  # the endless stream was abandoned
+    with pytest.raises(ValueError, match="data.max_tokens: required for source=fineweb"):
+        TokenDataModule(
+            "fineweb", block_size=8, batch_size=2, max_steps=2, cache_dir=tmp_path
+        ).setup()
+
+
+def test_jsonl_and_parquet_files_with_text_column(tmp_path):
+    texts = [make_text(20 + i, 80) for i in range(5)]
+    jl = tmp_path / "docs.jsonl"
+    jl.write_text("".join(json.dumps({"id": i, "body": t}) + "\n" for i, t in enumerate(texts[:3])))
+    pqf = tmp_path / "docs.parquet"
+    pq.write_table(pa.table({"body": texts[3:], "n": [1, 2]}), pqf)
+    txt = tmp_path / "tail.txt"
+    txt.write_text("Exeunt.")
+    dm = dm_files(tmp_path, [str(jl), str(pqf), str(txt)], text_column="body")
+    assert full_stream(dm).tolist() == expected_stream(texts + ["Exeunt."])
+
+    with pytest.raises(ValueError, match=r"data.text_column: column 'text' not in .*docs.jsonl"):
+        dm_files(tmp_path, [str(jl)])
+    with pytest.raises(ValueError, match=r"data.text_column: column 'text' not in .*docs.parquet"):
+        dm_files(tmp_path, [str(pqf)])
+
+
+# ---------------------------------------------------------------------------------------
+# Errors
+
+
+def one_line(excinfo) -> str:
+    msg = str(excinfo.value)
+    assert "\n" not in msg
+    return msg
+
+
+def test_clear_errors(tmp_path):
+    missing = str(tmp_path / "nope.txt")
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [missing])
+    assert one_line(e).startswith(
+        f"data.paths: no file matches '{missing}'"
+    ) and "expected" in one_line(e)
+
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(tmp_path / "*.txt")])
+    assert "data.paths: no file matches" in one_line(e) and "*.txt" in one_line(e)
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(empty)])
+    assert "data.paths" in one_line(e) and "empty.txt" in one_line(e) and "is empty" in one_line(e)
+
+    csv = tmp_path / "x.csv"
+    csv.write_text("a,b\n")
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(csv)])
+    assert "data.paths: unsupported file type" in one_line(e) and "x.csv" in one_line(e)
+
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, None)
+    assert "data.paths: required for source=files" in one_line(e)
+
+    with pytest.raises(ValueError) as e:
+        TokenDataModule("wikipedia", block_size=8, batch_size=2, max_steps=1, cache_dir=tmp_path)
+    assert "data.source: unknown source 'wikipedia'" in one_line(e) and "shakespeare" in one_line(e)
+
+    with pytest.raises(ValueError) as e:
+        TokenDataModule(
+            "fineweb",
+            path=str(tmp_path / "fw"),
+            block_size=8,
+            batch_size=2,
+            max_steps=1,
+            cache_dir=tmp_path,
+        ).setup()
+    assert "data.path: no file matches" in one_line(e)
+
+    short = tmp_path / "short.txt"
+    short.write_text(make_text(30, 200))  # ~ a few hundred tokens
+    n = len(gpt2().encode_ordinary(make_text(30, 200))) + 1
+    n_val = n - int(n * 0.75)
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(short)], block_size=n_val)
+    assert one_line(e).startswith(
+        f"data: block_size={n_val} is longer than the val split ({n_val} tokens"
+    )
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(short)], block_size=8, val_tokens=5)
+    assert (
+        "block_size=8 is longer than the val split (5 tokens, capped by data.val_tokens=5)"
+        in one_line(e)
+    )
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(short)], block_size=n, val_fraction=0.01)
+    assert "longer than the train split" in one_line(e)
+    # Exactly block_size + 1 val tokens is enough: one window.
+    dm = dm_files(tmp_path, [str(short)], block_size=n_val - 1)
+    assert len(dm.val_dataloader()) == 1
