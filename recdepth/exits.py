@@ -41,8 +41,12 @@ EARLIEST = {"fixed": None, "stepnorm": 1, "stepnorm_rel": 1, "kl": 2, "accel": 3
 
 def kl_divergence(logp_new: Tensor, logp_old: Tensor) -> Tensor:
     """KL(p^(n) ‖ p^(n−1)) = Σ p^(n) (log p^(n) − log p^(n−1)) over the last axis
-    (paper eq. 4; the direction Geiping et al. and the paper use)."""
-    return (logp_new.exp() * (logp_new - logp_old)).sum(-1)
+    (paper eq. 4; the direction Geiping et al. and the paper use).
+
+    Entries with p^(n) = 0 (e.g. the -inf logits of a padded vocabulary) contribute 0,
+    the 0·log 0 = 0 convention, instead of 0·(−inf + inf) = NaN."""
+    p = logp_new.exp()
+    return torch.where(p > 0, p * (logp_new - logp_old), 0.0).sum(-1)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,109 @@
+"""`python -m recdepth.bench`: training throughput, MFU and the cost of the loop machinery.
+
+Prints, from one run on one machine (figures are ratios measured side by side):
+
+1. training tokens/s and MFU of `model=baseline` and `model=grouped` (the paper's groups at
+   the fixed mean recurrence r, truncated backprop k) at the CPU size;
+2. the marginal cost of one layer application, as a slope so that fixed costs (embedding,
+   LM head, optimiser) cancel:
+     grouped:  [t(loops = n2) − t(loops = n1)] / [(n2 − n1) · 4 layers]   (groups 4, 5-6, 7)
+     baseline: [t(L = 16) − t(L = 12)] / 4
+   both with full backprop, so every application is graded. Their ratio is the
+   per-application cost of the recurrence machinery (adapter, fresh-noise init, loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.runtime import measured_cpu_peak_flops, tune_cpu_allocator
+
+
+def step_time(model: LoopedGPT, loops, backprop_depth, batch: int, vocab: int, steps: int, warmup: int = 2) -> float:
+    """Median wall time of a full training step (forward, backward, AdamW)."""
+    T = model.cfg.block_size
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, vocab, (batch, T), generator=g)
+    y = torch.randint(0, vocab, (batch, T), generator=g)
+    times = []
+    for i in range(warmup + steps):
+        t = time.perf_counter()
+        _, loss = model(x, y, loops=loops, backprop_depth=backprop_depth)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if i >= warmup:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_train(args) -> dict:
+    tune_cpu_allocator()
+    torch.manual_seed(0)
+    peak = measured_cpu_peak_flops()
+    V, B = args.vocab, args.batch
+    base = dict(size=args.size, vocab_size=V, mean_recurrence=args.r)
+    paper_groups = [[4], [5, 6], [7]]
+    print(f"# recdepth bench: size={args.size}, batch={B}, vocab={V}, r={args.r}, k={args.k}, "
+          f"threads={torch.get_num_threads()}, measured fp32 matmul peak {peak / 1e9:.0f} GFLOP/s")
+
+    results = {}
+    print("\n## training throughput (full step: forward, backward, AdamW)")
+    print(f"{'model':10s} {'loops':>12s} {'ms/step':>9s} {'tokens/s':>9s} {'GFLOP/s':>8s} {'MFU':>6s}")
+    for name, groups, loops in (("baseline", [], []), ("grouped", paper_groups, [args.r] * 3)):
+        m = LoopedGPT(GPTConfig.from_size(groups=groups, **base))
+        t = step_time(m, loops, args.k, B, V, args.steps)
+        tokens = B * m.cfg.block_size
+        flops = m.flops_per_token(loops, m.cfg.block_size, args.k, train=True) * tokens
+        results[name] = dict(ms=t * 1e3, tokens_per_s=tokens / t, mfu=flops / t / peak)
+        print(f"{name:10s} {str(loops):>12s} {t * 1e3:9.0f} {tokens / t:9.0f} {flops / t / 1e9:8.1f} "
+              f"{flops / t / peak:6.1%}")
+
+    print("\n## marginal cost of one layer application (full backprop; slopes)")
+    n1, n2 = args.slope_loops
+    g = LoopedGPT(GPTConfig.from_size(groups=paper_groups, **base))
+    b12 = LoopedGPT(GPTConfig.from_size(groups=[], **base))
+    b16 = LoopedGPT(GPTConfig.from_size(groups=[], **{**base, "n_layer": 16}))
+    # Interleave the four measurements, several rounds, and take medians: drift on a
+    # shared machine then hits all four alike.
+    samples = {k: [] for k in ("g1", "g2", "b12", "b16")}
+    for _ in range(args.rounds):
+        samples["g1"].append(step_time(g, [n1] * 3, None, B, V, args.steps))
+        samples["g2"].append(step_time(g, [n2] * 3, None, B, V, args.steps))
+        samples["b12"].append(step_time(b12, [], None, B, V, args.steps))
+        samples["b16"].append(step_time(b16, [], None, B, V, args.steps))
+    med = {k: statistics.median(v) for k, v in samples.items()}
+    per_app_g = (med["g2"] - med["g1"]) / ((n2 - n1) * 4)
+    per_app_b = (med["b16"] - med["b12"]) / 4
+    ratio = per_app_g / per_app_b
+    print(f"grouped  : {per_app_g * 1e3:7.2f} ms per layer application (loops {n1} -> {n2})")
+    print(f"baseline : {per_app_b * 1e3:7.2f} ms per layer application (12 -> 16 layers)")
+    print(f"ratio    : {ratio:7.3f}  (recurrence machinery costs {ratio - 1:+.1%} per application; target <= +10%)")
+    results["per_application"] = dict(grouped_ms=per_app_g * 1e3, baseline_ms=per_app_b * 1e3, ratio=ratio)
+    return results
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("what", nargs="?", default="train", choices=["train"])
+    p.add_argument("--size", default="cpu")
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
+    p.add_argument("--r", type=int, default=12, help="loops per group for the throughput row")
+    p.add_argument("--k", type=int, default=8, help="backprop depth for the throughput row")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the slope measurements")
+    p.add_argument("--slope-loops", type=int, nargs=2, default=[2, 6], metavar=("N1", "N2"))
+    args = p.parse_args(argv)
+    return bench_train(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,123 @@
+"""Token-by-token decoding with a KV cache under an exit rule (SPEC §4, the reference).
+
+Held-out text is fed left to right as in generation. For the current token every
+recurrence group loops under the exit rule, row by row; the token's next-token
+log-probability is scored (teacher forcing). Looped layers keep one K/V entry per
+position ("latest" sharing): each application overwrites the current position's entry,
+so later tokens read an earlier position at its last computed application. Each row
+reads only its own cache rows, and a row that has exited is never written again, so a
+row's result in a batch is exactly its result alone.
+
+Quality = cross-entropy / perplexity over the scored tokens; cost = mean applications per
+token per group; latency = wall-clock ms per token at batch 1 after a warm-up, exit
+checks included.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recdepth.exits import ExitPolicy
+from recdepth.model import KVCache, LoopedGPT
+
+
+def new_caches(model: LoopedGPT, batch: int, max_len: int) -> list[KVCache]:
+    cfg, p = model.cfg, next(model.parameters())
+    return [KVCache(batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, p.device, p.dtype)
+            for _ in range(cfg.n_layer)]
+
+
+def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
+               pos: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
+    Returns the final states [B, 1, d] and applications per row [B]."""
+    B = e.shape[0]
+    e_proj = model.adapters[g].input(e)
+    s = model.initial_state(e, generator)
+    decode = (lambda z: model.decode_logits(z)) if policy.needs_decode else None
+    monitor = policy.monitor(s[:, 0], decode)
+    n = torch.zeros(B, dtype=torch.long, device=e.device)
+    active = torch.ones(B, dtype=torch.bool, device=e.device)
+    while True:
+        rows = None if B == 1 else active  # batch 1: the one row is active while looping
+        s_new = model.apply_group(g, s, e_proj, caches, pos, rows)
+        n += active
+        fired = monitor.observe(s_new[:, 0])
+        s = s_new if B == 1 else torch.where(active[:, None, None], s_new, s)
+        active = active & ~fired
+        if not bool(active.any()):
+            return s, n
+
+
+@torch.no_grad()
+def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
+                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+    """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
+    next token and applications [B, G] per group."""
+    x = model.embed(tokens[:, None], pos0=pos)
+    apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
+    for kind, i in model.plan:
+        if kind == "layer":
+            x = model.h[i](x, caches[i], pos)
+        else:
+            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator)
+    return model.decode_logits(x)[:, 0], apps
+
+
+@torch.no_grad()
+def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                  warmup_tokens: int = 8, seed: int = 0) -> dict:
+    """Score `n_tokens` held-out next-token predictions at batch 1 under `policy`.
+
+    `tokens` is a 1-D id tensor; it is cut into windows of block_size + 1 (a fresh cache
+    per window, as in generation from a fresh context). Returns SPEC §4's quality, cost
+    and latency as the `eval` block of metrics.json.
+    """
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    T = model.cfg.block_size
+    tokens = tokens.to(device=device, dtype=torch.long)
+    n_tokens = min(n_tokens, tokens.numel() - 1)
+    if n_tokens < 1:
+        raise ValueError("eval.tokens: need at least 2 held-out tokens to score one prediction")
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    # Warm-up (untimed, unscored): first calls allocate and pick kernels.
+    caches = new_caches(model, 1, T)
+    for pos in range(min(warmup_tokens, T, tokens.numel())):
+        decode_step(model, tokens[pos : pos + 1], pos, caches, policy, gen)
+
+    nll, seconds = 0.0, 0.0
+    apps = torch.zeros(model.n_groups, dtype=torch.long)
+    scored = 0
+    while scored < n_tokens:
+        window = tokens[scored : scored + T + 1]
+        caches = new_caches(model, 1, T)
+        for pos in range(min(window.numel() - 1, n_tokens - scored)):
+            t0 = time.perf_counter()
+            logits, a = decode_step(model, window[pos : pos + 1], pos, caches, policy, gen)
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            seconds += time.perf_counter() - t0
+            nll -= F.log_softmax(logits.float(), -1)[0, window[pos + 1]].item()
+            apps += a[0].cpu()
+        scored += min(window.numel() - 1, n_tokens - scored - 0)
+    model.train(was_training)
+    ce = nll / n_tokens
+    return {
+        "exit": policy.name,
+        "tau": policy.tau,
+        "min_steps": policy.min_steps,
+        "max_steps": policy.max_steps,
+        "ce": ce,
+        "ppl": math.exp(ce),
+        "ms_per_token": 1000 * seconds / n_tokens,
+        "applications_per_token": (apps.double() / n_tokens).tolist(),
+        "tokens": n_tokens,
+    }

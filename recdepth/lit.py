@@ -1,0 +1,112 @@
+"""The LightningModule: a LoopedGPT trained with sampled loop counts.
+
+- training: cross-entropy with loop counts drawn per group per step by the loop sampler
+  (lognormal-Poisson by default), truncated backprop through the last k applications;
+- validation: the fixed sampler (n = round(r) per group), cross-entropy aggregated
+  token-weighted over the whole val set with torchmetrics, perplexity = exp(CE);
+- optimiser: nanoGPT's AdamW (weight decay on >=2-D tensors only), linear warmup then
+  cosine decay to min_lr; gradient clipping is the Trainer's (`trainer.gradient_clip_val`);
+- throughput: tokens/s and MFU per step, with FLOPs that count the layer applications
+  the step actually ran (its drawn loop counts), not a nominal depth.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import lightning as L
+import torch
+from torchmetrics.aggregation import MeanMetric
+
+from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.runtime import peak_flops
+from recdepth.sampler import LoopSampler
+
+
+def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
+    """LR multiplier: linear warmup to 1 over `warmup` steps, then cosine to `min_ratio`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + 0.5 * (1 - min_ratio) * (1 + math.cos(math.pi * progress))
+
+
+class LoopedLM(L.LightningModule):
+    def __init__(self, model: dict, sampler: dict, optim: dict, max_steps: int,
+                 seed: int = 0, peak_flops: float | None = None):
+        super().__init__()
+        self.save_hyperparameters()
+        self.config = GPTConfig(**model)
+        self.model = LoopedGPT(self.config)
+        self.sampler = LoopSampler(n_groups=self.model.n_groups, seed=seed, **sampler)
+        self.val_loops = [round(self.sampler.mean)] * self.model.n_groups
+        self.val_ce = MeanMetric()
+        self._peak: float | None = None
+        self._t_last: float | None = None
+        self._loops: list[int] = []
+
+    # ------------------------------------------------------------ training
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self._loops = self.sampler.sample() if self.model.n_groups else []
+        _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth)
+        self.log("train/loss", loss, prog_bar=True)
+        for g, n in enumerate(self._loops):
+            self.log(f"train/loops_g{g}", float(n))
+        return loss
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        # Wall time between consecutive step ends: forward, backward, optimiser and data.
+        now = time.perf_counter()
+        if self._t_last is not None:
+            dt = now - self._t_last
+            x = batch[0]
+            tokens = x.numel() * self.trainer.world_size
+            flops = self.model.flops_per_token(self._loops, x.shape[1], self.sampler.backprop_depth, True)
+            if self._peak is None:
+                self._peak = peak_flops(self.device, self.hparams.peak_flops)
+            self.log("perf/tokens_per_sec", tokens / dt, prog_bar=True)
+            self.log("perf/mfu", flops * tokens / dt / (self._peak * self.trainer.world_size))
+            self.log("perf/step_ms", dt * 1000)
+        self._t_last = now
+
+    def on_train_epoch_start(self):
+        self._t_last = None
+
+    def on_validation_start(self):
+        self._t_last = None  # validation time is not a training step's time
+
+    # ---------------------------------------------------------- validation
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        _, loss = self.model(x, y, loops=self.val_loops)
+        self.val_ce.update(loss, weight=y.numel())
+
+    def on_validation_epoch_end(self):
+        ce = self.val_ce.compute()
+        self.val_ce.reset()
+        self.log("val/ce", ce, prog_bar=True, sync_dist=False)
+        self.log("val/ppl", torch.exp(ce))
+
+    # ----------------------------------------------------------- optimiser
+    def configure_optimizers(self):
+        o = self.hparams.optim
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=o["lr"], betas=tuple(o["betas"]), eps=o.get("eps", 1e-8),
+            fused=self.device.type == "cuda" or None,
+        )
+        total, warmup, ratio = self.hparams.max_steps, o["warmup_steps"], o["min_lr_ratio"]
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup, total, ratio))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    # ---------------------------------------------------------- checkpoint
+    def on_save_checkpoint(self, checkpoint):
+        checkpoint["loop_sampler"] = self.sampler.state_dict()
+
+    def on_load_checkpoint(self, checkpoint):
+        if "loop_sampler" in checkpoint:
+            self.sampler.load_state_dict(checkpoint["loop_sampler"])

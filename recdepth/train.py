@@ -1,0 +1,226 @@
+"""`python -m recdepth.train`: train a looped GPT-2, then evaluate it under an exit rule.
+
+    python -m recdepth.train model=grouped exit=accel
+    python -m recdepth.train model=grouped exit=accel --multirun exit.tau=1e-5,1e-4,1e-3,1e-2
+
+`train(cfg)` is a plain function returning the run's metrics (the dict written to
+metrics.json), so sweepers and tests can call it directly. Every run directory holds:
+
+    config.yaml             the resolved config
+    checkpoints/last.ckpt   the final Lightning checkpoint
+    metrics.json            val_ce, val_ppl, unigram_ce, train_seconds, tokens_seen, eval{...}
+    csv/metrics.csv         the training curves (and wandb/ with logger=wandb)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import hydra
+import lightning as L
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recdepth import exits
+from recdepth.data import TokenDataModule
+from recdepth.decoding import evaluate_exit
+from recdepth.lit import LoopedLM
+from recdepth.model import GPTConfig
+from recdepth.runtime import tune_cpu_allocator
+
+log = logging.getLogger("recdepth.train")
+
+
+def conf_dir() -> str:
+    """`conf/` ships inside the wheel as recdepth/conf; in a source checkout (editable
+    install) it sits at the top of the repository."""
+    here = Path(__file__).resolve().parent
+    for cand in (here / "conf", here.parent / "conf"):
+        if (cand / "config.yaml").is_file():
+            return str(cand)
+    raise FileNotFoundError(f"recdepth: no conf/config.yaml next to {here} or its parent")
+
+
+# ------------------------------------------------------------------- pieces
+def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
+    m = cfg.model
+    return GPTConfig.from_size(
+        m.size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
+        groups=OmegaConf.to_object(m.groups), state_init=m.state_init,
+        mean_recurrence=cfg.sampler.mean, vocab_size=vocab_size,
+    )
+
+
+def exit_policy(cfg: DictConfig) -> exits.ExitPolicy:
+    e = cfg.exit
+    return exits.build(e.name, e.tau, min_steps=e.min_steps, max_steps=e.max_steps)
+
+
+def data_module(cfg: DictConfig, block_size: int) -> TokenDataModule:
+    d = OmegaConf.to_container(cfg.data, resolve=True)
+    if d.get("paths") is not None:
+        d["paths"] = list(d["paths"])
+    return TokenDataModule(block_size=block_size, batch_size=cfg.batch_size,
+                           max_steps=cfg.trainer.max_steps, seed=cfg.seed, **d)
+
+
+def wandb_mode(requested: str, timeout: float = 2.0) -> str:
+    """Resolve `auto`: online only if an API key is configured and the server accepts a
+    TCP connection within `timeout` seconds; otherwise offline. Never blocks longer."""
+    if requested != "auto":
+        return requested
+    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "online"):
+        return os.environ["WANDB_MODE"]
+    has_key = bool(os.environ.get("WANDB_API_KEY"))
+    if not has_key:
+        try:
+            import netrc
+
+            has_key = netrc.netrc().authenticators("api.wandb.ai") is not None
+        except (OSError, netrc.NetrcParseError):
+            has_key = False
+    if not has_key:
+        return "offline"
+    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
+        return "online"
+    except OSError:
+        return "offline"
+
+
+def loggers(cfg: DictConfig, run_dir: Path) -> list:
+    from lightning.pytorch.loggers import CSVLogger
+
+    out = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
+    w = cfg.logger.get("wandb")
+    if w is not None:
+        mode = wandb_mode(w.mode)
+        if mode != "disabled":
+            from lightning.pytorch.loggers import WandbLogger
+
+            os.environ["WANDB_MODE"] = mode
+            os.environ.setdefault("WANDB_SILENT", "true")
+            out.append(WandbLogger(
+                project=w.project, entity=w.entity, save_dir=str(run_dir), offline=mode == "offline",
+                name=run_dir.name, tags=list(w.tags), config=OmegaConf.to_container(cfg, resolve=True),
+            ))
+            log.info("wandb: %s mode", mode)
+    return out
+
+
+def write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+# -------------------------------------------------------------------- train
+def train(cfg: DictConfig) -> dict:
+    """Train, validate, evaluate under cfg.exit; write and return metrics.json's dict."""
+    run_dir = Path(cfg.run_dir)
+    # Validate everything that can be validated before any work starts.
+    policy = exit_policy(cfg)
+    model_config(cfg, vocab_size=50257)
+    if (run_dir / "metrics.json").exists():
+        raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+    tune_cpu_allocator()
+    L.seed_everything(cfg.seed, workers=True)
+    dm = data_module(cfg, block_size=model_config(cfg, 50257).block_size)
+    dm.prepare_data()
+    dm.setup()
+    mcfg = model_config(cfg, vocab_size=dm.vocab_size)
+    s = cfg.sampler
+    module = LoopedLM(
+        model=mcfg.to_dict(),
+        sampler=dict(name=s.name, mean=s.mean, sigma=s.sigma, backprop_depth=s.backprop_depth),
+        optim=OmegaConf.to_container(cfg.optim, resolve=True),
+        max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
+    )
+    if dm.id_map is not None:
+        module.register_buffer("vocab_to_gpt2", torch.as_tensor(dm.id_map), persistent=True)
+    log.info("model: %s, %.2fM parameters, groups %s, vocab %d (padded %d)", cfg.model.name,
+             module.model.num_params() / 1e6, mcfg.groups, mcfg.vocab_size, mcfg.padded_vocab_size)
+
+    from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
+
+    t = cfg.trainer
+    ckpt = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=True, save_top_k=0,
+                           every_n_train_steps=t.checkpoint_every)
+    lg = loggers(cfg, run_dir)
+    trainer = L.Trainer(
+        max_steps=t.max_steps, val_check_interval=min(t.val_check_interval, t.max_steps),
+        check_val_every_n_epoch=None, gradient_clip_val=t.gradient_clip_val,
+        accelerator=t.accelerator, devices=t.devices, precision=t.precision,
+        log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
+        logger=lg, callbacks=[ckpt, LearningRateMonitor(logging_interval="step")],
+        default_root_dir=str(run_dir), num_sanity_val_steps=0, enable_model_summary=False,
+    )
+    try:
+        t0 = time.perf_counter()
+        trainer.fit(module, datamodule=dm)
+        train_seconds = time.perf_counter() - t0
+        if trainer.global_step % trainer.val_check_batch != 0 or "val/ce" not in trainer.callback_metrics:
+            trainer.validate(module, datamodule=dm, verbose=False)
+        val_ce = float(trainer.callback_metrics["val/ce"])
+        metrics = {
+            "val_ce": val_ce,
+            "val_ppl": float(torch.exp(torch.tensor(val_ce))),
+            "unigram_ce": dm.unigram_ce(),
+            "train_seconds": train_seconds,
+            "tokens_seen": trainer.global_step * cfg.batch_size * mcfg.block_size * trainer.world_size,
+            "steps": trainer.global_step,
+            "model": cfg.model.name,
+            "groups": mcfg.groups,
+            "params": module.model.num_params(),
+        }
+        if cfg.eval.tokens > 0 and trainer.is_global_zero:
+            heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
+            metrics["eval"] = evaluate_exit(module.model, heldout, policy, cfg.eval.tokens,
+                                            warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed)
+            log.info("eval (%s, tau=%s): ce %.4f, %.2f ms/token, applications %s", policy.name,
+                     policy.tau, metrics["eval"]["ce"], metrics["eval"]["ms_per_token"],
+                     [round(a, 2) for a in metrics["eval"]["applications_per_token"]])
+        if trainer.is_global_zero:
+            write_json(run_dir / "metrics.json", metrics)
+            for lgr in lg:
+                lgr.log_metrics({f"final/{k}": v for k, v in _flat(metrics).items()}, step=trainer.global_step)
+        log.info("val_ce %.4f (unigram %.4f), %.0f s, run dir %s", val_ce, metrics["unigram_ce"],
+                 train_seconds, run_dir)
+        return metrics
+    finally:
+        for lgr in lg:
+            if type(lgr).__name__ == "WandbLogger":
+                import wandb
+
+                wandb.finish()
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}/"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+        elif isinstance(v, list) and all(isinstance(x, (int, float)) for x in v) and k != "groups":
+            out.update({f"{prefix}{k}_{i}": x for i, x in enumerate(v)})
+    return out
+
+
+@hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
+def main(cfg: DictConfig) -> float:
+    return train(cfg)["val_ce"]
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,165 @@
+"""Token-by-token decoding with a KV cache under exit rules (SPEC §4)."""
+
+import torch
+
+from recdepth import exits
+from recdepth.decoding import decode_step, evaluate_exit, new_caches
+from recdepth.model import GPTConfig, LoopedGPT
+
+
+def model(groups, state_init="zero", seed=0):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=5, n_head=2, n_embd=32, block_size=12, vocab_size=60, groups=groups,
+                    mean_recurrence=3, state_init=state_init)
+    return LoopedGPT(cfg).double().eval()
+
+
+def decode_all(m, idx, policy, gen=None):
+    B, T = idx.shape
+    caches = new_caches(m, B, T)
+    out, apps = [], []
+    for t in range(T):
+        logits, a = decode_step(m, idx[:, t], t, caches, policy, gen)
+        out.append(logits)
+        apps.append(a)
+    return torch.stack(out, 1), torch.stack(apps, 1)
+
+
+def test_kv_cache_decoding_equals_parallel_forward_without_recurrence():
+    m = model([])
+    idx = torch.randint(0, 60, (3, 12))
+    ref, _ = m(idx, loops=[])
+    got, _ = decode_all(m, idx, exits.build("fixed", None, max_steps=1))
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+
+
+def test_one_application_per_group_equals_parallel_forward():
+    """With one application, "latest" K/V sharing and the parallel pass coincide."""
+    m = model([[1], [2, 3]])
+    idx = torch.randint(0, 60, (2, 12))
+    ref, _ = m(idx, loops=[1, 1])
+    got, apps = decode_all(m, idx, exits.build("fixed", None, max_steps=1))
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    assert torch.all(apps == 1)
+
+
+def test_last_position_equals_parallel_forward_on_its_own_prefix_for_fixed_n():
+    """The first token has no earlier positions, so its loop is the parallel loop exactly."""
+    m = model([[1], [2, 3]])
+    idx = torch.randint(0, 60, (1, 1))
+    ref, _ = m(idx, loops=[4, 4])
+    got, apps = decode_all(m, idx, exits.build("fixed", None, max_steps=4))
+    torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
+    assert apps.tolist() == [[[4, 4]]]
+
+
+@torch.no_grad()
+def test_latest_sharing_reads_earlier_positions_at_their_last_application():
+    """Slow reference for token 1 of a one-layer-group model: position 0's cached K/V come
+    from its last application; token 1's loop attends to them and to its own current K/V."""
+    m = model([[1]])
+    idx = torch.randint(0, 60, (1, 2))
+    n = 3
+    got, _ = decode_all(m, idx, exits.build("fixed", None, max_steps=n))
+    attn = m.h[1].attn
+
+    def kv(h):  # K/V of layer 1 at one position, from its normed input
+        q, k, v = attn.qkv(m.h[1].norm1(h)).split(32, -1)
+        return q, k, v
+
+    def layer1(h, k_other, v_other):
+        q, k, v = kv(h)
+        K, V = torch.cat([k_other, k], 0), torch.cat([v_other, v], 0)
+        heads = []
+        for hd in range(2):
+            sl = slice(16 * hd, 16 * hd + 16)
+            w = torch.softmax(q[:, sl] @ K[:, sl].T / 4.0, -1)
+            heads.append(w @ V[:, sl])
+        x = m.h[1].norm2(attn.proj(torch.cat(heads, -1)) + h)
+        return m.h[1].norm4(m.h[1].mlp(m.h[1].norm3(x)) + x)
+
+    W = m.adapters[0].weight()
+    x0 = m.h[0](m.embed(idx[:, :1]))[0]  # position 0 alone
+    s = torch.zeros_like(x0)
+    empty = torch.zeros(0, 32, dtype=torch.float64)
+    for _ in range(n):
+        u = torch.cat([s, x0], -1) @ W.T
+        last_u = u
+        s = layer1(u, empty, empty)
+    _, k0, v0 = kv(last_u)  # position 0's latest entry
+    x1 = m.h[0](m.embed(idx))[0, 1:]  # layer 0 at position 1 (causal, so same as decode)
+    s = torch.zeros_like(x1)
+    for _ in range(n):
+        s = layer1(torch.cat([s, x1], -1) @ W.T, k0, v0)
+    h = s
+    # The engine: position 0's cached K/V, then token 1's group state.
+    caches = new_caches(m, 1, 2)
+    decode_step(m, idx[:, 0], 0, caches, exits.build("fixed", None, max_steps=n))
+    torch.testing.assert_close(caches[1].k[0, :, 0].reshape(-1), k0[0], rtol=1e-10, atol=1e-12)
+    from recdepth.decoding import loop_group
+
+    e1 = m.h[0](m.embed(idx[:, 1:2], pos0=1), caches[0], 1)
+    s_engine, _ = loop_group(m, 0, e1, exits.build("fixed", None, max_steps=n), caches, 1)
+    torch.testing.assert_close(s_engine[0], h, rtol=1e-10, atol=1e-10)
+    assert got.shape == (1, 2, 64)
+
+
+def test_batched_rows_get_exactly_their_batch_one_results():
+    m = model([[1], [2, 3]], state_init="zero")
+    idx = torch.randint(0, 60, (4, 12))
+    for policy in (exits.build("accel", 0.5, max_steps=12), exits.build("kl", 1e-3, max_steps=12),
+                   exits.build("stepnorm", 0.5, max_steps=12)):
+        batched, apps_b = decode_all(m, idx, policy)
+        for r in range(4):
+            alone, apps_1 = decode_all(m, idx[r : r + 1], policy)
+            torch.testing.assert_close(batched[r : r + 1], alone, rtol=1e-9, atol=1e-9)
+            assert torch.equal(apps_b[r : r + 1], apps_1)
+        assert len(set(apps_b[:, :, 0].flatten().tolist())) > 1  # rows really exit at different n
+
+
+@torch.no_grad()
+def test_engine_exit_counts_equal_iterate_on_the_same_states():
+    m = model([[1], [2, 3]], state_init="zero")
+    idx = torch.randint(0, 60, (1, 6))
+    policy = exits.build("accel", 0.05, max_steps=20)
+    caches = new_caches(m, 1, 6)
+    for t in range(5):
+        decode_step(m, idx[:, t], t, caches, policy)
+    # Token 5, group 0: run the engine, then iterate() with the same f on a copy of the cache.
+    import copy
+
+    e = m.h[0](m.embed(idx[:, 5:6], pos0=5), caches[0], 5)
+    c2 = copy.deepcopy(caches)
+    from recdepth.decoding import loop_group
+
+    s_eng, n_eng = loop_group(m, 0, e, policy, caches, 5)
+    e_proj = m.adapters[0].input(e)
+    f = lambda s: m.apply_group(0, s[:, None], e_proj, c2, 5)[:, 0]  # noqa: E731
+    x, n_it = exits.iterate(f, torch.zeros(1, 32, dtype=torch.float64), policy)
+    assert n_eng.tolist() == n_it.tolist()
+    torch.testing.assert_close(s_eng[:, 0], x)
+
+
+def test_evaluate_exit_reports_quality_cost_and_latency():
+    m = model([[1], [2, 3]], state_init="normal")
+    tokens = torch.randint(0, 60, (40,))
+    res = evaluate_exit(m.float(), tokens, exits.build("fixed", None, max_steps=3), n_tokens=30)
+    assert res["tokens"] == 30 and res["applications_per_token"] == [3.0, 3.0]
+    assert res["ms_per_token"] > 0 and abs(res["ppl"] - 2.718281828 ** res["ce"]) < 1e-6 * res["ppl"]
+    # The CE is the mean NLL of the scored targets: with a model that ignores its input
+    # (zero LM head except a uniform row), CE = log V.
+    with torch.no_grad():
+        m.wte.weight.zero_()
+    res = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=2), n_tokens=30)
+    assert abs(res["ce"] - torch.log(torch.tensor(60.0)).item()) < 1e-5
+
+
+def test_kl_is_finite_with_a_padded_vocabulary():
+    """Padded logits are -inf; KL must treat their 0·log 0 terms as 0, not NaN."""
+    logits_old = torch.tensor([[0.0, 1.0, float("-inf")]])
+    logits_new = torch.tensor([[0.5, 0.2, float("-inf")]])
+    lp_new, lp_old = logits_new.log_softmax(-1), logits_old.log_softmax(-1)
+    kl = exits.kl_divergence(lp_new, lp_old)
+    p, q = lp_new[0, :2].exp(), lp_old[0, :2].exp()
+    assert torch.isfinite(kl).all()
+    assert kl.item() == __import__("pytest").approx((p * (p / q).log()).sum().item(), rel=1e-6)
