@@ -813,14 +813,20 @@ class TokenDataModule(L.LightningDataModule):
         self._require_setup()
         return np.asarray(self.val_tokens[1 : len(self.val_offsets) * self.block_size + 1])
 
-    def unigram_ce(self) -> float:
-        """Cross-entropy (nats/token) of exactly the targets val_dataloader scores, under
-        the train split's add-one smoothed unigram p(t) = (count_train(t) + 1) / (N + V)
-        over the model vocabulary. A baseline any model should beat."""
+    def unigram_log_prior(self) -> np.ndarray:
+        """log p(t) of the train split's add-one smoothed unigram,
+        p(t) = (count_train(t) + 1) / (N + V), over the model vocabulary (float64 [V])."""
         self._require_setup()
         V = self.vocab_size
         counts = np.bincount(self.train_tokens, minlength=V).astype(np.float64)
-        logp = np.log(counts + 1.0) - np.log(len(self.train_tokens) + V)
+        return np.log(counts + 1.0) - np.log(len(self.train_tokens) + V)
+
+    def unigram_ce(self) -> float:
+        """Cross-entropy (nats/token) of exactly the targets val_dataloader scores, under
+        the train split's add-one smoothed unigram (`unigram_log_prior`). A baseline any
+        model should beat."""
+        V = self.vocab_size
+        logp = self.unigram_log_prior()
         targets = self.val_targets()
         return float(-(np.bincount(targets, minlength=V) @ logp) / len(targets))
 

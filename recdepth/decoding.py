@@ -97,9 +97,10 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     apps = torch.zeros(model.n_groups, dtype=torch.long)
     scored = 0
     while scored < n_tokens:
-        window = tokens[scored : scored + T + 1]
+        window = tokens[scored : scored + T + 1]  # targets scored+1 .. scored+T
         caches = new_caches(model, 1, T)
-        for pos in range(min(window.numel() - 1, n_tokens - scored)):
+        n_win = min(window.numel() - 1, n_tokens - scored)
+        for pos in range(n_win):
             t0 = time.perf_counter()
             logits, a = decode_step(model, window[pos : pos + 1], pos, caches, policy, gen)
             if device.type == "cuda":
@@ -107,7 +108,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
             seconds += time.perf_counter() - t0
             nll -= F.log_softmax(logits.float(), -1)[0, window[pos + 1]].item()
             apps += a[0].cpu()
-        scored += min(window.numel() - 1, n_tokens - scored - 0)
+        scored += n_win
     model.train(was_training)
     ce = nll / n_tokens
     return {

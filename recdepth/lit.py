@@ -45,6 +45,9 @@ class LoopedLM(L.LightningModule):
         self._peak: float | None = None
         self._t_last: float | None = None
         self._loops: list[int] = []
+        # compact id -> GPT-2 id when the data uses a compact vocabulary (set by train.py);
+        # travels in the checkpoint so a saved model can always be mapped back to GPT-2.
+        self.vocab_to_gpt2: torch.Tensor | None = None
 
     # ------------------------------------------------------------ training
     def training_step(self, batch, batch_idx):
@@ -106,7 +109,10 @@ class LoopedLM(L.LightningModule):
     # ---------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint):
         checkpoint["loop_sampler"] = self.sampler.state_dict()
+        if self.vocab_to_gpt2 is not None:
+            checkpoint["vocab_to_gpt2"] = self.vocab_to_gpt2
 
     def on_load_checkpoint(self, checkpoint):
         if "loop_sampler" in checkpoint:
             self.sampler.load_state_dict(checkpoint["loop_sampler"])
+        self.vocab_to_gpt2 = checkpoint.get("vocab_to_gpt2")

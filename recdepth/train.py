@@ -52,7 +52,7 @@ def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
     m = cfg.model
     return GPTConfig.from_size(
         m.size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
-        groups=OmegaConf.to_object(m.groups), state_init=m.state_init,
+        groups=OmegaConf.to_object(m.groups), state_init=m.state_init, logit_bias=m.logit_bias,
         mean_recurrence=cfg.sampler.mean, vocab_size=vocab_size,
     )
 
@@ -146,8 +146,10 @@ def train(cfg: DictConfig) -> dict:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
     )
+    if mcfg.logit_bias:
+        module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
     if dm.id_map is not None:
-        module.register_buffer("vocab_to_gpt2", torch.as_tensor(dm.id_map), persistent=True)
+        module.vocab_to_gpt2 = torch.as_tensor(dm.id_map)
     log.info("model: %s, %.2fM parameters, groups %s, vocab %d (padded %d)", cfg.model.name,
              module.model.num_params() / 1e6, mcfg.groups, mcfg.vocab_size, mcfg.padded_vocab_size)
 

@@ -50,6 +50,16 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     cfg = (run_dir / "config.yaml").read_text()
     assert "groups:" in cfg and "${" not in cfg  # resolved
     assert (run_dir / "csv" / "metrics.csv").is_file()
+    # The checkpoint loads back, with the map from the compact vocabulary to GPT-2 ids.
+    from recdepth.lit import LoopedLM
+    from recdepth.tokenizer import gpt2
+
+    mod = LoopedLM.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
+                                        weights_only=False)
+    v = mod.vocab_to_gpt2
+    assert v is not None and len(v) == mod.config.vocab_size
+    assert int(v[-1]) == 50256 and gpt2().decode(v[:5].tolist())  # sorted ids, EOT last
+    assert mod.model.lm_bias is not None and mod.model.lm_bias.abs().sum() > 0
 
 
 def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
@@ -119,3 +129,17 @@ def test_wheel_ships_the_configs(tmp_path):
               "recdepth/conf/exit/accel.yaml", "recdepth/assets/gpt2.tiktoken.xz",
               "recdepth/assets/shakespeare.jsonl.xz", "recdepth/train.py"):
         assert f in names, f
+
+
+@pytest.mark.slow
+def test_paper_size_runs_on_cpu(tmp_path, env):
+    """`model.size=paper trainer.max_steps=2` with a small batch: the paper's 12L/12H/d=768,
+    block 512, r=12, k=8 model trains two steps, validates and decodes on a CPU."""
+    rd = tmp_path / "run"
+    run(["model.size=paper", "trainer.max_steps=2", "batch_size=1", "data.val_tokens=1024",
+         "eval.tokens=4", "eval.warmup_tokens=1", "trainer.enable_progress_bar=false",
+         f"run_dir={rd}"], cwd=tmp_path, env=env)
+    m = json.loads((rd / "metrics.json").read_text())
+    assert m["tokens_seen"] == 2 * 1 * 512 and m["params"] > 80e6
+    cfg = (rd / "config.yaml").read_text()
+    assert "size: paper" in cfg

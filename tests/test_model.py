@@ -206,3 +206,20 @@ def test_train_flops_count_graded_work_three_times():
     app = 2 * 12 * 32 * 32 + 4 * 16 * 32 + 2 * 32 * 32
     assert f_full - f_train == pytest.approx(4 * app * 2)
     assert f_full == pytest.approx(3 * f_eval)
+
+
+def test_logit_bias_starts_at_the_prior_and_can_be_switched_off():
+    """With the prior in the bias and a zero embedding, the model predicts exactly the
+    prior: its CE on any targets is the prior's CE, computed directly."""
+    m = LoopedGPT(tiny(vocab_size=100))
+    prior = torch.log_softmax(torch.randn(100), -1)
+    m.init_logit_bias(prior)
+    with torch.no_grad():
+        m.wte.weight.zero_()
+    idx = torch.randint(0, 100, (2, 8))
+    _, loss = m(idx, idx, loops=[2, 2])
+    assert loss.item() == pytest.approx(-prior[idx].mean().item(), rel=1e-6)
+    plain = LoopedGPT(tiny(logit_bias=False))
+    assert plain.lm_bias is None and "lm_bias" not in dict(plain.named_parameters())
+    with pytest.raises(ValueError, match="logit_bias"):
+        plain.init_logit_bias(prior)
