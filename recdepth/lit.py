@@ -67,12 +67,14 @@ class LoopedLM(L.LightningModule):
             x = batch[0]
             tokens = x.numel() * self.trainer.world_size
             flops = self.model.flops_per_token(self._loops, x.shape[1], self.sampler.backprop_depth, True)
-            if self._peak is None:
-                self._peak = peak_flops(self.device, self.hparams.peak_flops)
             self.log("perf/tokens_per_sec", tokens / dt, prog_bar=True)
             self.log("perf/mfu", flops * tokens / dt / (self._peak * self.trainer.world_size))
             self.log("perf/step_ms", dt * 1000)
         self._t_last = now
+
+    def on_train_start(self):
+        # Measured here, not inside a timed step (on a CPU it runs a short GEMM probe).
+        self._peak = peak_flops(self.device, self.hparams.peak_flops)
 
     def on_train_epoch_start(self):
         self._t_last = None
@@ -100,8 +102,7 @@ class LoopedLM(L.LightningModule):
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o["lr"], betas=tuple(o["betas"]), eps=o.get("eps", 1e-8),
-            fused=self.device.type == "cuda" or None,
-        )
+        )  # not fused: Lightning refuses to clip gradients of a fused optimiser under AMP
         total, warmup, ratio = self.hparams.max_steps, o["warmup_steps"], o["min_lr_ratio"]
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: warmup_cosine(s, warmup, total, ratio))
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}

@@ -30,7 +30,7 @@ def tune_cpu_allocator() -> bool:
     return bool(libc.mallopt(M_MMAP_MAX, 0)) and bool(libc.mallopt(M_TRIM_THRESHOLD, 2**30))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def measured_cpu_peak_flops(n: int = 1024, seconds: float = 0.5) -> float:
     """The best fp32 matmul FLOP/s this process reaches on a square GEMM: the honest
     denominator of MFU on a CPU whose vendor peak is unknown."""

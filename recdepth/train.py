@@ -33,6 +33,7 @@ from recdepth.decoding import evaluate_exit
 from recdepth.lit import LoopedLM
 from recdepth.model import GPTConfig
 from recdepth.runtime import tune_cpu_allocator
+from recdepth.sampler import LoopSampler
 
 log = logging.getLogger("recdepth.train")
 
@@ -57,15 +58,22 @@ def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
     )
 
 
+def sampler_args(cfg: DictConfig) -> dict:
+    s = cfg.sampler
+    return dict(name=s.name, mean=s.mean, sigma=s.sigma, backprop_depth=s.backprop_depth)
+
+
 def exit_policy(cfg: DictConfig) -> exits.ExitPolicy:
     e = cfg.exit
     return exits.build(e.name, e.tau, min_steps=e.min_steps, max_steps=e.max_steps)
 
 
 def data_module(cfg: DictConfig, block_size: int) -> TokenDataModule:
+    if "paths" in cfg.data and OmegaConf.is_missing(cfg.data, "paths"):
+        raise ValueError("data.paths: required for data=files (a file, directory or glob, or a list of them)")
     d = OmegaConf.to_container(cfg.data, resolve=True)
-    if d.get("paths") is not None:
-        d["paths"] = list(d["paths"])
+    if isinstance(d.get("paths"), str):
+        d["paths"] = [d["paths"]]
     return TokenDataModule(block_size=block_size, batch_size=cfg.batch_size,
                            max_steps=cfg.trainer.max_steps, seed=cfg.seed, **d)
 
@@ -105,7 +113,6 @@ def loggers(cfg: DictConfig, run_dir: Path) -> list:
         if mode != "disabled":
             from lightning.pytorch.loggers import WandbLogger
 
-            os.environ["WANDB_MODE"] = mode
             os.environ.setdefault("WANDB_SILENT", "true")
             out.append(WandbLogger(
                 project=w.project, entity=w.entity, save_dir=str(run_dir), offline=mode == "offline",
@@ -124,10 +131,14 @@ def write_json(path: Path, obj) -> None:
 # -------------------------------------------------------------------- train
 def train(cfg: DictConfig) -> dict:
     """Train, validate, evaluate under cfg.exit; write and return metrics.json's dict."""
-    run_dir = Path(cfg.run_dir)
+    try:
+        run_dir = Path(cfg.run_dir)
+    except Exception:  # ${hydra:...} does not resolve outside a Hydra run
+        raise ValueError("run_dir: set run_dir=<directory> when calling train(cfg) outside Hydra") from None
     # Validate everything that can be validated before any work starts.
     policy = exit_policy(cfg)
-    model_config(cfg, vocab_size=50257)
+    probe = model_config(cfg, vocab_size=50257)  # validates the model fields
+    LoopSampler(n_groups=len(probe.groups), **sampler_args(cfg))  # and the sampler's
     if (run_dir / "metrics.json").exists():
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -135,14 +146,13 @@ def train(cfg: DictConfig) -> dict:
 
     tune_cpu_allocator()
     L.seed_everything(cfg.seed, workers=True)
-    dm = data_module(cfg, block_size=model_config(cfg, 50257).block_size)
+    dm = data_module(cfg, block_size=probe.block_size)
     dm.prepare_data()
     dm.setup()
     mcfg = model_config(cfg, vocab_size=dm.vocab_size)
-    s = cfg.sampler
     module = LoopedLM(
         model=mcfg.to_dict(),
-        sampler=dict(name=s.name, mean=s.mean, sigma=s.sigma, backprop_depth=s.backprop_depth),
+        sampler=sampler_args(cfg),
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
     )
@@ -171,6 +181,8 @@ def train(cfg: DictConfig) -> dict:
         t0 = time.perf_counter()
         trainer.fit(module, datamodule=dm)
         train_seconds = time.perf_counter() - t0
+        # The periodic checkpoint may predate the last steps: always save the final state.
+        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
         if trainer.global_step % trainer.val_check_batch != 0 or "val/ce" not in trainer.callback_metrics:
             trainer.validate(module, datamodule=dm, verbose=False)
         val_ce = float(trainer.callback_metrics["val/ce"])
@@ -186,6 +198,9 @@ def train(cfg: DictConfig) -> dict:
             "params": module.model.num_params(),
         }
         if cfg.eval.tokens > 0 and trainer.is_global_zero:
+            # Lightning moves the module back to the CPU at teardown; evaluate (and time)
+            # on the device that trained it.
+            module.to(trainer.strategy.root_device)
             heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
             metrics["eval"] = evaluate_exit(module.model, heldout, policy, cfg.eval.tokens,
                                             warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed)

@@ -20,6 +20,7 @@ TINY = ["batch_size=2", "sampler.mean=2", "sampler.backprop_depth=1", "trainer.m
 def env(tmp_path_factory):
     e = dict(os.environ)
     e["RECDEPTH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
+    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])  # this checkout's code
     e["WANDB_MODE"] = "offline"
     e.pop("WANDB_API_KEY", None)
     return e
@@ -92,6 +93,8 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("exit.tau=-1", "exit.tau"),
     ("exit=nonsense", "exit"),
     ("model.n_head=3", "model.n_embd"),
+    ("data=files", "data.paths: required"),
+    ("sampler.backprop_depth=0", "sampler.backprop_depth"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):
     p = run(["exit=accel", override, f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env,

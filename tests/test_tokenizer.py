@@ -2,7 +2,6 @@
 
 import hashlib
 import lzma
-import os
 from importlib import resources
 
 import pytest
