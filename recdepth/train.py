@@ -69,7 +69,7 @@ def exit_policy(cfg: DictConfig) -> exits.ExitPolicy:
 
 
 def data_module(cfg: DictConfig, block_size: int) -> TokenDataModule:
-    if "paths" in cfg.data and OmegaConf.is_missing(cfg.data, "paths"):
+    if "paths" in cfg.data.keys() and OmegaConf.is_missing(cfg.data, "paths"):  # `in` is False for ???
         raise ValueError("data.paths: required for data=files (a file, directory or glob, or a list of them)")
     d = OmegaConf.to_container(cfg.data, resolve=True)
     if isinstance(d.get("paths"), str):

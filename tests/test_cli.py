@@ -97,8 +97,8 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("sampler.backprop_depth=0", "sampler.backprop_depth"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):
-    p = run(["exit=accel", override, f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env,
-            check=False)
+    p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, override], cwd=tmp_path, env=env,
+            check=False)  # the bad override last, so nothing in TINY overrides it
     assert p.returncode != 0
     assert message in p.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
