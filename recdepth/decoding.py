@@ -39,7 +39,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, generator)
-    decode = (lambda z: model.decode_logits(z)) if policy.needs_decode else None
+    decode = model.decode_logits if policy.needs_decode else None
     monitor = policy.monitor(s[:, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=e.device)
     active = torch.ones(B, dtype=torch.bool, device=e.device)

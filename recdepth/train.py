@@ -18,6 +18,7 @@ import json
 import logging
 import os
 import socket
+import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -235,8 +236,21 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 
 @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
-def main(cfg: DictConfig) -> float:
+def _hydra_main(cfg: DictConfig) -> float:
     return train(cfg)["val_ce"]
+
+
+def hoist_mode_flags(argv: list[str]) -> list[str]:
+    """Move bare `--multirun`/`-m` in front of the overrides. Hydra's argparse takes the
+    overrides as one positional list, so `model=grouped --multirun exit.tau=...` (overrides
+    on both sides of the flag, the form this project documents) would be refused."""
+    flags = [a for a in argv if a in ("--multirun", "-m")]
+    return flags + [a for a in argv if a not in ("--multirun", "-m")]
+
+
+def main() -> None:
+    sys.argv[1:] = hoist_mode_flags(sys.argv[1:])
+    _hydra_main()
 
 
 if __name__ == "__main__":

@@ -65,8 +65,9 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
 
 def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
     sweep = tmp_path / "sweep"
-    run(["--multirun", "model=grouped", "exit=accel", "exit.tau=1e-4,1e-2", f"hydra.sweep.dir={sweep}",
-         *TINY], cwd=tmp_path, env=env)
+    # The README's form: overrides on both sides of --multirun.
+    run(["model=grouped", "exit=accel", f"hydra.sweep.dir={sweep}", *TINY, "--multirun",
+         "exit.tau=1e-4,1e-2"], cwd=tmp_path, env=env)
     taus = {}
     for job in ("0", "1"):
         m = json.loads((sweep / job / "metrics.json").read_text())
