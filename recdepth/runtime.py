@@ -34,7 +34,8 @@ def tune_cpu_allocator() -> bool:
 def measured_cpu_peak_flops(n: int = 1024, seconds: float = 0.5) -> float:
     """The best fp32 matmul FLOP/s this process reaches on a square GEMM: the honest
     denominator of MFU on a CPU whose vendor peak is unknown."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    g = torch.Generator().manual_seed(0)  # never touch the global RNG: training draws noise from it
+    a, b = torch.randn(n, n, generator=g), torch.randn(n, n, generator=g)
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
         t = time.perf_counter()
