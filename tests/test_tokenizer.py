@@ -58,8 +58,8 @@ def test_identical_to_tiktoken_gpt2_when_loadable():
     try:
         ref = tiktoken.get_encoding("gpt2")
     except Exception as exc:  # offline: tiktoken downloads gpt2's vocab.bpe/encoder.json
-        pytest.skip(f"tiktoken.get_encoding('gpt2') cannot be loaded here ({type(exc).__name__}); "
-                    "r50k_base identity is tested above")
+        pytest.skip(reason=f"tiktoken.get_encoding('gpt2') cannot be loaded here ({type(exc).__name__}); "
+                           "r50k_base identity is tested above")
     text = "Hello world! " * 10 + "The quick brown fox."
     assert gpt2().encode_ordinary(text) == ref.encode_ordinary(text)
 
