@@ -36,7 +36,6 @@ from recdepth import geometry as geo
 
 RULES = ("fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel")
 ALIASES = {"none": "fixed"}
-EARLIEST = {"fixed": None, "stepnorm": 1, "stepnorm_rel": 1, "kl": 2, "accel": 3, "accel_rel": 3}
 
 
 def kl_divergence(logp_new: Tensor, logp_old: Tensor) -> Tensor:
@@ -61,12 +60,6 @@ class ExitPolicy:
     @property
     def needs_decode(self) -> bool:
         return self.name == "kl"
-
-    @property
-    def earliest(self) -> int:
-        """The first n after which this rule can exit (max_steps for `fixed`)."""
-        e = EARLIEST[self.name]
-        return self.max_steps if e is None else min(max(e, self.min_steps), self.max_steps)
 
     def monitor(self, x0: Tensor, decode: Callable[[Tensor], Tensor] | None = None) -> ExitMonitor:
         if self.needs_decode and decode is None:
