@@ -366,24 +366,29 @@ class LoopedGPT(nn.Module):
         loops: Sequence[int] | None = None,
         backprop_depth: int | None = None,
         generator: torch.Generator | None = None,
-        trajectories: list[list[Tensor]] | None = None,
+        trace: list[tuple[str, int, list[Tensor]]] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Parallel forward over [B, T] token ids with `loops[g]` applications of group g
         (default: round(mean_recurrence)). Returns (logits, mean cross-entropy or None).
-        `trajectories`, if given, gets one list of states per group."""
+
+        `trace`, if given, receives the hidden states in depth order, one entry per step of
+        the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
+        the group's trajectory (SPEC §2). It holds references to tensors the forward
+        computes anyway, so recording changes nothing the model returns."""
         loops = self.default_loops() if loops is None else list(loops)
         if len(loops) != self.n_groups:
             raise ValueError(f"loops: expected {self.n_groups} loop counts (one per group), got {loops}")
         x = self.embed(idx)
         for kind, i in self.plan:
+            rec = None if trace is None else []
             if kind == "layer":
                 x = self.h[i](x)
+                if rec is not None:
+                    rec.append(x)
             else:
-                rec = None
-                if trajectories is not None:
-                    rec = []
-                    trajectories.append(rec)
                 x = self.run_group(i, x, loops[i], backprop_depth, generator, rec)
+            if trace is not None:
+                trace.append((kind, i, rec))
         logits = self.decode_logits(x)
         loss = None
         if targets is not None:

@@ -169,16 +169,21 @@ def test_truncated_backprop_equals_detaching_the_free_prefix():
         torch.testing.assert_close(p.grad, g_ref[k], rtol=1e-9, atol=1e-12)
 
 
-def test_trajectories_are_recorded_without_changing_logits():
+def test_trace_records_every_state_without_changing_logits():
     torch.manual_seed(0)
     m = LoopedGPT(tiny())
     idx = torch.randint(0, 100, (2, 8))
     g = lambda: torch.Generator().manual_seed(3)  # noqa: E731
     a, _ = m(idx, loops=[4, 2], generator=g())
-    traj = []
-    b, _ = m(idx, loops=[4, 2], generator=g(), trajectories=traj)
+    trace = []
+    b, _ = m(idx, loops=[4, 2], generator=g(), trace=trace)
     assert torch.equal(a, b)
-    assert [len(t) for t in traj] == [4, 2] and traj[0][0].shape == (2, 8, 32)
+    assert [(kind, i, len(states)) for kind, i, states in trace] == [
+        ("layer", 0, 1), ("group", 0, 4), ("group", 1, 2), ("layer", 4, 1), ("layer", 5, 1)]
+    assert all(s.shape == (2, 8, 32) for _, _, states in trace for s in states)
+    # The last state recorded is what the head decodes; a group's last state feeds the next layer.
+    torch.testing.assert_close(m.decode_logits(trace[-1][2][-1]), b, rtol=0, atol=0)
+    torch.testing.assert_close(m.h[4](trace[2][2][-1]), trace[3][2][0], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("groups, loops", [([], []), ([[1], [2, 3]], [3, 2]), ([[0, 1, 2, 3, 4, 5]], [2])])
