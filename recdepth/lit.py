@@ -78,6 +78,11 @@ class LoopedLM(L.LightningModule):
     def on_train_epoch_start(self):
         self._t_last = None
 
+    def restart_step_timer(self):
+        """Leave the time until the next step end out of the throughput figures (a callback
+        calls this after doing work of its own inside a step, e.g. diagnostics)."""
+        self._t_last = None
+
     def on_validation_start(self):
         self._t_last = None  # validation time is not a training step's time
 

@@ -10,6 +10,8 @@ metrics.json), so sweepers and tests can call it directly. Every run directory h
     checkpoints/last.ckpt   the final Lightning checkpoint
     metrics.json            val_ce, val_ppl, unigram_ce, train_seconds, tokens_seen, eval{...}
     csv/metrics.csv         the training curves (and wandb/ with logger=wandb)
+    diagnostics/step_<n>.json   loop geometry at step 0 and every checkpoint (callbacks=loop_dynamics)
+    figures/                the paper's Figs. 1, 2, 3, 5 (PNG + PDF), drawn at the end
 """
 
 from __future__ import annotations
@@ -79,6 +81,29 @@ def data_module(cfg: DictConfig, block_size: int) -> TokenDataModule:
                            max_steps=cfg.trainer.max_steps, seed=cfg.seed, **d)
 
 
+def loop_dynamics_callback(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, mcfg: GPTConfig):
+    """The `LoopDynamics` callback of `callbacks.loop_dynamics`, or None when the config has
+    none. Its fixed held-out batch is the first sequences × seq_len val tokens."""
+    c = cfg.get("callbacks", {}).get("loop_dynamics")
+    if c is None:
+        return None
+    if not mcfg.groups:
+        raise ValueError(f"callbacks.loop_dynamics: model={cfg.model.name} has no recurrence groups "
+                         "(no loops to measure); use callbacks=none")
+    from recdepth.callbacks import LoopDynamics
+
+    T = mcfg.block_size if c.seq_len is None else int(c.seq_len)
+    if not 2 <= T <= mcfg.block_size:
+        raise ValueError(f"callbacks.loop_dynamics.seq_len: expected 2..{mcfg.block_size} (the block size), got {T}")
+    if c.sequences < 1:
+        raise ValueError(f"callbacks.loop_dynamics.sequences: expected >= 1, got {c.sequences}")
+    batch = torch.as_tensor(dm.heldout_tokens(c.sequences * T)).view(c.sequences, T)
+    return LoopDynamics(batch, run_dir, every_n_steps=c.every_n_steps, loops=c.loops,
+                        pca_sequence=c.pca_sequence, pca_tokens=c.pca_tokens,
+                        max_state_bytes=c.max_state_bytes, seed=c.seed, figures=c.figures,
+                        decode=dm.decode)
+
+
 def wandb_mode(requested: str, timeout: float = 2.0) -> str:
     """Resolve `auto`: online only if an API key is configured and the server accepts a
     TCP connection within `timeout` seconds; otherwise offline. Never blocks longer."""
@@ -142,6 +167,8 @@ def train(cfg: DictConfig) -> dict:
     LoopSampler(n_groups=len(probe.groups), **sampler_args(cfg))  # and the sampler's
     if (run_dir / "metrics.json").exists():
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
+    if any(run_dir.glob("diagnostics/step_*.json")):
+        raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics/step_*.json; choose a new run_dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -169,13 +196,17 @@ def train(cfg: DictConfig) -> dict:
     t = cfg.trainer
     ckpt = ModelCheckpoint(dirpath=str(run_dir / "checkpoints"), save_last=True, save_top_k=0,
                            every_n_train_steps=t.checkpoint_every)
+    callbacks = [ckpt, LearningRateMonitor(logging_interval="step")]
+    dyn = loop_dynamics_callback(cfg, run_dir, dm, mcfg)
+    if dyn is not None:
+        callbacks.append(dyn)
     lg = loggers(cfg, run_dir)
     trainer = L.Trainer(
         max_steps=t.max_steps, val_check_interval=min(t.val_check_interval, t.max_steps),
         check_val_every_n_epoch=None, gradient_clip_val=t.gradient_clip_val,
         accelerator=t.accelerator, devices=t.devices, precision=t.precision,
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
-        logger=lg, callbacks=[ckpt, LearningRateMonitor(logging_interval="step")],
+        logger=lg, callbacks=callbacks,
         default_root_dir=str(run_dir), num_sanity_val_steps=0, enable_model_summary=False,
     )
     try:
@@ -198,6 +229,8 @@ def train(cfg: DictConfig) -> dict:
             "groups": mcfg.groups,
             "params": module.model.num_params(),
         }
+        if dyn is not None:
+            metrics["diagnostics_seconds"] = dyn.seconds
         if cfg.eval.tokens > 0 and trainer.is_global_zero:
             # Lightning moves the module back to the CPU at teardown; evaluate (and time)
             # on the device that trained it.
