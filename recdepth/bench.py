@@ -10,6 +10,12 @@ Prints, from one run on one machine (figures are ratios measured side by side):
      baseline: [t(L = 16) − t(L = 12)] / 4
    both with full backprop, so every application is graded. Their ratio is the
    per-application cost of the recurrence machinery (adapter, fresh-noise init, loop).
+
+`python -m recdepth.bench callbacks` instead times the default training run
+(`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
+`callbacks=none` and with the default `callbacks=loop_dynamics` (diagnostics at step 0,
+every checkpoint and the end, figures at the end), and prints the overhead of the
+loop-geometry callback: from the two wall times, and from the callback's own clock.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -89,10 +96,45 @@ def bench_train(args) -> dict:
     return results
 
 
+def bench_callbacks(args) -> dict:
+    """Training wall time with and without the LoopDynamics callback at its default cadence."""
+    import tempfile
+
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.train import conf_dir, train
+
+    base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", *args.overrides]
+    if args.train_steps is not None:
+        base.append(f"trainer.max_steps={args.train_steps}")
+    print(f"# recdepth bench callbacks: overrides {base}, threads={torch.get_num_threads()}")
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, extra in (("without", ["callbacks=none"]), ("with", [])):
+            with initialize_config_dir(conf_dir(), version_base="1.3"):
+                cfg = compose("config", overrides=[*base, *extra, f"run_dir={tmp}/{name}"])
+            m = train(cfg)
+            n_diag = len(list((Path(tmp) / name).glob("diagnostics/step_*.json")))
+            out[name] = dict(train_seconds=m["train_seconds"], steps=m["steps"], val_ce=m["val_ce"],
+                             callback_seconds=m.get("diagnostics_seconds", 0.0), diagnostics=n_diag)
+    w, wo = out["with"], out["without"]
+    overhead = w["train_seconds"] / wo["train_seconds"] - 1
+    own = w["callback_seconds"] / (w["train_seconds"] - w["callback_seconds"])
+    print(f"\n{'run':28s} {'steps':>6s} {'train s':>9s} {'callback s':>11s} {'diagnostics':>12s} {'val CE':>7s}")
+    for name in ("without", "with"):
+        r = out[name]
+        print(f"{name + ' LoopDynamics':28s} {r['steps']:6d} {r['train_seconds']:9.1f} {r['callback_seconds']:11.1f} "
+              f"{r['diagnostics']:12d} {r['val_ce']:7.4f}")
+    print(f"overhead, wall times   : {overhead:+.1%}  (target <= +5%; includes run-to-run noise)")
+    print(f"overhead, callback clock: {own:+.1%}  (time inside the callback / the rest of the run)")
+    out["overhead_wall"], out["overhead_callback_clock"] = overhead, own
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="train", choices=["train"])
+    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -101,8 +143,11 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=3, help="timed steps per measurement")
     p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the slope measurements")
     p.add_argument("--slope-loops", type=int, nargs=2, default=[2, 6], metavar=("N1", "N2"))
-    args = p.parse_args(argv)
-    return bench_train(args)
+    p.add_argument("--train-steps", type=int, default=None,
+                   help="callbacks: trainer.max_steps of both runs (default: the config's 800)")
+    p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
+    args = p.parse_intermixed_args(argv)
+    return bench_callbacks(args) if args.what == "callbacks" else bench_train(args)
 
 
 if __name__ == "__main__":
