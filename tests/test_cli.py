@@ -63,6 +63,34 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     assert mod.model.lm_bias is not None and mod.model.lm_bias.abs().sum() > 0
 
 
+def test_run_writes_loop_diagnostics_and_figures(tmp_path, env):
+    """Diagnostics at step 0, at every checkpoint and at the end; the four figures; and
+    `python -m recdepth.figures` redraws them from the JSON alone."""
+    rd = tmp_path / "run"
+    tiny = [a for a in TINY if not a.startswith(("trainer.max_steps", "trainer.checkpoint_every"))]
+    run(["model=grouped", "exit=accel", f"run_dir={rd}", *tiny, "trainer.max_steps=4",
+         "trainer.checkpoint_every=2"], cwd=tmp_path, env=env)
+    steps = sorted(int(p.stem[5:]) for p in (rd / "diagnostics").glob("step_*.json"))
+    assert steps == [0, 2, 4]
+    d = json.loads((rd / "diagnostics" / "step_4.json").read_text())
+    assert d["global_step"] == 4 and d["loops"] == 30 and [g["name"] for g in d["groups"]] == ["4", "5-6", "7"]
+    assert [b["name"] for b in d["dlr"]] == ["4→5-6", "5-6→7"] and d["batch"]["tokens"] == 4 * 128
+    assert d["pca"]["text"]  # the sequence Fig. 1 shows, decoded
+    figs = {p.name for p in (rd / "figures").iterdir()}
+    assert figs == {f"{f}.{x}" for f in ("fig1_pca", "fig2_dlr", "fig3_loop_dynamics", "fig5_cosines")
+                    for x in ("png", "pdf")}
+    m = json.loads((rd / "metrics.json").read_text())
+    assert 0 < m["diagnostics_seconds"] < m["train_seconds"]
+    only = tmp_path / "only_json"
+    (only / "diagnostics").mkdir(parents=True)
+    for p in (rd / "diagnostics").glob("step_*.json"):
+        (only / "diagnostics" / p.name).write_bytes(p.read_bytes())
+    p = subprocess.run([sys.executable, "-m", "recdepth.figures", str(only)], cwd=tmp_path, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert {Path(f).name for f in p.stdout.split()} == figs
+
+
 def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
     sweep = tmp_path / "sweep"
     # The README's form: overrides on both sides of --multirun.
@@ -81,6 +109,10 @@ def test_other_models_train(tmp_path, env, model, n_groups):
     run([f"model={model}", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env)
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["model"] == model and len(m["eval"]["applications_per_token"]) == n_groups
+    # Loop diagnostics: on for recurrent models, absent for the baseline.
+    cfg = (tmp_path / "run" / "config.yaml").read_text()
+    assert ("loop_dynamics:" in cfg) == (n_groups > 0)
+    assert (tmp_path / "run" / "diagnostics").is_dir() == (n_groups > 0)
 
 
 def test_groups_override_on_the_command_line(tmp_path, env):
@@ -96,9 +128,12 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("model.n_head=3", "model.n_embd"),
     ("data=files", "data.paths: required"),
     ("sampler.backprop_depth=0", "sampler.backprop_depth"),
+    ("callbacks.loop_dynamics.loops=2", "callbacks.loop_dynamics.loops: expected >= 3"),
+    ("callbacks.loop_dynamics.seq_len=1000", "callbacks.loop_dynamics.seq_len: expected 2..128"),
+    ("model=baseline callbacks=loop_dynamics", "callbacks.loop_dynamics: model=baseline has no recurrence groups"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):
-    p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, override], cwd=tmp_path, env=env,
+    p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()], cwd=tmp_path, env=env,
             check=False)  # the bad override last, so nothing in TINY overrides it
     assert p.returncode != 0
     assert message in p.stderr
@@ -120,8 +155,16 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     e["WANDB_API_KEY"] = "x" * 40
     e["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # nothing listens: `auto` must go offline
     run(["logger=wandb", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=e)
-    assert list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    (wb,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
     assert (tmp_path / "run" / "metrics.json").is_file()
+    # Loop dynamics on the dashboard: the PCA image and per-k / DLR curves at steps 0 and 3.
+    media = wb / "files" / "media"
+    assert len(list(media.glob("images/loop_dynamics/pca_*.png"))) == 2
+    assert len(list(media.glob("table/loop_dynamics/step_norm_g5-6_table_*.table.json"))) == 2
+    *_, last = sorted(media.glob("table/loop_dynamics/dlr_table_*.table.json"), key=lambda p: int(p.name.split("_")[2]))
+    t = json.loads(last.read_text())
+    d0 = json.loads((tmp_path / "run" / "diagnostics" / "step_0.json").read_text())
+    assert [0, "4→5-6", d0["dlr"][0]["mean"]] in t["data"] and {r[0] for r in t["data"]} == {0, 3}
 
 
 def test_wheel_ships_the_configs(tmp_path):
@@ -130,7 +173,8 @@ def test_wheel_ships_the_configs(tmp_path):
     (whl,) = tmp_path.glob("recdepth-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
     for f in ("recdepth/conf/config.yaml", "recdepth/conf/model/grouped.yaml",
-              "recdepth/conf/exit/accel.yaml", "recdepth/assets/gpt2.tiktoken.xz",
+              "recdepth/conf/exit/accel.yaml", "recdepth/conf/callbacks/loop_dynamics.yaml",
+              "recdepth/assets/gpt2.tiktoken.xz",
               "recdepth/assets/shakespeare.jsonl.xz", "recdepth/train.py"):
         assert f in names, f
 
@@ -147,3 +191,6 @@ def test_paper_size_runs_on_cpu(tmp_path, env):
     assert m["tokens_seen"] == 2 * 1 * 512 and m["params"] > 80e6
     cfg = (rd / "config.yaml").read_text()
     assert "size: paper" in cfg
+    # Loop diagnostics at 30 loops on 4 x 512 tokens, one row per capture (the memory bound).
+    d = json.loads((rd / "diagnostics" / "step_2.json").read_text())
+    assert d["batch"] == {"sequences": 4, "seq_len": 512, "tokens": 2048, "rows_per_pass": 1}
