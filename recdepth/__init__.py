@@ -4,13 +4,16 @@ Where things are:
   model.py        the looped GPT-2 (config dataclass, recurrence groups, truncated backprop)
   sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
   geometry.py     loop-geometry quantities (step norms, cosines, accelerations, DLR)
+  diagnostics.py  loop geometry of a model at fixed loops (capture, statistics, PCA)
+  callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
+  figures.py      `python -m recdepth.figures <run_dir>` (the paper's Figs. 1, 2, 3, 5)
   exits.py        early-exit rules and the reference `iterate` loop
   decoding.py     token-by-token evaluation with a KV cache under an exit rule
   tokenizer.py    GPT-2 BPE, offline
   data.py         token caches and the LightningDataModule
   lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
-  bench.py        `python -m recdepth.bench` (throughput / MFU figures)
+  bench.py        `python -m recdepth.bench` (throughput / MFU, callback overhead)
 """
 
 __version__ = "0.1.0"

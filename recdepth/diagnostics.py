@@ -7,6 +7,10 @@ and returns, as a JSON-ready dict:
 - per group and per step k, the mean and standard deviation over tokens (every position
   of every row; population std, the paper's 1σ bands) of the step norm ‖Δ^(k)‖ (k = 0..K−1),
   the consecutive-step cosine (k = 1..K−1) and the acceleration (eq. 5), K = loops − 1;
+- per group, the state norms ‖x^(k)‖ and the rounding floor eps·mean‖x‖ of the dtype:
+  a step below a few times the floor is rounding noise, and the cosine of consecutive
+  differences of white noise is −1/2 (Δ^(k) and Δ^(k−1) share the middle state with
+  opposite signs), so cosines there say nothing about the loop;
 - per group boundary g → g+1, the drift-to-loop ratio (eq. 2) over tokens: mean, std and
   quartiles, plus its numerator and denominator averaged separately;
 - for one sequence, the 2-D PCA of every hidden state over depth and loop steps (Fig. 1).
@@ -36,6 +40,7 @@ from recdepth.model import LoopedGPT
 FORMAT = "recdepth.loop_dynamics/1"
 DEFAULT_LOOPS = 30  # paper appendix: diagnostics at a fixed 30 loops
 DEFAULT_MAX_STATE_BYTES = 256 * 2**20
+FLOOR_FACTOR = 10  # a mean step under 10x the rounding floor is flagged as near it
 
 
 def group_name(layers: Sequence[int]) -> str:
@@ -129,6 +134,7 @@ def loop_dynamics(
     norms: list[list[Tensor]] = [[] for _ in range(G)]  # per group: [K, tokens] per chunk
     cosines: list[list[Tensor]] = [[] for _ in range(G)]
     accels: list[list[Tensor]] = [[] for _ in range(G)]
+    xnorms: list[list[Tensor]] = [[] for _ in range(G)]
     dlr: list[list[Tensor]] = [[] for _ in range(G - 1)]  # per boundary: [tokens] per chunk
     drift: list[list[Tensor]] = [[] for _ in range(G - 1)]
     pca = None
@@ -142,6 +148,7 @@ def loop_dynamics(
                 norms[g].append(geo.step_norms(traj).flatten(1))
                 cosines[g].append(geo.step_cosines(traj).flatten(1))
                 accels[g].append(geo.accelerations(traj).flatten(1))
+                xnorms[g].append(geo.state_norms(traj).flatten(1))
             for g in range(G - 1):
                 dlr[g].append(geo.drift_to_loop_ratio(trajs[g], trajs[g + 1]).flatten())
                 drift[g].append(geo.step_norm(geo.step(trajs[g][-1], trajs[g + 1][0])).flatten())
@@ -152,13 +159,17 @@ def loop_dynamics(
     finally:
         model.train(was_training)
 
+    eps = torch.finfo(next(model.parameters()).dtype).eps
     groups = []
     for g in range(G):
-        sn = torch.cat(norms[g], 1)
+        sn, xn = torch.cat(norms[g], 1), torch.cat(xnorms[g], 1)
+        floor = eps * xn.double().mean().item()
+        noisy = [k for k, v in enumerate(sn.double().mean(1).tolist()) if v < FLOOR_FACTOR * floor]
         groups.append({
             "name": names[g], "layers": list(cfg.groups[g]),
             "step_norm": mean_std(sn), "step_cosine": mean_std(torch.cat(cosines[g], 1)),
-            "acceleration": mean_std(torch.cat(accels[g], 1)),
+            "acceleration": mean_std(torch.cat(accels[g], 1)), "state_norm": mean_std(xn),
+            "rounding_floor": floor, "first_k_near_floor": noisy[0] if noisy else None,
         })
     boundaries = []
     for g in range(G - 1):

@@ -12,6 +12,8 @@ nothing else, and writes PNG and PDF files to `<run_dir>/figures/`:
   fig3_loop_dynamics   Fig. 3: (a) step norms ‖Δ^(k)‖ and (b) step cosines
                        cos∠(Δ^(k), Δ^(k−1)), one panel per group, mean with 1σ band, one
                        curve per checkpoint; the first `fig3_steps` steps (default 16).
+                       Dotted verticals (Figs. 3, 5): where a checkpoint's mean step
+                       falls under 10x the dtype's rounding floor.
   fig5_cosines         Fig. 5: the full consecutive-step cosines over the fixed loops
                        (30 by default) across all checkpoints.
 
@@ -31,7 +33,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.collections import LineCollection  # noqa: E402
 
-from recdepth.diagnostics import load_diagnostics  # noqa: E402
+from recdepth.diagnostics import FLOOR_FACTOR, load_diagnostics  # noqa: E402
 
 FORMATS = ("png", "pdf")
 TRAJECTORY_CMAP = "viridis_r"  # light (early) -> dark (late)
@@ -93,7 +95,12 @@ def fig1_pca(d: dict, inset_group: int = 0, inset_token: int | None = None):
         s0, st = groups[min(inset_group, len(groups) - 1)]
         tok = n_tok // 2 if inset_token is None else inset_token
         loop = xy[s0 : s0 + st["states"], tok]
-        ins = ax.inset_axes(_emptiest_corner(ax, xy.reshape(-1, 2), size=0.38))
+        box = _emptiest_corner(ax, xy.reshape(-1, 2), size=0.38)
+        ins = ax.inset_axes(box)
+        if box[0] < 0.5:  # keep the inset's tick labels inside the main axes
+            ins.yaxis.tick_right()
+        if box[1] < 0.5:
+            ins.xaxis.tick_top()
         ins.plot(loop[:, 0], loop[:, 1], color="0.6", lw=0.8)
         ins.scatter(loop[:, 0], loop[:, 1], c=np.arange(s0, s0 + len(loop)), cmap=cmap, norm=norm, s=10)
         ins.text(0.03, 0.97, f"zoom: {st['label']}, token {tok}\n{len(loop)} applications", fontsize=6.5,
@@ -161,6 +168,9 @@ def _per_group_curves(hist: list[dict], quantities: list[tuple[str, int, str]], 
                 n = len(stats["mean"]) if k_max is None else max(0, min(len(stats["mean"]), k_max - k0))
                 cut = {"mean": stats["mean"][:n], "std": stats["std"][:n]}
                 _band(ax, np.arange(k0, k0 + n), cut, c, f"step {h['global_step']}", band)
+                kf = h["groups"][g].get("first_k_near_floor")
+                if kf is not None and k0 <= kf < k0 + n:
+                    ax.axvline(kf, color=c, ls=":", lw=1)
             letter = "ab"[r] if rows > 1 else ""
             roman = ["i", "ii", "iii", "iv", "v", "vi", "vii", "viii"][g] if g < 8 else str(g + 1)
             ax.set_title(f"({letter}-{roman}) group {hist[-1]['groups'][g]['name']}" if letter
@@ -171,6 +181,9 @@ def _per_group_curves(hist: list[dict], quantities: list[tuple[str, int, str]], 
                 ax.set_xlabel("loop step k")
             ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=7, title="checkpoint", title_fontsize=7)
+    if any(h["groups"][g].get("first_k_near_floor") is not None for h in hist for g in range(G)):
+        title += (f"\ndotted: the mean step falls under {FLOOR_FACTOR}x the rounding floor (eps·‖x‖); "
+                  "beyond it steps are rounding noise and their cosine tends to −1/2")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     return fig

@@ -29,9 +29,14 @@ def step_norm(delta: Tensor) -> Tensor:
     return torch.linalg.vector_norm(delta, dim=-1)
 
 
+def state_norm(x: Tensor) -> Tensor:
+    """Scale of a state ‖x^(k)‖₂ (the denominator of the normalised step norm, paper §4)."""
+    return torch.linalg.vector_norm(x, dim=-1)
+
+
 def relative_step_norm(delta: Tensor, x_prev: Tensor, eps: float = EPS) -> Tensor:
     """Scale-free step size ‖Δ^(k)‖₂ / (‖x^(k)‖₂ + ε) (paper §4, normalised variant of eq. 3)."""
-    return step_norm(delta) / (torch.linalg.vector_norm(x_prev, dim=-1) + eps)
+    return step_norm(delta) / (state_norm(x_prev) + eps)
 
 
 def step_cosine(delta: Tensor, delta_prev: Tensor) -> Tensor:
@@ -59,6 +64,11 @@ def relative_acceleration(delta: Tensor, delta_prev: Tensor, eps: float = EPS) -
 def steps(traj: Tensor) -> Tensor:
     """All loop steps of a trajectory `[K+1, ..., d]` -> `[K, ..., d]` (eq. 1)."""
     return step(traj[:-1], traj[1:])
+
+
+def state_norms(traj: Tensor) -> Tensor:
+    """‖x^(k)‖₂ for k = 0..K: `[K+1, ..., d]` -> `[K+1, ...]`."""
+    return state_norm(traj)
 
 
 def step_norms(traj: Tensor) -> Tensor:

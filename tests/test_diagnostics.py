@@ -71,6 +71,9 @@ def test_statistics_match_a_slow_per_token_reference():
             vals = np.array([p[j] for p in per_tok])  # [tokens, K or K-1]
             np.testing.assert_allclose(d["groups"][g][q]["mean"], vals.mean(0), rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(d["groups"][g][q]["std"], vals.std(0), rtol=1e-3, atol=1e-6)
+        xn = np.array([[np.linalg.norm(np.float64(s[b, t])) for s in states] for b in range(B) for t in range(T)])
+        np.testing.assert_allclose(d["groups"][g]["state_norm"]["mean"], xn.mean(0), rtol=1e-5)
+        assert d["groups"][g]["rounding_floor"] == pytest.approx(2.0**-23 * xn.mean(), rel=1e-5)  # fp32 eps
         assert len(d["groups"][g]["step_norm"]["mean"]) == n - 1
         assert len(d["groups"][g]["step_cosine"]["mean"]) == n - 2
     # DLR at the boundary 0 -> 1, per token from eq. 2 written out.
@@ -138,11 +141,32 @@ def test_capture_is_chunked_to_the_memory_bound_without_changing_results(monkeyp
     np.testing.assert_allclose(chunked["pca"]["xy"], whole["pca"]["xy"], atol=1e-4)
 
 
+@torch.no_grad()
+def test_a_converged_loop_is_flagged_at_the_rounding_floor():
+    m = model()
+    m.adapters[0].state.weight.zero_()  # group 0 ignores its state: x^(k) is the same for every k
+    d = diagnostics.loop_dynamics(m, torch.randint(0, 100, (2, 8)), loops=5)
+    g0, g1 = d["groups"]
+    assert g0["step_norm"]["mean"] == [0.0] * 4 and g0["first_k_near_floor"] == 0
+    assert g0["step_cosine"]["mean"] == [0.0] * 3  # a zero step has no direction (geometry.step_cosine)
+    assert g1["first_k_near_floor"] is None  # 5 loops of a random group: steps still large
+
+
+def test_white_noise_steps_have_cosine_minus_one_half():
+    """Why the floor matters: once x^(k) is a fixed point plus independent rounding noise
+    n_k, Δ^(k) = n_{k+1} − n_k and Δ^(k−1) = n_k − n_{k−1} share −n_k and +n_k, so
+    E cos = −Var(n)/(2 Var(n)) = −1/2, whatever the loop does."""
+    from recdepth import geometry as geo
+
+    x = torch.randn(40, 2000, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    assert geo.step_cosines(x).mean().item() == pytest.approx(-0.5, abs=0.01)
+
+
 def test_paper_size_capture_fits_the_default_bound():
     cfg = GPTConfig.from_size("paper", groups=[[4], [5, 6], [7]], vocab_size=50257)
     with torch.device("meta"):
         m = LoopedGPT(cfg)
-    n_states = 3 * 30 + 9  # 30 applications of 3 groups + 9 layers run once
+    n_states = 3 * 30 + 8  # 30 applications of 3 groups + the 8 layers run once
     row = n_states * 512 * 768 * 4
     rows = diagnostics.rows_per_pass(m, 512, [30] * 3, diagnostics.DEFAULT_MAX_STATE_BYTES)
     assert rows == 1 and rows * row <= diagnostics.DEFAULT_MAX_STATE_BYTES
@@ -271,7 +295,8 @@ def test_figure_contents_follow_the_json(run_dir):
     axes = f3.axes
     assert len(axes) == 2 * 2
     for ax in axes[:2]:  # row a: step norms, k = 0..3, one curve per checkpoint
-        assert len(ax.lines) == len(hist) and list(ax.lines[0].get_xdata()) == [0, 1, 2, 3]
+        curves = [ln for ln in ax.lines if ln.get_label().startswith("step ")]
+        assert len(curves) == len(hist) and list(ax.lines[0].get_xdata()) == [0, 1, 2, 3]
     np.testing.assert_allclose(axes[1].lines[-1].get_ydata(), hist[-1]["groups"][1]["step_norm"]["mean"][:4])
     for ax in axes[2:]:  # row b: cosines, k = 1..3
         assert list(ax.lines[0].get_xdata()) == [1, 2, 3]
