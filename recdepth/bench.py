@@ -104,7 +104,8 @@ def bench_callbacks(args) -> dict:
 
     from recdepth.train import conf_dir, train
 
-    base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", *args.overrides]
+    base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", "reuse.enabled=false",
+            *args.overrides]
     if args.train_steps is not None:
         base.append(f"trainer.max_steps={args.train_steps}")
     print(f"# recdepth bench callbacks: overrides {base}, threads={torch.get_num_threads()}")

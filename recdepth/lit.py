@@ -47,6 +47,9 @@ class LoopedLM(L.LightningModule):
         # compact id -> GPT-2 id when the data uses a compact vocabulary (set by train.py);
         # travels in the checkpoint so a saved model can always be mapped back to GPT-2.
         self.vocab_to_gpt2: torch.Tensor | None = None
+        # the data config it was trained on (set by train.py), so `recdepth.evaluate` can
+        # rebuild exactly the held-out split from the checkpoint alone
+        self.data_config: dict | None = None
 
     # ------------------------------------------------------------ training
     def training_step(self, batch, batch_idx):
@@ -116,8 +119,11 @@ class LoopedLM(L.LightningModule):
         checkpoint["loop_sampler"] = self.sampler.state_dict()
         if self.vocab_to_gpt2 is not None:
             checkpoint["vocab_to_gpt2"] = self.vocab_to_gpt2
+        if self.data_config is not None:
+            checkpoint["data_config"] = self.data_config
 
     def on_load_checkpoint(self, checkpoint):
         if "loop_sampler" in checkpoint:
             self.sampler.load_state_dict(checkpoint["loop_sampler"])
         self.vocab_to_gpt2 = checkpoint.get("vocab_to_gpt2")
+        self.data_config = checkpoint.get("data_config")

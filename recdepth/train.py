@@ -16,11 +16,11 @@ metrics.json), so sweepers and tests can call it directly. Every run directory h
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
 import socket
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -37,6 +37,7 @@ from recdepth.lit import LoopedLM
 from recdepth.model import GPTConfig
 from recdepth.runtime import tune_cpu_allocator
 from recdepth.sampler import LoopSampler
+from recdepth.sweep import guarded, hoist_mode_flags, run_hydra_main  # noqa: F401 (hoist_mode_flags: public)
 
 log = logging.getLogger("recdepth.train")
 
@@ -104,6 +105,47 @@ def loop_dynamics_callback(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, 
                         decode=dm.decode)
 
 
+# Config keys that decide what training produces; exit, eval, logger, callbacks, run_dir
+# and reuse do not (a sweep over exit settings trains once). Within them, settings that
+# only change how a run reports itself are dropped too.
+TRAINING_KEYS = ("seed", "batch_size", "optim", "model", "sampler", "data", "trainer")
+NOT_TRAINING = {"trainer": ("enable_progress_bar", "log_every_n_steps", "peak_flops"),
+                "data": ("cache_dir", "num_workers")}
+
+
+def training_identity(cfg: DictConfig) -> tuple[str, dict]:
+    """(identity, what it hashes): sha256 over the resolved TRAINING_KEYS (less NOT_TRAINING)
+    and the recdepth version, first 16 hex digits. Two runs with the same identity train
+    the same model, so the second can reuse the first's checkpoint."""
+    from recdepth import __version__
+
+    sub = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+           for k in TRAINING_KEYS}
+    for group, keys in NOT_TRAINING.items():
+        for k in keys:
+            sub[group].pop(k, None)
+    sub["recdepth"] = __version__
+    blob = json.dumps(sub, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16], sub
+
+
+def trained_entry(cfg: DictConfig, identity: str) -> tuple[Path, dict | None]:
+    """The reuse index file of this identity and its content, if it points at a checkpoint
+    that still exists."""
+    index = Path(cfg.reuse.index) / f"{identity}.json"
+    if not index.is_file():
+        return index, None
+    try:
+        entry = json.loads(index.read_text())
+    except json.JSONDecodeError:
+        log.warning("reuse: %s is not valid JSON; training again", index)
+        return index, None
+    if not Path(entry.get("checkpoint", "")).is_file():
+        log.warning("reuse: %s points at a missing checkpoint %s; training again", index, entry.get("checkpoint"))
+        return index, None
+    return index, entry
+
+
 def wandb_mode(requested: str, timeout: float = 2.0) -> str:
     """Resolve `auto`: online only if an API key is configured and the server accepts a
     TCP connection within `timeout` seconds; otherwise offline. Never blocks longer."""
@@ -154,6 +196,45 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
+# -------------------------------------------------------------- reuse / eval
+TRAINING_METRICS = ("val_ce", "val_ppl", "unigram_ce", "train_seconds", "tokens_seen", "steps", "model",
+                    "groups", "params", "diagnostics_seconds", "identity")
+
+
+def register_trained(index: Path, identity: str, run_dir: Path, metrics: dict) -> None:
+    """Record a finished training run in the reuse index (`reuse.index/<identity>.json`)."""
+    index.parent.mkdir(parents=True, exist_ok=True)
+    write_json(index, {"identity": identity, "run_dir": str(run_dir.resolve()),
+                       "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve()),
+                       "training": {k: metrics[k] for k in TRAINING_METRICS if k in metrics}})
+
+
+def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictConfig) -> dict:
+    """SPEC §4 evaluation of `model` on the first eval.tokens held-out tokens (batch 1)."""
+    from recdepth.evaluate import log_eval
+
+    heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
+    ev = evaluate_exit(model, heldout, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed)
+    log_eval(ev)
+    return ev
+
+
+def reuse_trained(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, policy: exits.ExitPolicy,
+                  identity: str, index: Path, entry: dict) -> dict:
+    """A training run with this identity finished before: evaluate its checkpoint instead."""
+    log.info("reuse: training identity %s was trained by %s; reusing its checkpoint %s (index %s; "
+             "reuse.enabled=false trains again)", identity, entry["run_dir"], entry["checkpoint"], index)
+    metrics = {**entry["training"], "reused": True, "trained_run": entry["run_dir"],
+               "checkpoint": entry["checkpoint"]}
+    if cfg.eval.tokens > 0:
+        device = torch.device("cuda" if cfg.trainer.accelerator in ("auto", "gpu", "cuda")
+                              and torch.cuda.is_available() else "cpu")
+        module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=False)
+        metrics["eval"] = exit_eval(module.model.to(device), dm, policy, cfg)
+    write_json(run_dir / "metrics.json", metrics)
+    return metrics
+
+
 # -------------------------------------------------------------------- train
 def train(cfg: DictConfig) -> dict:
     """Train, validate, evaluate under cfg.exit; write and return metrics.json's dict."""
@@ -169,6 +250,8 @@ def train(cfg: DictConfig) -> dict:
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
     if any(run_dir.glob("diagnostics/step_*.json")):
         raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics/step_*.json; choose a new run_dir")
+    identity, _ = training_identity(cfg)
+    index, entry = trained_entry(cfg, identity) if cfg.reuse.enabled else (None, None)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
@@ -177,6 +260,8 @@ def train(cfg: DictConfig) -> dict:
     dm = data_module(cfg, block_size=probe.block_size)
     dm.prepare_data()
     dm.setup()
+    if entry is not None:
+        return reuse_trained(cfg, run_dir, dm, policy, identity, index, entry)
     mcfg = model_config(cfg, vocab_size=dm.vocab_size)
     module = LoopedLM(
         model=mcfg.to_dict(),
@@ -184,6 +269,7 @@ def train(cfg: DictConfig) -> dict:
         optim=OmegaConf.to_container(cfg.optim, resolve=True),
         max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
     )
+    module.data_config = OmegaConf.to_container(cfg.data, resolve=True)
     if mcfg.logit_bias:
         module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
     if dm.id_map is not None:
@@ -231,16 +317,14 @@ def train(cfg: DictConfig) -> dict:
         }
         if dyn is not None:
             metrics["diagnostics_seconds"] = dyn.seconds
+        metrics["identity"] = identity
+        if trainer.is_global_zero and cfg.reuse.enabled:
+            register_trained(index, identity, run_dir, metrics)
         if cfg.eval.tokens > 0 and trainer.is_global_zero:
             # Lightning moves the module back to the CPU at teardown; evaluate (and time)
             # on the device that trained it.
             module.to(trainer.strategy.root_device)
-            heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
-            metrics["eval"] = evaluate_exit(module.model, heldout, policy, cfg.eval.tokens,
-                                            warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed)
-            log.info("eval (%s, tau=%s): ce %.4f, %.2f ms/token, applications %s", policy.name,
-                     policy.tau, metrics["eval"]["ce"], metrics["eval"]["ms_per_token"],
-                     [round(a, 2) for a in metrics["eval"]["applications_per_token"]])
+            metrics["eval"] = exit_eval(module.model, dm, policy, cfg)
         if trainer.is_global_zero:
             write_json(run_dir / "metrics.json", metrics)
             for lgr in lg:
@@ -270,20 +354,11 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 @hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float:
-    return train(cfg)["val_ce"]
-
-
-def hoist_mode_flags(argv: list[str]) -> list[str]:
-    """Move bare `--multirun`/`-m` in front of the overrides. Hydra's argparse takes the
-    overrides as one positional list, so `model=grouped --multirun exit.tau=...` (overrides
-    on both sides of the flag, the form this project documents) would be refused."""
-    flags = [a for a in argv if a in ("--multirun", "-m")]
-    return flags + [a for a in argv if a not in ("--multirun", "-m")]
+    return guarded(train, cfg, "val_ce")
 
 
 def main() -> None:
-    sys.argv[1:] = hoist_mode_flags(sys.argv[1:])
-    _hydra_main()
+    run_hydra_main(_hydra_main)
 
 
 if __name__ == "__main__":

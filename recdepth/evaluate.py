@@ -1,0 +1,128 @@
+"""`python -m recdepth.evaluate ckpt=<path> exit=accel exit.tau=1e-3`: score a trained checkpoint
+under an exit rule, token by token with a KV cache (SPEC §4), without training anything.
+
+    python -m recdepth.evaluate ckpt=outputs/2026-11-22/10-00-00/checkpoints/last.ckpt exit=kl
+    python -m recdepth.evaluate ckpt=<path> --multirun exit=fixed,stepnorm,kl,accel exit.tau=1e-5,1e-4,1e-3,1e-2
+
+The held-out text is the checkpoint's own val split: the data config and the compact
+vocabulary travel in the checkpoint, so the tokens are exactly those the training run
+held out. Each run directory gets `config.yaml` and `metrics.json` with the same `eval`
+block as a training run; a multirun also gets the sweep summary (`recdepth.sweep`).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import hydra
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recdepth.decoding import evaluate_exit
+from recdepth.lit import LoopedLM
+
+log = logging.getLogger("recdepth.evaluate")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {name!r}")
+    return torch.device(name)
+
+
+def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, dict]:
+    """The LoopedLM of a training checkpoint and the data config it was trained on."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"ckpt: no checkpoint file at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as e:  # not a torch file, truncated, ...
+        raise ValueError(f"ckpt: {path} is not a readable Lightning checkpoint ({type(e).__name__}: {e})") from None
+    if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
+        raise ValueError(f"ckpt: {path} is not a recdepth training checkpoint (no state_dict/hyper_parameters)")
+    data = ckpt.get("data_config")
+    if data is None:  # checkpoints written before the data config travelled with them
+        cfg_file = path.parent.parent / "config.yaml"
+        if not cfg_file.is_file():
+            raise ValueError(f"ckpt: {path} carries no data config and there is no {cfg_file} beside it")
+        data = OmegaConf.to_container(OmegaConf.load(cfg_file).data, resolve=True)
+    module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=False)
+    return module.to(device).eval(), data
+
+
+def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int) -> torch.Tensor:
+    """The first n tokens of the checkpoint's val split, in the model's vocabulary."""
+    from recdepth.data import TokenDataModule
+
+    d = dict(data)
+    if isinstance(d.get("paths"), str):
+        d["paths"] = [d["paths"]]
+    dm = TokenDataModule(block_size=module.config.block_size, batch_size=1, max_steps=1, seed=seed, **d)
+    dm.prepare_data()
+    dm.setup()
+    ours = None if dm.id_map is None else torch.as_tensor(dm.id_map)
+    theirs = module.vocab_to_gpt2
+    if (ours is None) != (theirs is None) or (ours is not None and not torch.equal(ours.cpu(), theirs.cpu())):
+        raise ValueError("ckpt: the checkpoint's vocabulary does not match its data's (the corpus changed since training?)")
+    return torch.as_tensor(dm.heldout_tokens(n))
+
+
+def evaluate(cfg: DictConfig) -> dict:
+    """Evaluate cfg.ckpt under cfg.exit; write and return metrics.json's dict."""
+    from recdepth.train import exit_policy, write_json
+
+    try:
+        run_dir = Path(cfg.run_dir)
+    except Exception:
+        raise ValueError("run_dir: set run_dir=<directory> when calling evaluate(cfg) outside Hydra") from None
+    if OmegaConf.is_missing(cfg, "ckpt"):
+        raise ValueError("ckpt: required, the path of a training checkpoint (e.g. <run_dir>/checkpoints/last.ckpt)")
+    policy = exit_policy(cfg)
+    if cfg.eval.tokens < 1:
+        raise ValueError(f"eval.tokens: expected >= 1, got {cfg.eval.tokens}")
+    if (run_dir / "metrics.json").exists():
+        raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
+    device = resolve_device(cfg.device)
+    module, data = load_checkpoint(cfg.ckpt, device)
+    tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    ev = evaluate_exit(module.model, tokens, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens,
+                       seed=cfg.seed)
+    metrics = {"ckpt": str(Path(cfg.ckpt).resolve()), "groups": module.config.groups,
+               "params": module.model.num_params(), "device": str(device), "eval": ev}
+    write_json(run_dir / "metrics.json", metrics)
+    log_eval(ev)
+    return metrics
+
+
+def log_eval(ev: dict) -> None:
+    log.info("eval (%s, tau=%s): ce %.4f, ppl %.2f, %.2f ms/token, applications %s", ev["exit"], ev["tau"],
+             ev["ce"], ev["ppl"], ev["ms_per_token"], [round(a, 2) for a in ev["applications_per_token"]])
+
+
+def _conf_dir() -> str:
+    from recdepth.train import conf_dir
+
+    return conf_dir()
+
+
+@hydra.main(config_path=_conf_dir(), config_name="evaluate", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float:
+    from recdepth.sweep import guarded
+
+    return guarded(evaluate, cfg, "ce")
+
+
+def main() -> None:
+    from recdepth.sweep import run_hydra_main
+
+    run_hydra_main(_hydra_main)
+
+
+if __name__ == "__main__":
+    main()
