@@ -11,6 +11,12 @@ Prints, from one run on one machine (figures are ratios measured side by side):
    both with full backprop, so every application is graded. Their ratio is the
    per-application cost of the recurrence machinery (adapter, fresh-noise init, loop).
 
+`python -m recdepth.bench exits [--ckpt PATH]` measures the exit rules on a trained
+checkpoint (or, without one, a fresh CPU-size grouped model): per rule and τ, ms/token at
+batch 1, tokens/s at batch 16 and their ratio, mean applications per token and CE; then
+the cost of one exit check relative to one loop application, and the cost of one layer
+application inside the decode loop.
+
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
 `callbacks=none` and with the default `callbacks=loop_dynamics` (diagnostics at step 0,
@@ -132,10 +138,111 @@ def bench_callbacks(args) -> dict:
     return out
 
 
+def _median_time(fn, reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+@torch.no_grad()
+def bench_exits(args) -> dict:
+    """Latency / throughput / compute per exit rule and τ, and the cost of the exit check."""
+    from recdepth import exits
+    from recdepth.decoding import decode_step, evaluate_exit, new_caches
+
+    tune_cpu_allocator()
+    torch.manual_seed(0)
+    if args.ckpt:
+        from recdepth.evaluate import heldout_tokens, load_checkpoint
+
+        module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
+        model = module.model
+        T = model.cfg.block_size
+        tokens = heldout_tokens(module, data, max(args.tokens + 1, args.batch_large * (T + 1)), seed=0)
+        source = f"checkpoint {args.ckpt}"
+    else:
+        model = LoopedGPT(GPTConfig.from_size("cpu", groups=[[4], [5, 6], [7]], vocab_size=args.vocab)).eval()
+        T = model.cfg.block_size
+        tokens = torch.randint(0, args.vocab, (max(args.tokens + 1, args.batch_large * (T + 1)),))
+        source = "a fresh (untrained) cpu-size grouped model"
+    cfg = model.cfg
+    print(f"# recdepth bench exits: {source}; d={cfg.n_embd}, groups {cfg.groups}, "
+          f"{args.tokens} tokens at batch 1, {args.batch_large} x {args.large_tokens} tokens batched, "
+          f"max_steps {args.max_steps}, threads={torch.get_num_threads()}")
+
+    def throughput(policy) -> float:
+        """tokens/s decoding batch_large rows of held-out text together."""
+        B, n = args.batch_large, args.large_tokens
+        rows = tokens[: B * (T + 1)].view(B, T + 1)
+        caches = new_caches(model, B, T, "latest", policy.max_steps)
+        gen = torch.Generator().manual_seed(0)
+        decode_step(model, rows[:, 0], 0, caches, policy, gen)  # warm-up token
+        t = time.perf_counter()
+        for pos in range(1, n + 1):
+            decode_step(model, rows[:, pos], pos, caches, policy, gen)
+        return B * n / (time.perf_counter() - t)
+
+    results = {"rules": []}
+    print(f"\n{'rule':10s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
+          f"{'tok/s b' + str(args.batch_large):>10s} {'ratio':>6s} {'mean apps':>10s}  per group")
+    for name in args.rules:
+        for tau in ([None] if name == "fixed" else args.taus):
+            policy = exits.build(name, tau, max_steps=args.max_steps)
+            ev = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
+            tps = throughput(policy)
+            b1 = 1000 / ev["ms_per_token"]
+            apps = ev["applications_per_token"]
+            row = dict(rule=name, tau=tau, ce=ev["ce"], ms_per_token=ev["ms_per_token"], tokens_per_s_b1=b1,
+                       tokens_per_s_batched=tps, batch_ratio=tps / b1, applications=apps)
+            results["rules"].append(row)
+            print(f"{name:10s} {'—' if tau is None else f'{tau:g}':>7s} {ev['ce']:7.4f} {ev['ms_per_token']:9.2f} "
+                  f"{b1:9.1f} {tps:10.1f} {tps / b1:6.2f} {sum(apps) / len(apps):10.2f}  "
+                  + " / ".join(f"{a:.1f}" for a in apps))
+
+    # Cost of one exit check vs one loop application (batch 1, group 0, a cache 64 deep).
+    pos = min(64, T - 1)
+    caches = new_caches(model, 1, T)
+    for p in range(pos):
+        decode_step(model, tokens[p : p + 1], p, caches, exits.build("fixed", None, max_steps=4))
+    e = torch.randn(1, 1, cfg.n_embd)
+    e_proj = model.adapters[0].input(e)
+    s0 = torch.randn(1, 1, cfg.n_embd)
+    t_app = _median_time(lambda: model.apply_group(0, s0, e_proj, caches, pos), args.reps)
+    print(f"\none application of group {cfg.groups[0]} at batch 1 (cache depth {pos}): {t_app * 1e3:.3f} ms "
+          f"= {t_app * 1e3 / len(cfg.groups[0]):.3f} ms per layer application")
+    xs = [torch.randn(1, cfg.n_embd) for _ in range(4)]
+    results["check_cost"] = {}
+    for name in args.rules:
+        if name == "fixed":
+            continue
+        policy = exits.build(name, 1e-30, max_steps=10**9)  # never fires: a check every call
+
+        decode = model.decode_logits if policy.needs_decode else None
+
+        def setup(policy=policy, decode=decode):
+            return policy.monitor(xs[0], decode)
+
+        def checks(policy=policy, decode=decode):
+            mon = policy.monitor(xs[0], decode)
+            for x in xs[1:]:
+                mon.observe(x)
+        # three observe() calls (the third is a full check for every rule), less the set-up
+        t_check = (_median_time(checks, args.reps) - _median_time(setup, args.reps)) / 3
+        results["check_cost"][name] = t_check / t_app
+        print(f"exit check {name:10s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application")
+    results["layer_application_ms"] = t_app * 1e3 / len(cfg.groups[0])
+    return results
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks"])
+    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -146,9 +253,17 @@ def main(argv=None):
     p.add_argument("--slope-loops", type=int, nargs=2, default=[2, 6], metavar=("N1", "N2"))
     p.add_argument("--train-steps", type=int, default=None,
                    help="callbacks: trainer.max_steps of both runs (default: the config's 800)")
+    p.add_argument("--ckpt", default=None, help="exits: a training checkpoint (default: a fresh cpu-size model)")
+    p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"], help="exits: rules")
+    p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
+    p.add_argument("--tokens", type=int, default=256, help="exits: tokens scored at batch 1 per rule and τ")
+    p.add_argument("--batch-large", type=int, default=16, help="exits: rows of the batched throughput run")
+    p.add_argument("--large-tokens", type=int, default=32, help="exits: tokens per row of the batched run")
+    p.add_argument("--max-steps", type=int, default=32, help="exits: exit.max_steps")
+    p.add_argument("--reps", type=int, default=200, help="exits: repetitions of the micro-timings")
     p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
     args = p.parse_intermixed_args(argv)
-    return bench_callbacks(args) if args.what == "callbacks" else bench_train(args)
+    return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train}[args.what](args)
 
 
 if __name__ == "__main__":

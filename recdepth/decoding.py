@@ -23,13 +23,24 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recdepth.exits import ExitPolicy
-from recdepth.model import KVCache, LoopedGPT
+from recdepth.model import KVCache, LoopedGPT, StepKVCache
+
+SHARING = ("latest", "per_step")
 
 
-def new_caches(model: LoopedGPT, batch: int, max_len: int) -> list[KVCache]:
+def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "latest",
+               max_steps: int = 32) -> list[KVCache | StepKVCache]:
+    """One K/V cache per layer. `sharing` decides what a looped layer keeps per position:
+    "latest" (SPEC §4, default): one entry, overwritten by every application;
+    "per_step": one entry per application (at most `max_steps`), read at the same depth
+    of the loop (Huginn's per-step cache; with a fixed n it equals the parallel pass)."""
+    if sharing not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {sharing!r}")
     cfg, p = model.cfg, next(model.parameters())
-    return [KVCache(batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, p.device, p.dtype)
-            for _ in range(cfg.n_layer)]
+    looped = {layer for g in cfg.groups for layer in g}
+    shape = (batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, p.device, p.dtype)
+    return [StepKVCache(*shape, max_steps=max_steps) if sharing == "per_step" and layer in looped
+            else KVCache(*shape) for layer in range(cfg.n_layer)]
 
 
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
@@ -43,14 +54,21 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     monitor = policy.monitor(s[:, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=e.device)
     active = torch.ones(B, dtype=torch.bool, device=e.device)
+    step_caches = [caches[layer] for layer in model.cfg.groups[g] if isinstance(caches[layer], StepKVCache)]
+    j = 0
     while True:
+        for c in step_caches:
+            c.step = j
         rows = None if B == 1 else active  # batch 1: the one row is active while looping
         s_new = model.apply_group(g, s, e_proj, caches, pos, rows)
         n += active
         fired = monitor.observe(s_new[:, 0])
         s = s_new if B == 1 else torch.where(active[:, None, None], s_new, s)
         active = active & ~fired
+        j += 1
         if not bool(active.any()):
+            for c in step_caches:
+                c.finish(pos, n)
             return s, n
 
 
@@ -71,8 +89,9 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
 
 @torch.no_grad()
 def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
-                  warmup_tokens: int = 8, seed: int = 0) -> dict:
-    """Score `n_tokens` held-out next-token predictions at batch 1 under `policy`.
+                  warmup_tokens: int = 8, seed: int = 0, cache: str = "latest") -> dict:
+    """Score `n_tokens` held-out next-token predictions at batch 1 under `policy`, with
+    K/V `cache` sharing "latest" (SPEC §4) or "per_step" (see `new_caches`).
 
     `tokens` is a 1-D id tensor; it is cut into windows of block_size + 1 (a fresh cache
     per window, as in generation from a fresh context). Returns SPEC §4's quality, cost
@@ -89,7 +108,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     gen = torch.Generator(device=device).manual_seed(seed)
 
     # Warm-up (untimed, unscored): first calls allocate and pick kernels.
-    caches = new_caches(model, 1, T)
+    caches = new_caches(model, 1, T, cache, policy.max_steps)
     for pos in range(min(warmup_tokens, T, tokens.numel())):
         decode_step(model, tokens[pos : pos + 1], pos, caches, policy, gen)
 
@@ -98,7 +117,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     scored = 0
     while scored < n_tokens:
         window = tokens[scored : scored + T + 1]  # targets scored+1 .. scored+T
-        caches = new_caches(model, 1, T)
+        caches = new_caches(model, 1, T, cache, policy.max_steps)
         n_win = min(window.numel() - 1, n_tokens - scored)
         for pos in range(n_win):
             t0 = time.perf_counter()
@@ -121,4 +140,5 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
         "ms_per_token": 1000 * seconds / n_tokens,
         "applications_per_token": (apps.double() / n_tokens).tolist(),
         "tokens": n_tokens,
+        "cache": cache,
     }

@@ -19,7 +19,7 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.decoding import evaluate_exit
+from recdepth.decoding import SHARING, evaluate_exit
 from recdepth.lit import LoopedLM
 
 log = logging.getLogger("recdepth.evaluate")
@@ -82,6 +82,8 @@ def evaluate(cfg: DictConfig) -> dict:
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("ckpt: required, the path of a training checkpoint (e.g. <run_dir>/checkpoints/last.ckpt)")
     policy = exit_policy(cfg)
+    if cfg.eval.cache not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
     if cfg.eval.tokens < 1:
         raise ValueError(f"eval.tokens: expected >= 1, got {cfg.eval.tokens}")
     if (run_dir / "metrics.json").exists():
@@ -92,7 +94,7 @@ def evaluate(cfg: DictConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     ev = evaluate_exit(module.model, tokens, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens,
-                       seed=cfg.seed)
+                       seed=cfg.seed, cache=cfg.eval.cache)
     metrics = {"ckpt": str(Path(cfg.ckpt).resolve()), "groups": module.config.groups,
                "params": module.model.num_params(), "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)

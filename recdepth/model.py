@@ -175,6 +175,47 @@ class KVCache:
             self.k[rows, :, pos] = k[rows, :, 0]
             self.v[rows, :, pos] = v[rows, :, 0]
 
+    def read(self, pos: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
+
+
+class StepKVCache:
+    """K/V of one looped layer indexed by (application, position), shaped [B, H, A, T, head_dim]
+    (Huginn's per-step cache; `decode.cache=per_step`).
+
+    Application j of the layer (set `step = j` before it) writes slot j of the current
+    position and reads slot j of every position, so a token attends to earlier tokens at
+    the same depth of the loop. A position whose loop stopped after n < A applications
+    has its last entry copied into slots n..A−1 (`finish`), so later tokens read it at its
+    last application when they loop longer. With the same fixed n for every token this is
+    exactly the parallel forward pass.
+    """
+
+    def __init__(self, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype, max_steps: int):
+        self.k = torch.zeros(batch, n_head, max_steps, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.step = 0
+
+    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        j = self.step
+        if rows is None:
+            self.k[:, :, j, pos] = k[:, :, 0]
+            self.v[:, :, j, pos] = v[:, :, 0]
+        else:
+            self.k[rows, :, j, pos] = k[rows, :, 0]
+            self.v[rows, :, j, pos] = v[rows, :, 0]
+
+    def read(self, pos: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, self.step, : pos + 1], self.v[:, :, self.step, : pos + 1]
+
+    def finish(self, pos: int, n: Tensor) -> None:
+        """Position `pos` ran n[b] applications in row b: fill slots n[b].. with slot n[b]−1."""
+        A = self.k.shape[2]
+        src = torch.minimum(torch.arange(A, device=n.device)[None, :], (n - 1)[:, None])  # [B, A]
+        idx = src[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[-1])
+        self.k[:, :, :, pos] = self.k[:, :, :, pos].gather(2, idx)
+        self.v[:, :, :, pos] = self.v[:, :, :, pos].gather(2, idx)
+
 
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -191,7 +232,8 @@ class CausalSelfAttention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # one new token at position `pos`, attending to positions 0..pos
             cache.write(pos, k, v, rows)
-            y = F.scaled_dot_product_attention(q, cache.k[:, :, : pos + 1], cache.v[:, :, : pos + 1])
+            ck, cv = cache.read(pos)
+            y = F.scaled_dot_product_attention(q, ck, cv)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth import exits
 from recdepth.data import TokenDataModule
-from recdepth.decoding import evaluate_exit
+from recdepth.decoding import SHARING, evaluate_exit
 from recdepth.lit import LoopedLM
 from recdepth.model import GPTConfig
 from recdepth.runtime import tune_cpu_allocator
@@ -214,7 +214,8 @@ def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictCon
     from recdepth.evaluate import log_eval
 
     heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
-    ev = evaluate_exit(model, heldout, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed)
+    ev = evaluate_exit(model, heldout, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed,
+                       cache=cfg.eval.cache)
     log_eval(ev)
     return ev
 
@@ -244,6 +245,8 @@ def train(cfg: DictConfig) -> dict:
         raise ValueError("run_dir: set run_dir=<directory> when calling train(cfg) outside Hydra") from None
     # Validate everything that can be validated before any work starts.
     policy = exit_policy(cfg)
+    if cfg.eval.cache not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
     probe = model_config(cfg, vocab_size=50257)  # validates the model fields
     LoopSampler(n_groups=len(probe.groups), **sampler_args(cfg))  # and the sampler's
     if (run_dir / "metrics.json").exists():

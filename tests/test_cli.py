@@ -100,8 +100,62 @@ def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
     for job in ("0", "1"):
         m = json.loads((sweep / job / "metrics.json").read_text())
         taus[job] = m["eval"]["tau"]
-        assert (sweep / job / "checkpoints" / "last.ckpt").is_file()
     assert taus == {"0": 1e-4, "1": 1e-2}
+    # Trained once (job 0), evaluated twice.
+    assert (sweep / "0" / "checkpoints" / "last.ckpt").is_file()
+    assert json.loads((sweep / "1" / "metrics.json").read_text())["trained_run"] == str(sweep / "0")
+
+
+def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
+    """exit settings are not part of a training run's identity: a sweep over them trains
+    once; a job that fails (τ = −1) is recorded as failed and the others are aggregated."""
+    sweep = tmp_path / "sweep"
+    p = run(["model=grouped", f"hydra.sweep.dir={sweep}", *TINY, "--multirun", "exit=accel,stepnorm",
+             "exit.tau=1e-2,-1"], cwd=tmp_path, env=env, check=False)
+    assert p.returncode == 1 and "2 job(s) failed" in p.stderr
+    import csv
+
+    rows = list(csv.DictReader(open(sweep / "sweep_results.csv")))
+    assert [(r["job"], r["exit"], r["status"]) for r in rows] == [
+        ("0", "accel", "ok"), ("1", "accel", "failed"), ("2", "stepnorm", "ok"), ("3", "stepnorm", "failed")]
+    assert "exit.tau" in rows[1]["error"] and rows[0]["reused"] == "False" and rows[2]["reused"] == "True"
+    assert len(rows[0]["applications_per_token"].split()) == 3 and float(rows[0]["ce"]) > 0
+    assert (sweep / "fig4_exits.png").is_file() and (sweep / "fig4_exits.pdf").is_file()
+    md = (sweep / "sweep_results.md").read_text()
+    assert md.count("\n") == 2 + 4 and "failed: " in md
+    # Trained once: one index entry, pointing at job 0; job 2 says it reused it.
+    (entry,) = (tmp_path / "outputs" / "trained").glob("*.json")
+    e = json.loads(entry.read_text())
+    assert e["run_dir"] == str(sweep / "0") and not (sweep / "2" / "checkpoints").exists()
+    m2 = json.loads((sweep / "2" / "metrics.json").read_text())
+    assert m2["reused"] is True and m2["trained_run"] == str(sweep / "0") and m2["val_ce"] == e["training"]["val_ce"]
+    assert "reuse: training identity" in p.stderr + p.stdout
+
+    # `recdepth.evaluate` on that checkpoint reproduces the training run's eval block.
+    ev_sweep = tmp_path / "ev"
+    run_eval = [sys.executable, "-m", "recdepth.evaluate", f"ckpt={sweep / '0' / 'checkpoints' / 'last.ckpt'}",
+                "eval.tokens=6", "eval.warmup_tokens=1", f"hydra.sweep.dir={ev_sweep}", "--multirun",
+                "exit=accel,stepnorm", "exit.tau=1e-2"]
+    q = subprocess.run(run_eval, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert q.returncode == 0, q.stderr[-2000:]
+    for job, train_job in (("0", "0"), ("1", "2")):
+        a = json.loads((ev_sweep / job / "metrics.json").read_text())["eval"]
+        b = json.loads((sweep / train_job / "metrics.json").read_text())["eval"]
+        assert (a["exit"], a["tau"], a["applications_per_token"]) == (b["exit"], b["tau"], b["applications_per_token"])
+        assert a["ce"] == pytest.approx(b["ce"], rel=1e-9)
+    assert len(list(csv.DictReader(open(ev_sweep / "sweep_results.csv")))) == 2
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ckpt=/nonexistent/last.ckpt"], "ckpt: no checkpoint file at /nonexistent/last.ckpt"),
+    ([], "ckpt: required"),
+    (["ckpt=/etc/hostname"], "is not a readable Lightning checkpoint"),
+])
+def test_evaluate_refuses_bad_checkpoints(tmp_path, env, args, message):
+    p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", *args, f"run_dir={tmp_path / 'ev'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and message in p.stderr
+    assert not (tmp_path / "ev" / "metrics.json").exists()
 
 
 @pytest.mark.parametrize("model, n_groups", [("baseline", 0), ("single", 1)])

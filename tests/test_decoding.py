@@ -1,5 +1,6 @@
 """Token-by-token decoding with a KV cache under exit rules (SPEC §4)."""
 
+import pytest
 import torch
 
 from recdepth import exits
@@ -14,9 +15,9 @@ def model(groups, state_init="zero", seed=0):
     return LoopedGPT(cfg).double().eval()
 
 
-def decode_all(m, idx, policy, gen=None):
+def decode_all(m, idx, policy, gen=None, sharing="latest"):
     B, T = idx.shape
-    caches = new_caches(m, B, T)
+    caches = new_caches(m, B, T, sharing, policy.max_steps)
     out, apps = [], []
     for t in range(T):
         logits, a = decode_step(m, idx[:, t], t, caches, policy, gen)
@@ -51,6 +52,39 @@ def test_last_position_equals_parallel_forward_on_its_own_prefix_for_fixed_n():
     got, apps = decode_all(m, idx, exits.build("fixed", None, max_steps=4))
     torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-10)
     assert apps.tolist() == [[[4, 4]]]
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 2e-5)])
+@pytest.mark.parametrize("n", [2, 5])
+def test_per_step_cache_with_fixed_n_equals_the_parallel_forward(dtype, tol, n):
+    """exit=fixed with budget n and a per-application cache: every position's decode-mode
+    logits equal the parallel pass with n applications per group."""
+    m = model([[1], [2, 3]]).to(dtype)
+    idx = torch.randint(0, 60, (2, 12), generator=torch.Generator().manual_seed(n))
+    ref, _ = m(idx, loops=[n, n])
+    got, apps = decode_all(m, idx, exits.build("fixed", None, max_steps=n), sharing="per_step")
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+    assert torch.all(apps == n)
+    # ... which "latest" sharing does not reproduce beyond the first token (SPEC §4).
+    latest, _ = decode_all(m, idx, exits.build("fixed", None, max_steps=n))
+    torch.testing.assert_close(latest[:, 0], ref[:, 0], rtol=tol, atol=tol)
+    assert (latest[:, 1:, :60] - ref[:, 1:, :60]).abs().max() > 100 * tol  # the real vocabulary
+
+
+def test_step_cache_finish_fills_later_slots_with_the_last_application():
+    from recdepth.model import StepKVCache
+
+    c = StepKVCache(3, 2, 5, 4, "cpu", torch.float64, max_steps=6)
+    c.k.normal_()
+    c.v.normal_()
+    k0, v0 = c.k.clone(), c.v.clone()
+    n = torch.tensor([1, 4, 6])
+    c.finish(2, n)
+    for b in range(3):
+        for j in range(6):
+            src = min(j, int(n[b]) - 1)
+            assert torch.equal(c.k[b, :, j, 2], k0[b, :, src, 2]) and torch.equal(c.v[b, :, j, 2], v0[b, :, src, 2])
+    assert torch.equal(c.k[:, :, :, [0, 1, 3, 4]], k0[:, :, :, [0, 1, 3, 4]])  # other positions untouched
 
 
 @torch.no_grad()
@@ -104,14 +138,16 @@ def test_latest_sharing_reads_earlier_positions_at_their_last_application():
     assert got.shape == (1, 2, 64)
 
 
-def test_batched_rows_get_exactly_their_batch_one_results():
+@pytest.mark.parametrize("sharing", ["latest", "per_step"])
+def test_batched_rows_get_exactly_their_batch_one_results(sharing):
     m = model([[1], [2, 3]], state_init="zero")
     idx = torch.randint(0, 60, (4, 12))
     for policy in (exits.build("accel", 0.5, max_steps=12), exits.build("kl", 1e-3, max_steps=12),
                    exits.build("stepnorm", 0.5, max_steps=12)):
-        batched, apps_b = decode_all(m, idx, policy)
+        batched, apps_b = decode_all(m, idx, policy, sharing=sharing)
+        assert len(set(apps_b.flatten().tolist())) > 1  # rows and tokens really exit at different n
         for r in range(4):
-            alone, apps_1 = decode_all(m, idx[r : r + 1], policy)
+            alone, apps_1 = decode_all(m, idx[r : r + 1], policy, sharing=sharing)
             torch.testing.assert_close(batched[r : r + 1], alone, rtol=1e-9, atol=1e-9)
             assert torch.equal(apps_b[r : r + 1], apps_1)
         assert len(set(apps_b[:, :, 0].flatten().tolist())) > 1  # rows really exit at different n
