@@ -13,6 +13,8 @@ Where things are:
   data.py         token caches and the LightningDataModule
   lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
+  evaluate.py     `python -m recdepth.evaluate ckpt=...` (a checkpoint under an exit rule)
+  sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table, Fig. 4)
   bench.py        `python -m recdepth.bench` (throughput / MFU, callback overhead)
 """
 

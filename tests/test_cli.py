@@ -221,6 +221,20 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     assert [0, "4→5-6", d0["dlr"][0]["mean"]] in t["data"] and {r[0] for r in t["data"]} == {0, 3}
 
 
+def test_sweep_summary_goes_to_a_wandb_table_offline(tmp_path, env):
+    sweep = tmp_path / "sweep"
+    tiny = [a for a in TINY if not a.startswith("eval.tokens")]
+    run(["logger=wandb", "callbacks=none", "eval.tokens=4", f"hydra.sweep.dir={sweep}", *tiny, "--multirun",
+         "exit=accel", "exit.tau=1e-3,1e-2"], cwd=tmp_path, env=env)
+    (table,) = sweep.glob("wandb/offline-run-*/files/media/table/sweep/results_*.table.json")
+    t = json.loads(table.read_text())
+    col = {c: i for i, c in enumerate(t["columns"])}
+    assert [(r[col["job"]], r[col["exit"]], r[col["tau"]], r[col["status"]]) for r in t["data"]] == [
+        (0, "accel", 1e-3, "ok"), (1, "accel", 1e-2, "ok")]
+    m1 = json.loads((sweep / "1" / "metrics.json").read_text())
+    assert t["data"][1][col["ce"]] == pytest.approx(m1["eval"]["ce"])
+
+
 def test_wheel_ships_the_configs(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                     "-w", str(tmp_path), str(REPO)], check=True, capture_output=True, timeout=300)
@@ -228,6 +242,7 @@ def test_wheel_ships_the_configs(tmp_path):
     names = set(zipfile.ZipFile(whl).namelist())
     for f in ("recdepth/conf/config.yaml", "recdepth/conf/model/grouped.yaml",
               "recdepth/conf/exit/accel.yaml", "recdepth/conf/callbacks/loop_dynamics.yaml",
+              "recdepth/conf/evaluate.yaml",
               "recdepth/assets/gpt2.tiktoken.xz",
               "recdepth/assets/shakespeare.jsonl.xz", "recdepth/train.py"):
         assert f in names, f
