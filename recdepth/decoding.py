@@ -44,9 +44,14 @@ def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "lates
 
 
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
-               pos: int, generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+               pos: int, generator: torch.Generator | None = None, compact: bool = True) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
-    Returns the final states [B, 1, d] and applications per row [B]."""
+    Returns the final states [B, 1, d] and applications per row [B].
+
+    With `compact`, once some rows have exited the layers run on the rows still looping
+    only (their attention reads the full cache in place), so compute saved by early exits
+    is wall-clock saved; without it, exited rows are computed and masked out. Either way a
+    row's result is exactly its batch-1 result."""
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, generator)
@@ -55,18 +60,24 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     n = torch.zeros(B, dtype=torch.long, device=e.device)
     active = torch.ones(B, dtype=torch.bool, device=e.device)
     step_caches = [caches[layer] for layer in model.cfg.groups[g] if isinstance(caches[layer], StepKVCache)]
-    j = 0
+    j, n_active = 0, B
     while True:
         for c in step_caches:
             c.step = j
-        rows = None if B == 1 else active  # batch 1: the one row is active while looping
-        s_new = model.apply_group(g, s, e_proj, caches, pos, rows)
+        if B == 1:  # the one row is active while looping
+            s = s_new = model.apply_group(g, s, e_proj, caches, pos, None)
+        elif compact and n_active < B:
+            idx = active.nonzero()[:, 0]
+            s = s_new = s.index_copy(0, idx, model.apply_group(g, s[idx], e_proj[idx], caches, pos, idx))
+        else:
+            s_new = model.apply_group(g, s, e_proj, caches, pos, active)
+            s = torch.where(active[:, None, None], s_new, s)
         n += active
         fired = monitor.observe(s_new[:, 0])
-        s = s_new if B == 1 else torch.where(active[:, None, None], s_new, s)
         active = active & ~fired
         j += 1
-        if not bool(active.any()):
+        n_active = int(active.sum()) if B > 1 else 1
+        if n_active == 0 or (B == 1 and bool(fired[0])):
             for c in step_caches:
                 c.finish(pos, n)
             return s, n
@@ -74,7 +85,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
 
 @torch.no_grad()
 def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
-                generator: torch.Generator | None = None) -> tuple[Tensor, Tensor]:
+                generator: torch.Generator | None = None, compact: bool = True) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
     next token and applications [B, G] per group."""
     x = model.embed(tokens[:, None], pos0=pos)
@@ -83,7 +94,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
         if kind == "layer":
             x = model.h[i](x, caches[i], pos)
         else:
-            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator)
+            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact)
     return model.decode_logits(x)[:, 0], apps
 
 

@@ -160,7 +160,9 @@ class KVCache:
     One entry per position ("latest" sharing, SPEC §4): a looped layer overwrites its
     position's entry at every application, so earlier positions are always read at their
     last computed application. Each row owns its own entries; `rows` restricts a write to
-    the rows still looping, so a row that has exited is never overwritten by another's step.
+    the rows still looping, so a row that has exited is never overwritten by another's step:
+    a bool mask [B] when k/v hold every row, or an index [b] when they hold only those rows
+    (a compacted batch).
     """
 
     def __init__(self, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype):
@@ -171,9 +173,12 @@ class KVCache:
         if rows is None:
             self.k[:, :, pos] = k[:, :, 0]
             self.v[:, :, pos] = v[:, :, 0]
-        else:
+        elif rows.dtype == torch.bool:  # k/v of every row; write the masked ones
             self.k[rows, :, pos] = k[rows, :, 0]
             self.v[rows, :, pos] = v[rows, :, 0]
+        else:  # k/v of the rows listed in `rows` only (compacted batch)
+            self.k[rows, :, pos] = k[:, :, 0]
+            self.v[rows, :, pos] = v[:, :, 0]
 
     def read(self, pos: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
@@ -201,9 +206,12 @@ class StepKVCache:
         if rows is None:
             self.k[:, :, j, pos] = k[:, :, 0]
             self.v[:, :, j, pos] = v[:, :, 0]
-        else:
+        elif rows.dtype == torch.bool:
             self.k[rows, :, j, pos] = k[rows, :, 0]
             self.v[rows, :, j, pos] = v[rows, :, 0]
+        else:
+            self.k[rows, :, j, pos] = k[:, :, 0]
+            self.v[rows, :, j, pos] = v[:, :, 0]
 
     def read(self, pos: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, self.step, : pos + 1], self.v[:, :, self.step, : pos + 1]
@@ -233,7 +241,13 @@ class CausalSelfAttention(nn.Module):
         else:  # one new token at position `pos`, attending to positions 0..pos
             cache.write(pos, k, v, rows)
             ck, cv = cache.read(pos)
-            y = F.scaled_dot_product_attention(q, ck, cv)
+            if rows is None or rows.dtype == torch.bool:
+                y = F.scaled_dot_product_attention(q, ck, cv)
+            else:  # x holds only the rows listed: attend over the full cache (no copy of
+                # it), with zero queries in the other rows, and keep the listed rows' output
+                qf = q.new_zeros((ck.shape[0], *q.shape[1:]))
+                qf[rows] = q
+                y = F.scaled_dot_product_attention(qf, ck, cv)[rows]
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 

@@ -15,12 +15,12 @@ def model(groups, state_init="zero", seed=0):
     return LoopedGPT(cfg).double().eval()
 
 
-def decode_all(m, idx, policy, gen=None, sharing="latest"):
+def decode_all(m, idx, policy, gen=None, sharing="latest", compact=True):
     B, T = idx.shape
     caches = new_caches(m, B, T, sharing, policy.max_steps)
     out, apps = [], []
     for t in range(T):
-        logits, a = decode_step(m, idx[:, t], t, caches, policy, gen)
+        logits, a = decode_step(m, idx[:, t], t, caches, policy, gen, compact)
         out.append(logits)
         apps.append(a)
     return torch.stack(out, 1), torch.stack(apps, 1)
@@ -138,13 +138,16 @@ def test_latest_sharing_reads_earlier_positions_at_their_last_application():
     assert got.shape == (1, 2, 64)
 
 
+@pytest.mark.parametrize("compact", [True, False])
 @pytest.mark.parametrize("sharing", ["latest", "per_step"])
-def test_batched_rows_get_exactly_their_batch_one_results(sharing):
+def test_batched_rows_get_exactly_their_batch_one_results(sharing, compact):
+    """Exited rows either skipped (compact: the layers run on the looping rows only) or
+    computed and masked: every row still gets exactly what it gets alone."""
     m = model([[1], [2, 3]], state_init="zero")
     idx = torch.randint(0, 60, (4, 12))
     for policy in (exits.build("accel", 0.5, max_steps=12), exits.build("kl", 1e-3, max_steps=12),
                    exits.build("stepnorm", 0.5, max_steps=12)):
-        batched, apps_b = decode_all(m, idx, policy, sharing=sharing)
+        batched, apps_b = decode_all(m, idx, policy, sharing=sharing, compact=compact)
         assert len(set(apps_b.flatten().tolist())) > 1  # rows and tokens really exit at different n
         for r in range(4):
             alone, apps_1 = decode_all(m, idx[r : r + 1], policy, sharing=sharing)
