@@ -21,6 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth.decoding import SHARING, evaluate_exit
 from recdepth.lit import LoopedLM
+from recdepth.sweep import guarded, run_hydra_main
+from recdepth.train import conf_dir, exit_policy, write_json
 
 log = logging.getLogger("recdepth.evaluate")
 
@@ -73,8 +75,6 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int) -> torch.Ten
 
 def evaluate(cfg: DictConfig) -> dict:
     """Evaluate cfg.ckpt under cfg.exit; write and return metrics.json's dict."""
-    from recdepth.train import exit_policy, write_json
-
     try:
         run_dir = Path(cfg.run_dir)
     except Exception:
@@ -107,22 +107,12 @@ def log_eval(ev: dict) -> None:
              ev["ce"], ev["ppl"], ev["ms_per_token"], [round(a, 2) for a in ev["applications_per_token"]])
 
 
-def _conf_dir() -> str:
-    from recdepth.train import conf_dir
-
-    return conf_dir()
-
-
-@hydra.main(config_path=_conf_dir(), config_name="evaluate", version_base="1.3")
+@hydra.main(config_path=conf_dir(), config_name="evaluate", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float:
-    from recdepth.sweep import guarded
-
     return guarded(evaluate, cfg, "ce")
 
 
 def main() -> None:
-    from recdepth.sweep import run_hydra_main
-
     run_hydra_main(_hydra_main)
 
 
