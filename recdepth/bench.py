@@ -166,10 +166,10 @@ def bench_exits(args) -> dict:
         tokens = heldout_tokens(module, data, max(args.tokens + 1, args.batch_large * (T + 1)), seed=0)
         source = f"checkpoint {args.ckpt}"
     else:
-        model = LoopedGPT(GPTConfig.from_size("cpu", groups=[[4], [5, 6], [7]], vocab_size=args.vocab)).eval()
+        model = LoopedGPT(GPTConfig.from_size(args.size, groups=[[4], [5, 6], [7]], vocab_size=args.vocab)).eval()
         T = model.cfg.block_size
         tokens = torch.randint(0, args.vocab, (max(args.tokens + 1, args.batch_large * (T + 1)),))
-        source = "a fresh (untrained) cpu-size grouped model"
+        source = f"a fresh (untrained) {args.size}-size grouped model"
     cfg = model.cfg
     print(f"# recdepth bench exits: {source}; d={cfg.n_embd}, groups {cfg.groups}, "
           f"{args.tokens} tokens at batch 1, {args.batch_large} x {args.large_tokens} tokens batched, "
