@@ -13,6 +13,8 @@ block as a training run; a multirun also gets the sweep summary (`recdepth.sweep
 from __future__ import annotations
 
 import logging
+import pickle
+import re
 from pathlib import Path
 
 import hydra
@@ -40,8 +42,14 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt: no checkpoint file at {path}")
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=False)
+    try:  # weights_only: tensors and plain containers only; a pickle that would run code is refused
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        glob = re.search(r"Unsupported global: GLOBAL (\S+)", str(e))
+        if glob:
+            raise ValueError(f"ckpt: {path} would import {glob.group(1)} when unpickled; refused "
+                             "(recdepth loads checkpoints with weights_only=True)") from None
+        raise ValueError(f"ckpt: {path} is not a readable Lightning checkpoint (not a torch file?)") from None
     except Exception as e:  # not a torch file, truncated, ...
         raise ValueError(f"ckpt: {path} is not a readable Lightning checkpoint ({type(e).__name__}: {e})") from None
     if "state_dict" not in ckpt or "hyper_parameters" not in ckpt:
@@ -52,7 +60,7 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
         if not cfg_file.is_file():
             raise ValueError(f"ckpt: {path} carries no data config and there is no {cfg_file} beside it")
         data = OmegaConf.to_container(OmegaConf.load(cfg_file).data, resolve=True)
-    module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=False)
+    module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=True)
     return module.to(device).eval(), data
 
 

@@ -230,7 +230,7 @@ def reuse_trained(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, policy: e
     if cfg.eval.tokens > 0:
         device = torch.device("cuda" if cfg.trainer.accelerator in ("auto", "gpu", "cuda")
                               and torch.cuda.is_available() else "cpu")
-        module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=False)
+        module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=True)
         metrics["eval"] = exit_eval(module.model.to(device), dm, policy, cfg)
     write_json(run_dir / "metrics.json", metrics)
     return metrics

@@ -56,7 +56,7 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     from recdepth.tokenizer import gpt2
 
     mod = LoopedLM.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
-                                        weights_only=False)
+                                        weights_only=True)  # plain data only: loads without unpickling code
     v = mod.vocab_to_gpt2
     assert v is not None and len(v) == mod.config.vocab_size
     assert int(v[-1]) == 50256 and gpt2().decode(v[:5].tolist())  # sorted ids, EOT last
@@ -156,6 +156,31 @@ def test_evaluate_refuses_bad_checkpoints(tmp_path, env, args, message):
                        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode != 0 and message in p.stderr
     assert not (tmp_path / "ev" / "metrics.json").exists()
+
+
+class _Payload:
+    """Unpickling this runs code: it creates the file named by `path`."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_evaluate_refuses_a_checkpoint_that_would_run_code(tmp_path, env):
+    import torch
+
+    marker = tmp_path / "pwned"
+    evil = tmp_path / "evil.ckpt"
+    torch.save({"state_dict": {}, "hyper_parameters": {}, "x": _Payload(str(marker))}, evil)
+    p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", f"ckpt={evil}", f"run_dir={tmp_path / 'ev'}"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode != 0 and "refused (recdepth loads checkpoints with weights_only=True)" in p.stderr
+    assert not marker.exists()  # the payload never ran
+    # The same file under a plain pickle load would have run it: the test's payload is real.
+    torch.load(evil, weights_only=False)
+    assert marker.exists()
 
 
 @pytest.mark.parametrize("model, n_groups", [("baseline", 0), ("single", 1)])
