@@ -24,6 +24,10 @@ from recdepth.runtime import peak_flops
 from recdepth.sampler import LoopSampler
 
 
+class TrainingDiverged(RuntimeError):
+    """The loss or the weights stopped being finite; training stops (and saves nothing more)."""
+
+
 def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float:
     """LR multiplier: linear warmup to 1 over `warmup` steps, then cosine to `min_ratio`."""
     if step < warmup:
@@ -56,6 +60,9 @@ class LoopedLM(L.LightningModule):
         x, y = batch
         self._loops = self.sampler.sample() if self.model.n_groups else []
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth)
+        if not torch.isfinite(loss.detach()):  # one sync per step: cheap next to the step itself
+            raise TrainingDiverged(f"train/loss is {loss.item()} at step {self.global_step} "
+                                   f"(optim.lr={self.hparams.optim['lr']}): training diverged and was stopped")
         self.log("train/loss", loss, prog_bar=True)
         for g, n in enumerate(self._loops):
             self.log(f"train/loops_g{g}", float(n))
@@ -116,6 +123,10 @@ class LoopedLM(L.LightningModule):
 
     # ---------------------------------------------------------- checkpoint
     def on_save_checkpoint(self, checkpoint):
+        bad = [n for n, p in self.model.named_parameters() if not torch.isfinite(p).all()]
+        if bad:  # never replace a good checkpoint with a diverged one
+            raise TrainingDiverged(f"non-finite weights at step {self.global_step} ({bad[0]}, {len(bad)} tensors): "
+                                   "training diverged and was stopped; the checkpoint was not written")
         checkpoint["loop_sampler"] = self.sampler.state_dict()
         if self.vocab_to_gpt2 is not None:
             checkpoint["vocab_to_gpt2"] = self.vocab_to_gpt2

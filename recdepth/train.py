@@ -33,7 +33,7 @@ from omegaconf import DictConfig, OmegaConf
 from recdepth import exits
 from recdepth.data import TokenDataModule
 from recdepth.decoding import SHARING, evaluate_exit
-from recdepth.lit import LoopedLM
+from recdepth.lit import LoopedLM, TrainingDiverged
 from recdepth.model import GPTConfig
 from recdepth.runtime import tune_cpu_allocator
 from recdepth.sampler import LoopSampler
@@ -300,7 +300,14 @@ def train(cfg: DictConfig) -> dict:
     )
     try:
         t0 = time.perf_counter()
-        trainer.fit(module, datamodule=dm)
+        try:
+            trainer.fit(module, datamodule=dm)
+        except TrainingDiverged as e:
+            last = run_dir / "checkpoints" / "last.ckpt"
+            kept = (f"the last good checkpoint is {last} (step "
+                    f"{torch.load(last, map_location='cpu', weights_only=True)['global_step']})"
+                    if last.is_file() else "no checkpoint had been written yet")
+            raise TrainingDiverged(f"{e}; {kept}") from None
         train_seconds = time.perf_counter() - t0
         # The periodic checkpoint may predate the last steps: always save the final state.
         trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")

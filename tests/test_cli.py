@@ -219,6 +219,15 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, mess
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
 
 
+def test_a_diverging_run_stops_with_a_clear_message(tmp_path, env):
+    rd = tmp_path / "run"
+    p = run([f"run_dir={rd}", *TINY, "callbacks=none", "optim.lr=1e30", "optim.warmup_steps=1"], cwd=tmp_path,
+            env=env, check=False)
+    assert p.returncode != 0 and "training diverged and was stopped" in p.stderr
+    assert "no checkpoint had been written yet" in p.stderr or "the last good checkpoint is" in p.stderr
+    assert not (rd / "metrics.json").exists()  # no NaN results written as if they were real
+
+
 def test_existing_results_are_not_overwritten(tmp_path, env):
     rd = tmp_path / "run"
     rd.mkdir()

@@ -6,16 +6,14 @@ import shutil
 import subprocess
 import sys
 
-import lightning as L
 import numpy as np
 import pytest
 import torch
-from lightning.pytorch.loggers import CSVLogger
 
 from recdepth import diagnostics, figures
 from recdepth.callbacks import LoopDynamics
-from recdepth.lit import LoopedLM
 from recdepth.model import GPTConfig, LoopedGPT
+from tests.tiny_fit import tiny_fit
 
 CFG = dict(n_layer=6, n_head=2, n_embd=32, block_size=16, vocab_size=100, groups=[[1], [2, 3]],
            mean_recurrence=3)
@@ -206,20 +204,10 @@ def test_summary_scalars():
 
 # ------------------------------------------------------------- the callback
 def fit(tmp, callback: bool, max_steps=5, every=2):
-    """A real Lightning fit of a tiny LoopedLM on random tokens; returns (module, callback)."""
-    L.seed_everything(0)
-    lm = LoopedLM(model={**CFG, "block_size": 8},
-                  sampler=dict(name="lognormal_poisson", mean=3, sigma=0.5, backprop_depth=2),
-                  optim=dict(lr=1e-3, weight_decay=0.1, betas=[0.9, 0.95], warmup_steps=2, min_lr_ratio=0.1),
-                  max_steps=max_steps, seed=0, peak_flops=1e12)
-    g = torch.Generator().manual_seed(0)
-    data = [(x[:, :-1], x[:, 1:]) for x in torch.randint(0, 100, (max_steps, 2, 9), generator=g)]
-    held = torch.randint(0, 100, (3, 8), generator=g)
+    """A real Lightning fit of a tiny LoopedLM, with or without LoopDynamics; returns (module, callback)."""
+    held = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(1))
     cbs = [LoopDynamics(held, tmp, every_n_steps=every, loops=6, pca_tokens=4)] if callback else []
-    tr = L.Trainer(max_steps=max_steps, accelerator="cpu", logger=CSVLogger(tmp, name="csv", version=""),
-                   callbacks=cbs, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, log_every_n_steps=1)
-    tr.fit(lm, train_dataloaders=torch.utils.data.DataLoader(data, batch_size=None))
+    lm, _ = tiny_fit(tmp, cbs, max_steps=max_steps)
     return lm, (cbs[0] if cbs else None)
 
 
