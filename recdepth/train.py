@@ -67,6 +67,34 @@ def sampler_args(cfg: DictConfig) -> dict:
     return dict(name=s.name, mean=s.mean, sigma=s.sigma, backprop_depth=s.backprop_depth)
 
 
+def validate_run(cfg: DictConfig) -> None:
+    """The top-level and trainer fields a run uses, checked before any work (one line each)."""
+    def need_int(field: str, lo: int) -> None:
+        v = OmegaConf.select(cfg, field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"{field}: expected an integer >= {lo}, got {v!r}")
+
+    for field, lo in (("seed", 0), ("batch_size", 1), ("trainer.max_steps", 1), ("trainer.val_check_interval", 1),
+                      ("trainer.checkpoint_every", 1), ("trainer.log_every_n_steps", 1), ("eval.tokens", 0),
+                      ("eval.warmup_tokens", 0)):
+        need_int(field, lo)
+    clip = cfg.trainer.gradient_clip_val
+    if clip is not None and (not isinstance(clip, int | float) or isinstance(clip, bool) or not clip >= 0):
+        raise ValueError(f"trainer.gradient_clip_val: expected a number >= 0 or null, got {clip!r}")
+    o = cfg.optim
+    for field in ("lr", "weight_decay", "eps", "min_lr_ratio"):
+        v = o[field]
+        if isinstance(v, bool) or not isinstance(v, int | float) or not v >= 0 or v != v or v == float("inf"):
+            raise ValueError(f"optim.{field}: expected a finite number >= 0, got {v!r}")
+    if not o.lr > 0:
+        raise ValueError(f"optim.lr: expected a number > 0, got {o.lr!r}")
+    if not (len(o.betas) == 2 and all(isinstance(b, int | float) and 0 <= b < 1 for b in o.betas)):
+        raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {list(o.betas)!r}")
+    need_int("optim.warmup_steps", 0)
+    if cfg.eval.cache not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
+
+
 def exit_policy(cfg: DictConfig) -> exits.ExitPolicy:
     e = cfg.exit
     return exits.build(e.name, e.tau, min_steps=e.min_steps, max_steps=e.max_steps)
@@ -244,9 +272,8 @@ def train(cfg: DictConfig) -> dict:
     except Exception:  # ${hydra:...} does not resolve outside a Hydra run
         raise ValueError("run_dir: set run_dir=<directory> when calling train(cfg) outside Hydra") from None
     # Validate everything that can be validated before any work starts.
+    validate_run(cfg)
     policy = exit_policy(cfg)
-    if cfg.eval.cache not in SHARING:
-        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
     probe = model_config(cfg, vocab_size=50257)  # validates the model fields
     LoopSampler(n_groups=len(probe.groups), **sampler_args(cfg))  # and the sampler's
     if (run_dir / "metrics.json").exists():

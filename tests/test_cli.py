@@ -210,6 +210,17 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("callbacks.loop_dynamics.loops=2", "callbacks.loop_dynamics.loops: expected >= 3"),
     ("callbacks.loop_dynamics.seq_len=1000", "callbacks.loop_dynamics.seq_len: expected 2..128"),
     ("model=baseline callbacks=loop_dynamics", "callbacks.loop_dynamics: model=baseline has no recurrence groups"),
+    ("trainer.max_steps=0", "trainer.max_steps: expected an integer >= 1, got 0"),
+    ("optim.lr=-1", "optim.lr: expected a finite number >= 0, got -1"),
+    ("optim.betas=[0.9,1.5]", "optim.betas: expected two numbers in [0, 1)"),
+    ("eval.cache=shared", "eval.cache: expected one of latest, per_step, got 'shared'"),
+    ("exit=accel exit.min_steps=5 exit.max_steps=3", "exit.max_steps: 3 is smaller than exit.min_steps=5"),
+    ("exit.tau=nan", "exit.tau: expected a finite number > 0"),
+    ("sampler.name=bogus", "sampler.name: unknown sampler 'bogus'"),
+    ("model.block_size=100000", "longer than the val split"),
+    ("model.size=huge", "model.size: unknown size 'huge'"),
+    ("data=files data.paths=/nonexistent/*.txt", "data.paths: no file matches '/nonexistent/*.txt'"),
+    ("foo=1", "Could not override 'foo'"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):
     p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()], cwd=tmp_path, env=env,
