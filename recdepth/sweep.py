@@ -212,15 +212,17 @@ def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:
 
     run = wandb.init(project=w.project, entity=w.entity, dir=str(sweep_dir), mode=mode,
                      name=f"sweep-{sweep_dir.name}", job_type="sweep-summary", reinit=True)
-    cols = [c for c in COLUMNS if c != "applications_per_token"]
-    table = wandb.Table(columns=cols + ["applications_per_token"],
-                        data=[[_fmt(r[c]) if r[c] in ("", None) else r[c] for c in cols]
-                              + [" / ".join(map(str, r["applications_per_token"] or []))] for r in rows])
-    log_items = {"sweep/results": table}
-    if (sweep_dir / "fig4_exits.png").is_file():
-        log_items["sweep/fig4"] = wandb.Image(str(sweep_dir / "fig4_exits.png"))
-    run.log(log_items)
-    run.finish()
+    try:  # the run is finished whatever happens while logging
+        cols = [c for c in COLUMNS if c != "applications_per_token"]
+        table = wandb.Table(columns=cols + ["applications_per_token"],
+                            data=[[_fmt(r[c]) if r[c] in ("", None) else r[c] for c in cols]
+                                  + [" / ".join(map(str, r["applications_per_token"] or []))] for r in rows])
+        log_items = {"sweep/results": table}
+        if (sweep_dir / "fig4_exits.png").is_file():
+            log_items["sweep/fig4"] = wandb.Image(str(sweep_dir / "fig4_exits.png"))
+        run.log(log_items)
+    finally:
+        run.finish()
 
 
 class SweepSummary(Callback):
