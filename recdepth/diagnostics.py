@@ -161,8 +161,9 @@ def loop_dynamics(
 
     eps = torch.finfo(next(model.parameters()).dtype).eps
     groups = []
+    sns = [torch.cat(norms[g], 1) for g in range(G)]  # [K, tokens] per group
     for g in range(G):
-        sn, xn = torch.cat(norms[g], 1), torch.cat(xnorms[g], 1)
+        sn, xn = sns[g], torch.cat(xnorms[g], 1)
         floor = eps * xn.double().mean().item()
         noisy = [k for k, v in enumerate(sn.double().mean(1).tolist()) if v < FLOOR_FACTOR * floor]
         groups.append({
@@ -180,7 +181,7 @@ def loop_dynamics(
             "mean": r.mean().item(), "std": r.std(correction=0).item(),
             "q25": q[0], "median": q[1], "q75": q[2],
             "drift_mean": torch.cat(drift[g]).double().mean().item(),
-            "loop_step_mean": torch.cat(norms[g], 1).double().mean().item(),
+            "loop_step_mean": sns[g].double().mean().item(),
         })
     return {
         "format": FORMAT, "loops": loops, "steps": loops - 1, "seed": seed,

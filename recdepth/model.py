@@ -169,24 +169,26 @@ class KVCache:
         self.k = torch.zeros(batch, n_head, max_len, head_dim, device=device, dtype=dtype)
         self.v = torch.zeros_like(self.k)
 
+    def _slot(self, pos: int) -> tuple[Tensor, Tensor]:
+        """Views [B, H, head_dim] of the entries the current application writes at `pos`."""
+        return self.k[:, :, pos], self.v[:, :, pos]
+
     def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        ks, vs = self._slot(pos)  # views: assignments below write into the cache
         if rows is None:
-            self.k[:, :, pos] = k[:, :, 0]
-            self.v[:, :, pos] = v[:, :, 0]
+            ks[:], vs[:] = k[:, :, 0], v[:, :, 0]
         elif rows.dtype == torch.bool:  # k/v of every row; write the masked ones
-            self.k[rows, :, pos] = k[rows, :, 0]
-            self.v[rows, :, pos] = v[rows, :, 0]
+            ks[rows], vs[rows] = k[rows, :, 0], v[rows, :, 0]
         else:  # k/v of the rows listed in `rows` only (compacted batch)
-            self.k[rows, :, pos] = k[:, :, 0]
-            self.v[rows, :, pos] = v[:, :, 0]
+            ks[rows], vs[rows] = k[:, :, 0], v[:, :, 0]
 
     def read(self, pos: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
 
 
-class StepKVCache:
+class StepKVCache(KVCache):
     """K/V of one looped layer indexed by (application, position), shaped [B, H, A, T, head_dim]
-    (Huginn's per-step cache; `decode.cache=per_step`).
+    (Huginn's per-step cache; `eval.cache=per_step`).
 
     Application j of the layer (set `step = j` before it) writes slot j of the current
     position and reads slot j of every position, so a token attends to earlier tokens at
@@ -201,17 +203,8 @@ class StepKVCache:
         self.v = torch.zeros_like(self.k)
         self.step = 0
 
-    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
-        j = self.step
-        if rows is None:
-            self.k[:, :, j, pos] = k[:, :, 0]
-            self.v[:, :, j, pos] = v[:, :, 0]
-        elif rows.dtype == torch.bool:
-            self.k[rows, :, j, pos] = k[rows, :, 0]
-            self.v[rows, :, j, pos] = v[rows, :, 0]
-        else:
-            self.k[rows, :, j, pos] = k[:, :, 0]
-            self.v[rows, :, j, pos] = v[:, :, 0]
+    def _slot(self, pos: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, self.step, pos], self.v[:, :, self.step, pos]
 
     def read(self, pos: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, self.step, : pos + 1], self.v[:, :, self.step, : pos + 1]
