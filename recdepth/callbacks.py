@@ -108,6 +108,12 @@ class LoopDynamics(L.Callback):
             self.seconds += time.perf_counter() - t0
             log.info("loop dynamics: %d figures in %s", len(paths), self.run_dir / "figures")
 
+    def state_dict(self) -> dict:
+        return {"seconds": self.seconds}  # so a resumed run reports the whole run's cost
+
+    def load_state_dict(self, state: dict) -> None:
+        self.seconds = float(state.get("seconds", 0.0))
+
     # --------------------------------------------------------------- measure
     def _measure(self, trainer, pl_module) -> None:
         step = trainer.global_step

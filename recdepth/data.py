@@ -619,6 +619,50 @@ def draw_train_offsets(n_train: int, block_size: int, n_windows: int, seed: int)
     return rng.integers(0, n_train - block_size, size=n_windows, dtype=np.int64)
 
 
+class _FromStep(torch.utils.data.Sampler):
+    """Batch indices start .. n-1; its length stays n (the epoch Lightning counts is the
+    whole run: after a resume its progress counters already hold the first `start`)."""
+
+    def __init__(self, n: int, start: int = 0):
+        self.n, self.start = int(n), int(start)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.start, self.n))
+
+
+class ResumableLoader(DataLoader):
+    """The training DataLoader, with the `state_dict` / `load_state_dict` Lightning looks
+    for on a loader: the state is the number of optimiser steps taken (one batch each),
+    plus what fixes the order (seed, batch size, processes), which must match on resume."""
+
+    def __init__(self, ds: WindowBatches, sampler: _FromStep, dm: TokenDataModule, **kw):
+        super().__init__(ds, batch_size=None, sampler=sampler, **kw)  # items are whole batches
+        self.dm = dm
+
+    def _order(self) -> dict:
+        return {"seed": self.dm.seed, "batch_size": self.dm.batch_size, "world_size": self.dm.shard()[1],
+                "max_steps": self.dm.max_steps, "block_size": self.dm.block_size}
+
+    def state_dict(self) -> dict:
+        t = getattr(self.dm, "trainer", None)
+        step = int(t.global_step) if t is not None else self.sampler.start
+        return {"step": step, **self._order()}
+
+    def load_state_dict(self, state: dict) -> None:
+        now = self._order()
+        diff = [f"{k}={state.get(k)!r} -> {v!r}" for k, v in now.items() if state.get(k) != v]
+        if diff:
+            raise ValueError(f"data: the checkpoint's data order differs from this run's ({', '.join(diff)}); "
+                             "resume with the settings it was saved with")
+        if not 0 <= state["step"] <= self.sampler.n:
+            raise ValueError(f"data: checkpoint step {state['step']} outside [0, {self.sampler.n}]")
+        self.sampler.start = int(state["step"])
+        self.dm.start_step = int(state["step"])
+
+
 class TokenDataModule(L.LightningDataModule):
     """Random train windows and consecutive val windows over a token cache.
 
@@ -766,16 +810,28 @@ class TokenDataModule(L.LightningDataModule):
 
     # -- loaders ------------------------------------------------------------------------
 
-    def train_dataset(self, start_step: int | None = None) -> WindowBatches:
-        """Batches start_step .. max_steps-1 (skipping costs nothing: no data is read)."""
+    def shard(self) -> tuple[int, int]:
+        """(rank, world size) of the process this data module feeds: the Trainer's under
+        DDP, (0, 1) otherwise."""
+        t = getattr(self, "trainer", None)
+        return (int(t.global_rank), int(t.world_size)) if t is not None else (0, 1)
+
+    def train_dataset(self, rank: int | None = None, world_size: int | None = None) -> WindowBatches:
+        """All max_steps batches one process trains on, in order.
+
+        With W processes (DDP), step k's global batch is windows [k*W*B, (k+1)*W*B) of
+        the seeded draw and rank r takes its r-th slice of B: W processes at batch_size B
+        train on exactly the windows one process at batch_size W*B would."""
         cache = self._require_setup()
-        k = self.start_step if start_step is None else int(start_step)
-        if not 0 <= k <= self.max_steps:
-            raise ValueError(f"data: start_step={k} outside [0, max_steps={self.max_steps}]")
-        offsets = self.train_offsets[k * self.batch_size :]
-        return WindowBatches(
-            cache.path / "train.bin", len(cache.train), offsets, self.block_size, self.batch_size
-        )
+        r, W = self.shard() if rank is None else (int(rank), int(world_size or 1))
+        if not 0 <= r < W:
+            raise ValueError(f"data: rank {r} outside a world of {W} processes")
+        B = self.batch_size
+        offsets = self.train_offsets
+        if W > 1:  # the draw is sequential: drawing more windows keeps the first ones
+            offsets = draw_train_offsets(len(cache.train), self.block_size, self.max_steps * B * W, self.seed)
+            offsets = offsets.reshape(self.max_steps, W, B)[:, r].reshape(-1)
+        return WindowBatches(cache.path / "train.bin", len(cache.train), offsets, self.block_size, B)
 
     def val_dataset(self) -> WindowBatches:
         cache = self._require_setup()
@@ -797,10 +853,17 @@ class TokenDataModule(L.LightningDataModule):
             persistent_workers=self.num_workers > 0,
         )
 
-    def train_dataloader(self, start_step: int | None = None) -> DataLoader:
-        """Batches in a fixed order; start_step (default self.start_step) skips the first
-        start_step batches, so a resumed run sees exactly the batches it has not seen."""
-        return self._loader(self.train_dataset(start_step))
+    def train_dataloader(self, start_step: int | None = None) -> ResumableLoader:
+        """Batches in a fixed order, from start_step (default self.start_step) on. The
+        loader is resumable: Lightning saves its state (the steps taken) in every
+        checkpoint and hands it back on resume, so a resumed run sees exactly the batches
+        it has not seen."""
+        k = self.start_step if start_step is None else int(start_step)
+        if not 0 <= k <= self.max_steps:
+            raise ValueError(f"data: start_step={k} outside [0, max_steps={self.max_steps}]")
+        ds = self.train_dataset()
+        return ResumableLoader(ds, _FromStep(len(ds), k), self, num_workers=self.num_workers,
+                               persistent_workers=self.num_workers > 0)
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_dataset())

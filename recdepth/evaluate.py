@@ -60,7 +60,13 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
         if not cfg_file.is_file():
             raise ValueError(f"ckpt: {path} carries no data config and there is no {cfg_file} beside it")
         data = OmegaConf.to_container(OmegaConf.load(cfg_file).data, resolve=True)
-    module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=True)
+    try:
+        module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=True)
+    except (RuntimeError, TypeError, KeyError, ValueError) as e:  # weights that do not fit the model they claim
+        first = str(e).strip().splitlines()
+        detail = next((ln.strip() for ln in first if "size mismatch" in ln or "Missing key" in ln or "Unexpected key" in ln),
+                      first[0] if first else type(e).__name__)
+        raise ValueError(f"ckpt: {path}: its weights do not fit the model its hyper_parameters describe ({detail[:200]})") from None
     return module.to(device).eval(), data
 
 

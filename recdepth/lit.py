@@ -7,11 +7,16 @@
 - optimiser: nanoGPT's AdamW (weight decay on >=2-D tensors only), linear warmup then
   cosine decay to min_lr; gradient clipping is the Trainer's (`trainer.gradient_clip_val`);
 - throughput: tokens/s and MFU per step, with FLOPs that count the layer applications
-  the step actually ran (its drawn loop counts), not a nominal depth.
+  the step actually ran (its drawn loop counts), not a nominal depth;
+- exact resume: every random draw comes from a generator the module owns (loop counts:
+  the sampler's; initial-state noise: `noise`, on the training device; validation: a
+  generator reseeded at every validation, so val_ce depends on the weights alone), and
+  their states travel in the checkpoint with the elapsed training time.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 
@@ -22,6 +27,8 @@ from torchmetrics.aggregation import MeanMetric
 from recdepth.model import GPTConfig, LoopedGPT
 from recdepth.runtime import peak_flops
 from recdepth.sampler import LoopSampler
+
+log = logging.getLogger("recdepth.lit")
 
 
 class TrainingDiverged(RuntimeError):
@@ -54,12 +61,25 @@ class LoopedLM(L.LightningModule):
         # the data config it was trained on (set by train.py), so `recdepth.evaluate` can
         # rebuild exactly the held-out split from the checkpoint alone
         self.data_config: dict | None = None
+        # the training config it was trained under (set by train.py): a resume refuses a
+        # checkpoint whose config differs from the run's
+        self.training_config: dict | None = None
+        # Initial-state noise of training passes: its own generator (created on the
+        # training device in on_train_start), so the stream a resumed run continues is
+        # exactly the one it saved, whatever else used the global RNG in between.
+        self.noise: torch.Generator | None = None
+        self._noise_state: tuple[str, torch.Tensor] | None = None  # from a checkpoint, until on_train_start
+        self._val_noise: torch.Generator | None = None
+        # Training wall time: seconds before this fit (from the checkpoint) + this fit's.
+        self.train_seconds_before = 0.0
+        self._fit_t0: float | None = None
 
     # ------------------------------------------------------------ training
     def training_step(self, batch, batch_idx):
         x, y = batch
         self._loops = self.sampler.sample() if self.model.n_groups else []
-        _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth)
+        _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
+                             generator=self.noise)
         if not torch.isfinite(loss.detach()):  # one sync per step: cheap next to the step itself
             raise TrainingDiverged(f"train/loss is {loss.item()} at step {self.global_step} "
                                    f"(optim.lr={self.hparams.optim['lr']}): training diverged and was stopped")
@@ -84,6 +104,23 @@ class LoopedLM(L.LightningModule):
     def on_train_start(self):
         # Measured here, not inside a timed step (on a CPU it runs a short GEMM probe).
         self._peak = peak_flops(self.device, self.hparams.peak_flops)
+        self.noise = torch.Generator(device=self.device).manual_seed(self.hparams.seed + 1)
+        if self._noise_state is not None:
+            kind, state = self._noise_state
+            if kind == self.device.type:
+                self.noise.set_state(state)
+            else:  # a generator's state is device-specific: the run goes on, not bit-exactly
+                log.warning("resume: the checkpoint's noise generator is a %s one, this run trains on %s; "
+                            "the initial-state noise is reseeded (the resumed run is not bit-identical)",
+                            kind, self.device.type)
+            self._noise_state = None
+        self._fit_t0 = time.perf_counter()
+
+    @property
+    def train_seconds(self) -> float:
+        """Training wall time so far, over every fit that led to these weights."""
+        now = 0.0 if self._fit_t0 is None else time.perf_counter() - self._fit_t0
+        return self.train_seconds_before + now
 
     def on_train_epoch_start(self):
         self._t_last = None
@@ -95,11 +132,15 @@ class LoopedLM(L.LightningModule):
 
     def on_validation_start(self):
         self._t_last = None  # validation time is not a training step's time
+        # Every validation sees the same initial-state noise: val_ce is a function of the
+        # weights alone (and a resumed run, which skips the validation its checkpoint
+        # preceded, draws nothing a straight run would not).
+        self._val_noise = torch.Generator(device=self.device).manual_seed(self.hparams.seed + 2)
 
     # ---------------------------------------------------------- validation
     def validation_step(self, batch, batch_idx):
         x, y = batch
-        _, loss = self.model(x, y)  # the fixed n = round(r) of every group (SPEC §1)
+        _, loss = self.model(x, y, generator=self._val_noise)  # the fixed n = round(r) of every group (SPEC §1)
         self.val_ce.update(loss, weight=y.numel())
 
     def on_validation_epoch_end(self):
@@ -128,13 +169,22 @@ class LoopedLM(L.LightningModule):
             raise TrainingDiverged(f"non-finite weights at step {self.global_step} ({bad[0]}, {len(bad)} tensors): "
                                    "training diverged and was stopped; the checkpoint was not written")
         checkpoint["loop_sampler"] = self.sampler.state_dict()
+        if self.noise is not None:
+            checkpoint["noise_generator"] = {"device": self.noise.device.type, "state": self.noise.get_state()}
+        checkpoint["train_seconds"] = self.train_seconds
         if self.vocab_to_gpt2 is not None:
             checkpoint["vocab_to_gpt2"] = self.vocab_to_gpt2
         if self.data_config is not None:
             checkpoint["data_config"] = self.data_config
+        if self.training_config is not None:
+            checkpoint["training_config"] = self.training_config
 
     def on_load_checkpoint(self, checkpoint):
         if "loop_sampler" in checkpoint:
             self.sampler.load_state_dict(checkpoint["loop_sampler"])
+        if "noise_generator" in checkpoint:
+            g = checkpoint["noise_generator"]
+            self._noise_state = (g["device"], g["state"])
+        self.train_seconds_before = float(checkpoint.get("train_seconds", 0.0))
         self.vocab_to_gpt2 = checkpoint.get("vocab_to_gpt2")
         self.data_config = checkpoint.get("data_config")

@@ -22,6 +22,7 @@ import csv
 import json
 import logging
 import math
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -46,7 +47,15 @@ def guarded(fn, cfg: DictConfig, key: str) -> float:
     to `<run_dir>/error.txt`, and NaN returned, so Hydra goes on to the other jobs and to
     the sweep summary; `run_hydra_main` exits non-zero afterwards. A single run raises."""
     if not _is_multirun():
-        return _objective(fn(cfg), key)
+        try:
+            return _objective(fn(cfg), key)
+        except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
+            # A bad input, a refused file or a diverged run: its one-line message is the
+            # whole story (HYDRA_FULL_ERROR=1 keeps the traceback).
+            if os.environ.get("HYDRA_FULL_ERROR") == "1" or not _one_line(e):
+                raise
+            log.error("%s: %s", type(e).__name__, e)
+            raise SystemExit(f"error: {e}") from None
     try:
         return _objective(fn(cfg), key)
     except Exception as e:
@@ -56,6 +65,14 @@ def guarded(fn, cfg: DictConfig, key: str) -> float:
         log.error("job failed: %s: %s (traceback in %s)", type(e).__name__, e, run_dir / "error.txt")
         _FAILED.append(str(run_dir))
         return math.nan
+
+
+def _one_line(e: Exception) -> bool:
+    """recdepth's own errors are one line naming the field or file; anything else (a bug,
+    a library's multi-line report) keeps its traceback."""
+    msg = str(e)
+    return "\n" not in msg and (type(e).__name__ == "TrainingDiverged" or not isinstance(e, RuntimeError)) and \
+        ":" in msg.split(" ", 1)[0] + " "
 
 
 def _objective(metrics: dict, key: str) -> float:

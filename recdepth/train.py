@@ -16,12 +16,9 @@ metrics.json), so sweepers and tests can call it directly. Every run directory h
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
 import socket
-import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -30,11 +27,26 @@ import lightning as L
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth import exits
+from recdepth import distributed, exits
 from recdepth.data import TokenDataModule
 from recdepth.decoding import SHARING, evaluate_exit
 from recdepth.lit import LoopedLM, TrainingDiverged
 from recdepth.model import GPTConfig
+from recdepth.runs import (  # noqa: F401 (re-exported: training_identity and the index are public here)
+    NOT_TRAINING,
+    TRAINING_KEYS,
+    FileLock,
+    carry_over,
+    check_resumable,
+    earlier_curves,
+    find_resume,
+    index_files,
+    read_entry,
+    register_partial,
+    register_trained,
+    training_identity,
+    write_json,
+)
 from recdepth.runtime import tune_cpu_allocator
 from recdepth.sampler import LoopSampler
 from recdepth.sweep import guarded, hoist_mode_flags, run_hydra_main  # noqa: F401 (hoist_mode_flags: public)
@@ -67,6 +79,10 @@ def sampler_args(cfg: DictConfig) -> dict:
     return dict(name=s.name, mean=s.mean, sigma=s.sigma, backprop_depth=s.backprop_depth)
 
 
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+
+
 def validate_run(cfg: DictConfig) -> None:
     """The top-level and trainer fields a run uses, checked before any work (one line each)."""
     def need_int(field: str, lo: int) -> None:
@@ -91,6 +107,16 @@ def validate_run(cfg: DictConfig) -> None:
     if not (len(o.betas) == 2 and all(isinstance(b, int | float) and 0 <= b < 1 for b in o.betas)):
         raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {list(o.betas)!r}")
     need_int("optim.warmup_steps", 0)
+    t = cfg.trainer
+    if t.precision not in PRECISIONS:
+        raise ValueError(f"trainer.precision: expected one of {', '.join(PRECISIONS)}, got {t.precision!r}")
+    if t.accelerator not in ACCELERATORS:
+        raise ValueError(f"trainer.accelerator: expected one of {', '.join(ACCELERATORS)}, got {t.accelerator!r}")
+    if t.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.accelerator: {t.accelerator} asked for, but torch {torch.__version__} sees no CUDA "
+                         "device (CPU build, or CUDA_VISIBLE_DEVICES empty?); on a CPU leave trainer=default")
+    if not isinstance(t.compile, bool):
+        raise ValueError(f"trainer.compile: expected true or false, got {t.compile!r}")
     if cfg.eval.cache not in SHARING:
         raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
 
@@ -131,47 +157,6 @@ def loop_dynamics_callback(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, 
                         pca_sequence=c.pca_sequence, pca_tokens=c.pca_tokens,
                         max_state_bytes=c.max_state_bytes, seed=c.seed, figures=c.figures,
                         decode=dm.decode)
-
-
-# Config keys that decide what training produces; exit, eval, logger, callbacks, run_dir
-# and reuse do not (a sweep over exit settings trains once). Within them, settings that
-# only change how a run reports itself are dropped too.
-TRAINING_KEYS = ("seed", "batch_size", "optim", "model", "sampler", "data", "trainer")
-NOT_TRAINING = {"trainer": ("enable_progress_bar", "log_every_n_steps", "peak_flops"),
-                "data": ("cache_dir", "num_workers")}
-
-
-def training_identity(cfg: DictConfig) -> tuple[str, dict]:
-    """(identity, what it hashes): sha256 over the resolved TRAINING_KEYS (less NOT_TRAINING)
-    and the recdepth version, first 16 hex digits. Two runs with the same identity train
-    the same model, so the second can reuse the first's checkpoint."""
-    from recdepth import __version__
-
-    sub = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-           for k in TRAINING_KEYS}
-    for group, keys in NOT_TRAINING.items():
-        for k in keys:
-            sub[group].pop(k, None)
-    sub["recdepth"] = __version__
-    blob = json.dumps(sub, sort_keys=True, default=str)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16], sub
-
-
-def trained_entry(cfg: DictConfig, identity: str) -> tuple[Path, dict | None]:
-    """The reuse index file of this identity and its content, if it points at a checkpoint
-    that still exists."""
-    index = Path(cfg.reuse.index) / f"{identity}.json"
-    if not index.is_file():
-        return index, None
-    try:
-        entry = json.loads(index.read_text())
-    except json.JSONDecodeError:
-        log.warning("reuse: %s is not valid JSON; training again", index)
-        return index, None
-    if not Path(entry.get("checkpoint", "")).is_file():
-        log.warning("reuse: %s points at a missing checkpoint %s; training again", index, entry.get("checkpoint"))
-        return index, None
-    return index, entry
 
 
 def wandb_mode(requested: str, timeout: float = 2.0) -> str:
@@ -218,25 +203,7 @@ def loggers(cfg: DictConfig, run_dir: Path) -> list:
     return out
 
 
-def write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    os.replace(tmp, path)
-
-
 # -------------------------------------------------------------- reuse / eval
-TRAINING_METRICS = ("val_ce", "val_ppl", "unigram_ce", "train_seconds", "tokens_seen", "steps", "model",
-                    "groups", "params", "diagnostics_seconds", "identity")
-
-
-def register_trained(index: Path, identity: str, run_dir: Path, metrics: dict) -> None:
-    """Record a finished training run in the reuse index (`reuse.index/<identity>.json`)."""
-    index.parent.mkdir(parents=True, exist_ok=True)
-    write_json(index, {"identity": identity, "run_dir": str(run_dir.resolve()),
-                       "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve()),
-                       "training": {k: metrics[k] for k in TRAINING_METRICS if k in metrics}})
-
-
 def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictConfig) -> dict:
     """SPEC §4 evaluation of `model` on the first eval.tokens held-out tokens (batch 1)."""
     from recdepth.evaluate import log_eval
@@ -248,7 +215,7 @@ def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictCon
     return ev
 
 
-def reuse_trained(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, policy: exits.ExitPolicy,
+def reuse_trained(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy,
                   identity: str, index: Path, entry: dict) -> dict:
     """A training run with this identity finished before: evaluate its checkpoint instead."""
     log.info("reuse: training identity %s was trained by %s; reusing its checkpoint %s (index %s; "
@@ -256,6 +223,9 @@ def reuse_trained(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, policy: e
     metrics = {**entry["training"], "reused": True, "trained_run": entry["run_dir"],
                "checkpoint": entry["checkpoint"]}
     if cfg.eval.tokens > 0:
+        dm = data_module(cfg, block_size=model_config(cfg, vocab_size=50257).block_size)
+        dm.prepare_data()
+        dm.setup()
         device = torch.device("cuda" if cfg.trainer.accelerator in ("auto", "gpu", "cuda")
                               and torch.cuda.is_available() else "cpu")
         module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=True)
@@ -266,7 +236,11 @@ def reuse_trained(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, policy: e
 
 # -------------------------------------------------------------------- train
 def train(cfg: DictConfig) -> dict:
-    """Train, validate, evaluate under cfg.exit; write and return metrics.json's dict."""
+    """Train, validate, evaluate under cfg.exit; write and return metrics.json's dict.
+
+    Before any work: validate the config, then, holding the training identity's lock,
+    reuse a finished run of the same identity, or resume an interrupted one (`ckpt_path`,
+    recdepth/runs.py), or start fresh."""
     try:
         run_dir = Path(cfg.run_dir)
     except Exception:  # ${hydra:...} does not resolve outside a Hydra run
@@ -276,22 +250,70 @@ def train(cfg: DictConfig) -> dict:
     policy = exit_policy(cfg)
     probe = model_config(cfg, vocab_size=50257)  # validates the model fields
     LoopSampler(n_groups=len(probe.groups), **sampler_args(cfg))  # and the sampler's
+    distributed.strategy(cfg.trainer)  # and the trainer's
+    identity, training = training_identity(cfg)
+    if distributed.is_worker():  # a DDP rank > 0: rank 0 decided everything and writes everything
+        return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=cfg.get("ckpt_path"))
+
     if (run_dir / "metrics.json").exists():
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
-    if any(run_dir.glob("diagnostics/step_*.json")):
-        raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics/step_*.json; choose a new run_dir")
-    identity, _ = training_identity(cfg)
-    index, entry = trained_entry(cfg, identity) if cfg.reuse.enabled else (None, None)
+    finished, partial, lock_file = index_files(cfg, identity) if cfg.reuse.enabled else (None, None, None)
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    owner = FileLock(run_dir / ".lock")  # two runs started in the same second share a Hydra run dir
+    try:
+        owner.acquire(wait=False)
+    except BlockingIOError as e:
+        raise FileExistsError(f"run_dir: {run_dir} is in use by another recdepth run ({e}); choose a new run_dir") from None
+    lock = FileLock(lock_file)
+    lock.acquire()
+    try:
+        entry = read_entry(finished) if finished is not None else None
+        resume = None if entry is not None else find_resume(cfg, run_dir, partial)
+        step = 0
+        if resume is not None:
+            step = check_resumable(resume, {**training, "model_shape": model_shape(probe)}, model_shape(probe),
+                                   cfg.trainer.max_steps)
+        elif any(run_dir.glob("diagnostics/step_*.json")):
+            raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics/step_*.json; choose a new run_dir")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+        if entry is not None:
+            lock.release()
+            return reuse_trained(cfg, run_dir, policy, identity, finished, entry)
+        if resume is not None:
+            carry_over(resume, step, run_dir)
+        if partial is not None:
+            register_partial(partial, identity, run_dir)
+        return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=resume,
+                                resumed_step=step, on_trained=lambda m: _registered(cfg, finished, identity, run_dir,
+                                                                                    m, lock))
+    finally:
+        lock.release()
+        owner.release()
 
+
+def _registered(cfg, finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
+    """Training finished: record it in the index and let the next process of this identity in."""
+    if finished is not None:
+        register_trained(finished, identity, run_dir, metrics)
+    lock.release()
+
+
+def model_shape(mcfg: GPTConfig) -> dict:
+    """The fields that fix a model's parameter shapes (vocabulary aside)."""
+    return {"n_layer": mcfg.n_layer, "n_head": mcfg.n_head, "n_embd": mcfg.n_embd,
+            "block_size": mcfg.block_size, "groups": [list(g) for g in mcfg.groups]}
+
+
+def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, identity: str, training: dict,
+                     resume: Path | str | None = None, resumed_step: int = 0, on_trained=None) -> dict:
+    """Fit (from `resume` if given), validate, evaluate; rank 0 writes metrics.json."""
     tune_cpu_allocator()
     L.seed_everything(cfg.seed, workers=True)
+    probe = model_config(cfg, vocab_size=50257)
     dm = data_module(cfg, block_size=probe.block_size)
     dm.prepare_data()
     dm.setup()
-    if entry is not None:
-        return reuse_trained(cfg, run_dir, dm, policy, identity, index, entry)
     mcfg = model_config(cfg, vocab_size=dm.vocab_size)
     module = LoopedLM(
         model=mcfg.to_dict(),
@@ -300,6 +322,7 @@ def train(cfg: DictConfig) -> dict:
         max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
     )
     module.data_config = OmegaConf.to_container(cfg.data, resolve=True)
+    module.training_config = {**training, "model_shape": model_shape(mcfg)}
     if mcfg.logit_bias:
         module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
     if dm.id_map is not None:
@@ -317,29 +340,41 @@ def train(cfg: DictConfig) -> dict:
     if dyn is not None:
         callbacks.append(dyn)
     lg = loggers(cfg, run_dir)
+    if resume is not None and not distributed.is_worker():
+        for row in earlier_curves(Path(resume), resumed_step):  # the CSV logger starts its file afresh
+            lg[0].log_metrics({k: v for k, v in row.items() if k != "step"}, step=int(row["step"]))
     trainer = L.Trainer(
         max_steps=t.max_steps, val_check_interval=min(t.val_check_interval, t.max_steps),
         check_val_every_n_epoch=None, gradient_clip_val=t.gradient_clip_val,
-        accelerator=t.accelerator, devices=t.devices, precision=t.precision,
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.get("num_nodes", 1),
+        strategy=distributed.strategy(t, run_dir, resume),
+        precision=t.precision, use_distributed_sampler=False,  # TokenDataModule shards by rank itself
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
         logger=lg, callbacks=callbacks,
         default_root_dir=str(run_dir), num_sanity_val_steps=0, enable_model_summary=False,
     )
+    if t.compile:
+        # Each transformer block, in place (nn.Module.compile: parameter names, hence
+        # checkpoints, stay as they are). Not the whole model: its Python loops unroll per
+        # drawn loop count, and every new count would be a recompilation.
+        for block in module.model.h:
+            block.compile()
     try:
-        t0 = time.perf_counter()
         try:
-            trainer.fit(module, datamodule=dm)
+            trainer.fit(module, datamodule=dm, ckpt_path=None if resume is None else str(resume), weights_only=True)
         except TrainingDiverged as e:
             last = run_dir / "checkpoints" / "last.ckpt"
             kept = (f"the last good checkpoint is {last} (step "
                     f"{torch.load(last, map_location='cpu', weights_only=True)['global_step']})"
                     if last.is_file() else "no checkpoint had been written yet")
             raise TrainingDiverged(f"{e}; {kept}") from None
-        train_seconds = time.perf_counter() - t0
+        train_seconds = module.train_seconds
         # The periodic checkpoint may predate the last steps: always save the final state.
-        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt")
+        trainer.save_checkpoint(run_dir / "checkpoints" / "last.ckpt", weights_only=False)  # full: resumable
         if trainer.global_step % trainer.val_check_batch != 0 or "val/ce" not in trainer.callback_metrics:
             trainer.validate(module, datamodule=dm, verbose=False)
+        if not trainer.is_global_zero:
+            return {}
         val_ce = float(trainer.callback_metrics["val/ce"])
         metrics = {
             "val_ce": val_ce,
@@ -355,17 +390,21 @@ def train(cfg: DictConfig) -> dict:
         if dyn is not None:
             metrics["diagnostics_seconds"] = dyn.seconds
         metrics["identity"] = identity
-        if trainer.is_global_zero and cfg.reuse.enabled:
-            register_trained(index, identity, run_dir, metrics)
-        if cfg.eval.tokens > 0 and trainer.is_global_zero:
+        if resume is not None:
+            metrics["resumed_from"] = {"checkpoint": str(Path(resume).resolve()), "step": resumed_step}
+        if on_trained is not None:
+            on_trained(metrics)
+        if cfg.eval.tokens > 0:
             # Lightning moves the module back to the CPU at teardown; evaluate (and time)
-            # on the device that trained it.
+            # on the device that trained it, eagerly: token-by-token decoding changes the
+            # cache position every call, which a compiled block would recompile for.
+            for block in module.model.h:
+                block._compiled_call_impl = None  # undoes nn.Module.compile (torch keeps it there)
             module.to(trainer.strategy.root_device)
             metrics["eval"] = exit_eval(module.model, dm, policy, cfg)
-        if trainer.is_global_zero:
-            write_json(run_dir / "metrics.json", metrics)
-            for lgr in lg:
-                lgr.log_metrics({f"final/{k}": v for k, v in _flat(metrics).items()}, step=trainer.global_step)
+        write_json(run_dir / "metrics.json", metrics)
+        for lgr in lg:
+            lgr.log_metrics({f"final/{k}": v for k, v in _flat(metrics).items()}, step=trainer.global_step)
         log.info("val_ce %.4f (unigram %.4f), %.0f s, run dir %s", val_ce, metrics["unigram_ce"],
                  train_seconds, run_dir)
         return metrics

@@ -1,7 +1,6 @@
 """The real CLI: `python -m recdepth.train` runs and `--multirun` sweeps into temp dirs."""
 
 import json
-import os
 import subprocess
 import sys
 import zipfile
@@ -9,21 +8,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO
+
 # Tiny but real: the shipped corpus, the paper's groups, every stage of a run.
 TINY = ["batch_size=2", "sampler.mean=2", "sampler.backprop_depth=1", "trainer.max_steps=3",
         "trainer.val_check_interval=3", "trainer.checkpoint_every=3", "data.val_tokens=512",
         "eval.tokens=6", "eval.warmup_tokens=1", "trainer.enable_progress_bar=false"]
-
-
-@pytest.fixture(scope="module")
-def env(tmp_path_factory):
-    e = dict(os.environ)
-    e["RECDEPTH_CACHE"] = str(tmp_path_factory.mktemp("cache"))
-    e["PYTHONPATH"] = os.pathsep.join([str(REPO), e.get("PYTHONPATH", "")])  # this checkout's code
-    e["WANDB_MODE"] = "offline"
-    e.pop("WANDB_API_KEY", None)
-    return e
 
 
 def run(args, cwd, env, check=True):
@@ -221,6 +211,9 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("model.size=huge", "model.size: unknown size 'huge'"),
     ("data=files data.paths=/nonexistent/*.txt", "data.paths: no file matches '/nonexistent/*.txt'"),
     ("foo=1", "Could not override 'foo'"),
+    ("trainer.precision=bf16", "trainer.precision: expected one of 32-true, bf16-mixed"),
+    ("trainer.strategy=fsdp", "trainer.strategy: expected one of auto, ddp, got 'fsdp'"),
+    ("ckpt_path=/nonexistent/last.ckpt", "ckpt_path: no checkpoint file at /nonexistent/last.ckpt"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):
     p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()], cwd=tmp_path, env=env,
@@ -228,6 +221,14 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, mess
     assert p.returncode != 0
     assert message in p.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: trainer=gpu is valid")
+def test_trainer_gpu_without_a_gpu_fails_fast(tmp_path, env):
+    p = run(["trainer=gpu", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env, check=False)
+    assert p.returncode != 0
+    assert "trainer.accelerator: gpu asked for, but torch" in p.stderr and "sees no CUDA device" in p.stderr
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_diverging_run_stops_with_a_clear_message(tmp_path, env):
@@ -246,6 +247,22 @@ def test_existing_results_are_not_overwritten(tmp_path, env):
     p = run([f"run_dir={rd}", *TINY], cwd=tmp_path, env=env, check=False)
     assert p.returncode != 0 and "already holds" in p.stderr
     assert json.loads((rd / "metrics.json").read_text()) == {"mine": 1}
+
+
+def test_a_run_dir_in_use_is_refused(tmp_path, env):
+    """Two runs started in the same second share a Hydra run dir: the second is refused."""
+    from recdepth.runs import FileLock
+
+    rd = tmp_path / "run"
+    rd.mkdir()
+    held = FileLock(rd / ".lock")
+    held.acquire()
+    try:
+        p = run([f"run_dir={rd}", *TINY], cwd=tmp_path, env=env, check=False)
+    finally:
+        held.release()
+    assert p.returncode != 0 and f"run_dir: {rd} is in use by another recdepth run" in p.stderr
+    assert not (rd / "config.yaml").exists()
 
 
 def test_wandb_logger_runs_offline_without_network(tmp_path, env):

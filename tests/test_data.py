@@ -19,6 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 import recdepth.data as data
 from recdepth.data import TokenDataModule
@@ -289,7 +290,9 @@ def test_train_windows(tmp_path):
     for (x1, y1), (x2, y2) in zip(batches[2:], resumed):
         assert torch.equal(x1, x2) and torch.equal(y1, y2)
     dm.start_step = 5
-    assert len(dm.train_dataloader()) == 1
+    assert len(list(dm.train_dataloader())) == 1
+    # Its length stays max_steps: Lightning's restored progress counters hold the rest.
+    assert len(dm.train_dataloader()) == S
 
     # A worker process sees the same data (the memmap is reopened, not pickled).
     dm.num_workers = 1
@@ -538,3 +541,27 @@ def test_clear_errors(tmp_path):
     # Exactly block_size + 1 val tokens is enough: one window.
     dm = dm_files(tmp_path, [str(short)], block_size=n_val - 1)
     assert len(dm.val_dataloader()) == 1
+
+
+def test_ddp_ranks_split_each_global_batch(tmp_path):
+    """W ranks at batch B see, step by step, the windows one process at batch W*B sees;
+    the resumable loader's state restores the order and refuses a different one."""
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(8, 2000))
+    T, B, S = 8, 2, 5
+    one = dm_files(tmp_path, [str(f)], block_size=T, batch_size=2 * B, max_steps=S, seed=3)
+    two = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=S, seed=3)
+    whole = [x for x, _ in one.train_dataloader()]
+    r0 = [x for x, _ in DataLoader(two.train_dataset(rank=0, world_size=2), batch_size=None)]
+    r1 = [x for x, _ in DataLoader(two.train_dataset(rank=1, world_size=2), batch_size=None)]
+    assert len(whole) == len(r0) == len(r1) == S
+    for k in range(S):
+        assert torch.equal(torch.cat([r0[k], r1[k]]), whole[k])
+    loader = one.train_dataloader()
+    state = {**loader.state_dict(), "step": 3}
+    fresh = one.train_dataloader()
+    fresh.load_state_dict(state)
+    got = [x for x, _ in fresh]
+    assert len(got) == S - 3 and all(torch.equal(x, w) for x, w in zip(got, whole[3:]))
+    with pytest.raises(ValueError, match="data order differs.*batch_size=4 -> 2"):
+        two.train_dataloader().load_state_dict(state)
