@@ -20,6 +20,7 @@ ranks run the same depth every step and rank 0's checkpoint resumes all of them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -35,6 +36,18 @@ WORKER_ENV = "RECDEPTH_DDP_WORKER"
 def is_worker() -> bool:
     """True in a DDP rank > 0 that recdepth launched."""
     return os.environ.get(WORKER_ENV) == "1"
+
+
+def _die_with_parent() -> None:
+    """In a rank > 0, before exec: ask Linux to SIGKILL it when rank 0 dies (rank 0 killed
+    with SIGKILL cannot stop its ranks; they would wait on a collective for the DDP
+    timeout). A no-op elsewhere."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
 
 
 class _ConfigLauncher(_SubprocessScriptLauncher):
@@ -55,7 +68,7 @@ class _ConfigLauncher(_SubprocessScriptLauncher):
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
             child = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1"}
-            self.procs.append(subprocess.Popen(self.command, env=child))
+            self.procs.append(subprocess.Popen(self.command, env=child, preexec_fn=_die_with_parent))
 
 
 class RecdepthDDP(DDPStrategy):
