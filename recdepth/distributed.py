@@ -38,16 +38,30 @@ def is_worker() -> bool:
     return os.environ.get(WORKER_ENV) == "1"
 
 
-def _die_with_parent() -> None:
-    """In a rank > 0, before exec: ask Linux to SIGKILL it when rank 0 dies (rank 0 killed
-    with SIGKILL cannot stop its ranks; they would wait on a collective for the DDP
-    timeout). A no-op elsewhere."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
+def _libc():
+    if not sys.platform.startswith("linux"):
+        return None
+    import ctypes
 
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(signal.SIGKILL))  # PR_SET_PDEATHSIG
+    with contextlib.suppress(OSError):
+        return ctypes.CDLL(None, use_errno=True)  # loaded in the parent: nothing to load after fork
+    return None
+
+
+_LIBC = _libc()
+
+
+def _die_with_parent(parent: int):
+    """The preexec_fn of a rank > 0: ask Linux to SIGKILL it when rank 0 dies (a rank 0
+    killed with SIGKILL cannot stop its ranks; they would wait on a collective for the DDP
+    timeout), and exit at once if rank 0 is already gone. Only a prctl and a getppid run
+    between fork and exec."""
+    def preexec() -> None:
+        if _LIBC is not None:
+            _LIBC.prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL
+        if os.getppid() != parent:
+            os._exit(1)
+    return preexec
 
 
 class _ConfigLauncher(_SubprocessScriptLauncher):
@@ -60,6 +74,10 @@ class _ConfigLauncher(_SubprocessScriptLauncher):
     def _call_children_scripts(self) -> None:
         self._check_can_spawn_children()
         self.procs = []
+        # What this sets in rank 0's own environment, undone by `teardown` (a sequential
+        # sweep's next job must launch its ranks afresh).
+        self.saved_env = {k: os.environ.get(k) for k in ("MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "LOCAL_RANK",
+                                                           "WORLD_SIZE")}
         env = self.cluster_environment
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
@@ -68,7 +86,7 @@ class _ConfigLauncher(_SubprocessScriptLauncher):
         os.environ["WORLD_SIZE"] = str(self.num_processes * self.num_nodes)
         for local_rank in range(1, self.num_processes):
             child = {**os.environ, "LOCAL_RANK": str(local_rank), WORKER_ENV: "1"}
-            self.procs.append(subprocess.Popen(self.command, env=child, preexec_fn=_die_with_parent))
+            self.procs.append(subprocess.Popen(self.command, env=child, preexec_fn=_die_with_parent(os.getpid())))
 
 
 class RecdepthDDP(DDPStrategy):
@@ -80,10 +98,37 @@ class RecdepthDDP(DDPStrategy):
 
     def _configure_launcher(self) -> None:
         if self.command is None or self.cluster_environment.creates_processes_externally:
-            super()._configure_launcher()  # torchrun / SLURM tasks: they started the ranks
+            super()._configure_launcher()  # a rank > 0: rank 0 started it
         else:
             self._launcher = _ConfigLauncher(self.cluster_environment, self.num_processes, self.num_nodes,
                                              self.command)
+
+
+def teardown(trainer, failed: bool = False) -> None:
+    """After a DDP run's last trainer call (or its failure): let the ranks exit (kill them
+    if rank 0 failed: they would wait on it), close the process group and give rank 0 its
+    environment back, so the next job of a sequential sweep launches afresh. Idempotent."""
+    import torch.distributed as dist
+
+    launcher = getattr(trainer.strategy, "launcher", None) if trainer is not None else None
+    if not isinstance(launcher, _ConfigLauncher) or is_worker():
+        return
+    for proc in launcher.procs:
+        if failed:
+            proc.kill()
+        try:
+            proc.wait(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    launcher.procs = []
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    for k, v in getattr(launcher, "saved_env", {}).items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    launcher.saved_env = {}
 
 
 def strategy(trainer_cfg, run_dir: Path | None = None, resume=None):
@@ -95,20 +140,25 @@ def strategy(trainer_cfg, run_dir: Path | None = None, resume=None):
     devices = trainer_cfg.devices
     if devices != "auto" and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
         raise ValueError(f"trainer.devices: expected an integer >= 1 or auto, got {devices!r}")
+    if trainer_cfg.get("num_nodes", 1) != 1:
+        raise ValueError(f"trainer.num_nodes: recdepth runs on one node (got {trainer_cfg.num_nodes}); "
+                         "use trainer=ddp with trainer.devices=<GPUs of the node>")
     if name == "auto":
+        if devices not in (1, "auto"):
+            raise ValueError(f"trainer.devices: {devices} processes need trainer.strategy=ddp (trainer=ddp)")
         return "auto"
+    if os.environ.get("SLURM_NTASKS", "1") != "1" or os.environ.get("RANK", "0") != "0" and not is_worker():
+        raise ValueError("trainer.strategy: ddp starts its ranks itself; run one task per SLURM job "
+                         "(hydra.launcher.tasks_per_node=1), not several, and not under torchrun")
     command = None
     if run_dir is not None and not is_worker():
         command = [sys.executable, "-m", "recdepth.distributed", str(Path(run_dir).resolve() / "config.yaml"),
                    "null" if resume is None else str(Path(resume).resolve())]
-    env = None
-    if os.environ.get("SLURM_NTASKS", "1") == "1":
-        # One SLURM task (or none): recdepth starts the ranks itself. Lightning would
-        # otherwise see SLURM and wait for srun to have started them.
-        from lightning.fabric.plugins.environments import LightningEnvironment
+    # recdepth starts the ranks itself, also inside a SLURM job (Lightning would otherwise
+    # see SLURM and wait for srun to have started them).
+    from lightning.fabric.plugins.environments import LightningEnvironment
 
-        env = LightningEnvironment()
-    return RecdepthDDP(command=command, cluster_environment=env)
+    return RecdepthDDP(command=command, cluster_environment=LightningEnvironment())
 
 
 def main(argv: list[str] | None = None) -> None:

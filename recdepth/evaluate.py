@@ -62,11 +62,13 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
         data = OmegaConf.to_container(OmegaConf.load(cfg_file).data, resolve=True)
     try:
         module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=True)
-    except (RuntimeError, TypeError, KeyError, ValueError) as e:  # weights that do not fit the model they claim
-        first = str(e).strip().splitlines()
-        detail = next((ln.strip() for ln in first if "size mismatch" in ln or "Missing key" in ln or "Unexpected key" in ln),
-                      first[0] if first else type(e).__name__)
-        raise ValueError(f"ckpt: {path}: its weights do not fit the model its hyper_parameters describe ({detail[:200]})") from None
+    except RuntimeError as e:  # weights that do not fit the model their hyper_parameters describe
+        lines = [ln.strip() for ln in str(e).splitlines()]
+        detail = next((ln for ln in lines if ln.startswith(("size mismatch", "Missing key", "Unexpected key"))), None)
+        if detail is None:
+            raise
+        raise ValueError(f"ckpt: {path}: its weights do not fit the model its hyper_parameters describe "
+                         f"({detail[:200]})") from e
     return module.to(device).eval(), data
 
 

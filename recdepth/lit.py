@@ -80,8 +80,12 @@ class LoopedLM(L.LightningModule):
         self._loops = self.sampler.sample() if self.model.n_groups else []
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
                              generator=self.noise)
-        if not torch.isfinite(loss.detach()):  # one sync per step: cheap next to the step itself
+        bad = (~torch.isfinite(loss.detach())).float()
+        if self.trainer.world_size > 1:  # every rank stops together, with this message (not a killed peer)
+            bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
+        if bad.item():  # one sync per step: cheap next to the step itself
             raise TrainingDiverged(f"train/loss is {loss.item()} at step {self.global_step} "
+                                   f"{'' if self.trainer.world_size == 1 else '(on some rank) '}"
                                    f"(optim.lr={self.hparams.optim['lr']}): training diverged and was stopped")
         self.log("train/loss", loss, prog_bar=True)
         for g, n in enumerate(self._loops):
@@ -169,6 +173,8 @@ class LoopedLM(L.LightningModule):
             raise TrainingDiverged(f"non-finite weights at step {self.global_step} ({bad[0]}, {len(bad)} tensors): "
                                    "training diverged and was stopped; the checkpoint was not written")
         checkpoint["loop_sampler"] = self.sampler.state_dict()
+        for lg in self.trainer.loggers:  # the curves on disk reach the checkpoint: a resume carries them over
+            lg.save()
         if self.noise is not None:
             checkpoint["noise_generator"] = {"device": self.noise.device.type, "state": self.noise.get_state()}
         checkpoint["train_seconds"] = self.train_seconds

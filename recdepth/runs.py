@@ -37,7 +37,10 @@ log = logging.getLogger("recdepth.runs")
 # ckpt_path and reuse do not (a sweep over exit settings trains once). Within them,
 # settings that only change how a run reports itself, or where it runs, are dropped too.
 TRAINING_KEYS = ("seed", "batch_size", "optim", "model", "sampler", "data", "trainer")
-NOT_TRAINING = {"trainer": ("enable_progress_bar", "log_every_n_steps", "peak_flops"),
+# Validation, checkpoints and diagnostics draw from generators of their own, so their
+# cadence changes nothing trained; nor does the accelerator or compiling (numerics aside).
+NOT_TRAINING = {"trainer": ("enable_progress_bar", "log_every_n_steps", "peak_flops", "val_check_interval",
+                            "checkpoint_every", "accelerator", "compile"),
                 "data": ("cache_dir", "num_workers")}
 TRAINING_METRICS = ("val_ce", "val_ppl", "unigram_ce", "train_seconds", "tokens_seen", "steps", "model",
                     "groups", "params", "diagnostics_seconds", "identity")
@@ -100,17 +103,22 @@ def read_entry(path: Path) -> dict | None:
         return None
     if not Path(entry.get("checkpoint", "")).is_file():
         if path.name.endswith(".partial.json"):
-            return None  # a run killed before its first checkpoint: nothing to resume
+            # Killed before its first checkpoint: the checkpoint it had resumed from, if any.
+            fallback = entry.get("resumed_from")
+            return {**entry, "checkpoint": fallback} if fallback and Path(fallback).is_file() else None
         log.warning("reuse: %s points at a missing checkpoint %s; training again", path, entry.get("checkpoint"))
         return None
     return entry
 
 
-def register_partial(path: Path, identity: str, run_dir: Path) -> None:
-    """Record that run_dir has started training this identity (its checkpoint may come later)."""
+def register_partial(path: Path, identity: str, run_dir: Path, resumed_from: Path | None = None) -> None:
+    """Record that run_dir has started training this identity. Its own checkpoint comes
+    later; until then the checkpoint it resumed from stands in, so a run killed before
+    its first checkpoint loses nothing an earlier run had saved."""
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json(path, {"identity": identity, "run_dir": str(run_dir.resolve()),
                       "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve()),
+                      "resumed_from": None if resumed_from is None else str(Path(resumed_from).resolve()),
                       "pid": os.getpid(), "host": socket.gethostname()})
 
 
@@ -153,6 +161,10 @@ class FileLock:
                 raise BlockingIOError(f"{self.path} is held by {holder}") from None
             log.info("identity lock: %s is held by %s; waiting for it (then its result is reused)", self.path, holder)
             fcntl.flock(f, fcntl.LOCK_EX)
+        except OSError as e:  # a filesystem without flock (Lustre without -o flock, some NFS)
+            f.close()
+            log.warning("lock: cannot lock %s (%s); going on without it", self.path, e)
+            return
         f.seek(0)
         f.truncate()
         f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
@@ -192,13 +204,15 @@ def find_resume(cfg: DictConfig, run_dir: Path, partial: Path | None) -> Path | 
 
 
 def check_resumable(ckpt: Path, training: dict, shape: dict, max_steps: int) -> int:
-    """Refuse (one line) a checkpoint that is unreadable, finished, or was saved under a
-    different training config; return its global step."""
+    """Refuse (one line) a checkpoint that is unreadable, past trainer.max_steps, or was
+    saved under a different training config; return its global step. A checkpoint at
+    max_steps is accepted: its run was killed after training and before it finished
+    (validation, evaluation), and resuming it does just that."""
     try:
         c = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
     except Exception as e:  # truncated, not a checkpoint, or carries objects weights_only refuses
         raise ValueError(f"ckpt_path: {ckpt} is not a readable recdepth checkpoint "
-                         f"({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})") from e
     if not isinstance(c, dict) or "global_step" not in c or "state_dict" not in c:
         raise ValueError(f"ckpt_path: {ckpt} is not a Lightning checkpoint (no global_step / state_dict)")
     saved, now = c.get("training_config"), training
@@ -211,8 +225,8 @@ def check_resumable(ckpt: Path, training: dict, shape: dict, max_steps: int) -> 
         raise ValueError(f"ckpt_path: {ckpt} was saved under a different training config ({'; '.join(diff)}); "
                          "resume with the config it was saved with, or set ckpt_path=null to start fresh")
     step = int(c["global_step"])
-    if step >= max_steps:
-        raise ValueError(f"ckpt_path: {ckpt} is already at step {step} >= trainer.max_steps={max_steps}; "
+    if step > max_steps:
+        raise ValueError(f"ckpt_path: {ckpt} is at step {step}, past trainer.max_steps={max_steps}; "
                          "nothing to resume (set ckpt_path=null to train again)")
     return step
 
@@ -222,8 +236,8 @@ def carry_over(ckpt: Path, step: int, run_dir: Path) -> None:
     curves up to the checkpoint's step, so this run dir reads as one uninterrupted run.
     The old directory is left as it was."""
     old = ckpt.resolve().parent.parent
-    if old == run_dir.resolve():
-        return
+    if old == run_dir.resolve() or ckpt.resolve().parent.name != "checkpoints":
+        return  # in place, or a checkpoint file outside any run dir: nothing to bring
     n = 0
     for f in sorted(old.glob("diagnostics/step_*.json")):
         if int(f.stem.split("_")[1]) <= step:
@@ -237,11 +251,11 @@ def earlier_curves(ckpt: Path, step: int) -> list[dict]:
     """The rows of the resumed run's csv/metrics.csv up to the checkpoint's step (the CSV
     logger starts its file afresh; these are written back into it first)."""
     f = ckpt.resolve().parent.parent / "csv" / "metrics.csv"
-    if not f.is_file():
+    if ckpt.resolve().parent.name != "checkpoints" or not f.is_file():
         return []
     rows = []
     with open(f, newline="") as fh:
         for row in csv.DictReader(fh):
             if row.get("step", "") != "" and int(row["step"]) <= step:
-                rows.append({k: float(v) for k, v in row.items() if v != ""})
+                rows.append({k: int(v) if k in ("step", "epoch") else float(v) for k, v in row.items() if v != ""})
     return rows

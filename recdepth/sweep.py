@@ -54,7 +54,6 @@ def guarded(fn, cfg: DictConfig, key: str) -> float:
             # whole story (HYDRA_FULL_ERROR=1 keeps the traceback).
             if os.environ.get("HYDRA_FULL_ERROR") == "1" or not _one_line(e):
                 raise
-            log.error("%s: %s", type(e).__name__, e)
             raise SystemExit(f"error: {e}") from None
     try:
         return _objective(fn(cfg), key)
@@ -68,11 +67,14 @@ def guarded(fn, cfg: DictConfig, key: str) -> float:
 
 
 def _one_line(e: Exception) -> bool:
-    """recdepth's own errors are one line naming the field or file; anything else (a bug,
-    a library's multi-line report) keeps its traceback."""
+    """recdepth's own errors are one line: `field: ...` (or a diverged run's report);
+    anything else (a bug, a library's multi-line report) keeps its traceback."""
     msg = str(e)
-    return "\n" not in msg and (type(e).__name__ == "TrainingDiverged" or not isinstance(e, RuntimeError)) and \
-        ":" in msg.split(" ", 1)[0] + " "
+    if "\n" in msg:
+        return False
+    if type(e).__name__ == "TrainingDiverged":
+        return True
+    return not isinstance(e, RuntimeError) and msg.split(" ", 1)[0].endswith(":")
 
 
 def _objective(metrics: dict, key: str) -> float:

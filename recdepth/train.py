@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -265,17 +266,25 @@ def train(cfg: DictConfig) -> dict:
     except BlockingIOError as e:
         raise FileExistsError(f"run_dir: {run_dir} is in use by another recdepth run ({e}); choose a new run_dir") from None
     lock = FileLock(lock_file)
-    lock.acquire()
     try:
+        lock.acquire()
         entry = read_entry(finished) if finished is not None else None
         resume = None if entry is not None else find_resume(cfg, run_dir, partial)
-        step = 0
+        step, restart = 0, False
         if resume is not None:
             step = check_resumable(resume, {**training, "model_shape": model_shape(probe)}, model_shape(probe),
                                    cfg.trainer.max_steps)
-        elif any(run_dir.glob("diagnostics/step_*.json")):
-            raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics/step_*.json; choose a new run_dir")
-        run_dir.mkdir(parents=True, exist_ok=True)
+        elif entry is None and (run_dir / "checkpoints" / "last.ckpt").is_file():  # ckpt_path=null
+            raise FileExistsError(f"run_dir: {run_dir} already holds checkpoints/last.ckpt and ckpt_path=null "
+                                  "starts fresh; choose a new run_dir (or resume it: ckpt_path=last)")
+        elif entry is None and any(run_dir.glob("diagnostics/step_*.json")):
+            if not same_training(run_dir, identity):
+                raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics/step_*.json of another run; "
+                                      "choose a new run_dir")
+            # This run, stopped before its first checkpoint (a requeued job): start it again.
+            # Training is deterministic, so the diagnostics it wrote are the ones it will write.
+            log.info("run_dir: %s was stopped before its first checkpoint; training it again from step 0", run_dir)
+            restart = True
         (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if entry is not None:
             lock.release()
@@ -283,13 +292,21 @@ def train(cfg: DictConfig) -> dict:
         if resume is not None:
             carry_over(resume, step, run_dir)
         if partial is not None:
-            register_partial(partial, identity, run_dir)
-        return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=resume,
-                                resumed_step=step, on_trained=lambda m: _registered(cfg, finished, identity, run_dir,
-                                                                                    m, lock))
+            register_partial(partial, identity, run_dir, resumed_from=resume)
+        return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=resume, resumed_step=step,
+                                keep_diagnostics=restart,
+                                on_trained=lambda m: _registered(cfg, finished, identity, run_dir, m, lock))
     finally:
         lock.release()
         owner.release()
+
+
+def same_training(run_dir: Path, identity: str) -> bool:
+    """Whether run_dir's config.yaml (written by the run that used it) has this training identity."""
+    try:
+        return training_identity(OmegaConf.load(run_dir / "config.yaml"))[0] == identity
+    except Exception:  # no config.yaml, or one from another version of the config
+        return False
 
 
 def _registered(cfg, finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
@@ -306,7 +323,8 @@ def model_shape(mcfg: GPTConfig) -> dict:
 
 
 def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, identity: str, training: dict,
-                     resume: Path | str | None = None, resumed_step: int = 0, on_trained=None) -> dict:
+                     resume: Path | str | None = None, resumed_step: int = 0, keep_diagnostics: bool = False,
+                     on_trained=None) -> dict:
     """Fit (from `resume` if given), validate, evaluate; rank 0 writes metrics.json."""
     tune_cpu_allocator()
     L.seed_everything(cfg.seed, workers=True)
@@ -338,6 +356,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
     callbacks = [ckpt, LearningRateMonitor(logging_interval="step")]
     dyn = loop_dynamics_callback(cfg, run_dir, dm, mcfg)
     if dyn is not None:
+        dyn.keep_existing = keep_diagnostics
         callbacks.append(dyn)
     lg = loggers(cfg, run_dir)
     if resume is not None and not distributed.is_worker():
@@ -375,6 +394,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
             trainer.validate(module, datamodule=dm, verbose=False)
         if not trainer.is_global_zero:
             return {}
+        distributed.teardown(trainer)  # the ranks are done: only rank 0 evaluates
         val_ce = float(trainer.callback_metrics["val/ce"])
         metrics = {
             "val_ce": val_ce,
@@ -409,6 +429,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
                  train_seconds, run_dir)
         return metrics
     finally:
+        distributed.teardown(trainer, failed=sys.exc_info()[0] is not None)
         for lgr in lg:
             if type(lgr).__name__ == "WandbLogger":
                 import wandb

@@ -213,6 +213,8 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("foo=1", "Could not override 'foo'"),
     ("trainer.precision=bf16", "trainer.precision: expected one of 32-true, bf16-mixed"),
     ("trainer.strategy=fsdp", "trainer.strategy: expected one of auto, ddp, got 'fsdp'"),
+    ("trainer.devices=2", "trainer.devices: 2 processes need trainer.strategy=ddp (trainer=ddp)"),
+    ("trainer=ddp trainer.num_nodes=2", "trainer.num_nodes: recdepth runs on one node (got 2)"),
     ("ckpt_path=/nonexistent/last.ckpt", "ckpt_path: no checkpoint file at /nonexistent/last.ckpt"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):

@@ -121,9 +121,6 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path, env, straight):
     assert p.returncode != 0
     assert f"ckpt_path: {ckpt} was saved under a different training config" in p.stderr
     assert "model_shape.n_embd: 128 -> 64" in p.stderr
-    # A finished checkpoint has nothing left to resume.
-    p = run([*ARGS, f"run_dir={tmp_path / 'b'}", f"ckpt_path={ckpt}"], cwd=tmp_path, env=env, check=False)
-    assert p.returncode != 0 and "is already at step 16 >= trainer.max_steps=16" in p.stderr
     # ckpt_path=last with nothing to resume, and a file that is not a checkpoint.
     p = run([*ARGS, f"run_dir={tmp_path / 'c'}", "ckpt_path=last", "reuse.enabled=false"], cwd=tmp_path, env=env,
             check=False)
@@ -132,6 +129,65 @@ def test_a_checkpoint_of_another_config_is_refused(tmp_path, env, straight):
     junk.write_bytes(b"not a checkpoint")
     p = run([*ARGS, f"run_dir={tmp_path / 'd'}", f"ckpt_path={junk}"], cwd=tmp_path, env=env, check=False)
     assert p.returncode != 0 and f"ckpt_path: {junk} is not a readable recdepth checkpoint" in p.stderr
-    for d in "abcd":
+    for d in "acd":
         assert not (tmp_path / d / "checkpoints").exists()  # refused before any work
 
+
+
+def kill_when(args, cwd, env, ready) -> None:
+    """Start the CLI and SIGKILL it as soon as `ready()` is true."""
+    p = subprocess.Popen([sys.executable, "-m", "recdepth.train", *args], cwd=cwd, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not ready() and p.poll() is None and time.time() < deadline:
+        time.sleep(0.005)
+    assert p.poll() is None, "the run ended before the kill"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+
+
+def test_a_resumed_run_killed_before_its_own_first_checkpoint_loses_nothing(tmp_path, env, straight):
+    """A killed at step 4; B resumes it and is killed before saving anything; C must still
+    start from A's step 4, not from scratch."""
+    ref, _ = straight
+    kill_after_first_checkpoint(ARGS, tmp_path, env, "outputs/*/*/checkpoints/last.ckpt")
+    (a,) = [d for d in tmp_path.glob("outputs/2*/*")]
+    (partial,) = tmp_path.glob("outputs/trained/*.partial.json")
+    time.sleep(1.1)
+    kill_when(ARGS, tmp_path, env, lambda: json.loads(partial.read_text())["run_dir"] != str(a.resolve()))  # B in
+    (b,) = [d for d in tmp_path.glob("outputs/2*/*") if d != a]
+    assert not (b / "checkpoints").exists()
+    time.sleep(1.1)
+    run(ARGS, cwd=tmp_path, env=env)
+    (c,) = [d for d in tmp_path.glob("outputs/2*/*") if (d / "metrics.json").is_file()]
+    m = json.loads((c / "metrics.json").read_text())
+    assert m["resumed_from"] == {"checkpoint": str((a / "checkpoints" / "last.ckpt").resolve()), "step": 4}
+    assert m["val_ce"] == pytest.approx(ref["val_ce"], abs=1e-6)
+
+
+def test_a_run_dir_killed_before_its_first_and_after_its_last_checkpoint_reruns_in_place(tmp_path, env, straight):
+    """A requeued job reruns in its own dir: killed before any checkpoint (only step 0's
+    diagnostics written), then after the final checkpoint but before metrics.json."""
+    ref, _ = straight
+    rd = tmp_path / "run"
+    args = [*ARGS, f"run_dir={rd}"]
+    kill_when(args, tmp_path, env, lambda: (rd / "diagnostics" / "step_0.json").is_file())
+    assert not (rd / "checkpoints").exists()
+    last = rd / "checkpoints" / "last.ckpt"
+
+    def trained() -> bool:
+        try:
+            return torch.load(last, map_location="cpu", weights_only=True)["global_step"] == 16
+        except Exception:  # not there yet
+            return False
+
+    kill_when(args, tmp_path, env, trained)
+    assert not (rd / "metrics.json").exists()
+    p = run([*args, "ckpt_path=null"], cwd=tmp_path, env=env, check=False)  # fresh over a checkpoint: refused
+    assert p.returncode != 0 and "already holds checkpoints/last.ckpt and ckpt_path=null starts fresh" in p.stderr
+    run(args, cwd=tmp_path, env=env)
+    m = json.loads((rd / "metrics.json").read_text())
+    assert m["resumed_from"]["step"] == 16 and m["steps"] == 16
+    assert m["val_ce"] == pytest.approx(ref["val_ce"], abs=1e-6)
+    assert m["eval"]["ce"] == pytest.approx(ref["eval"]["ce"], abs=1e-6)
+    assert steps_of(rd) == [0, 4, 8, 12, 16]

@@ -41,6 +41,17 @@ def test_ddp_on_two_cpu_processes_trains_as_one_process_with_the_whole_batch(tmp
 
 
 
+def test_ddp_jobs_of_a_sequential_sweep_each_launch_their_ranks(tmp_path, env):
+    """Job 1 of a basic-launcher multirun must not find job 0's process group or env."""
+    run(["--multirun", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", *TINY, "callbacks=none",
+         "seed=1,2"], cwd=tmp_path, env=env)
+    (sweep,) = tmp_path.glob("multirun/*/*")
+    rows = list(csv.DictReader(open(sweep / "sweep_results.csv")))
+    assert [r["status"] for r in rows] == ["ok", "ok"] and [r["reused"] for r in rows] == ["False", "False"]
+    a, b = (json.loads((sweep / j / "metrics.json").read_text()) for j in ("0", "1"))
+    assert a["tokens_seen"] == b["tokens_seen"] == 3 * 2 * 2 * 128 and a["val_ce"] != b["val_ce"]
+
+
 def test_parallel_sweep_jobs_of_one_identity_train_once(tmp_path, env):
     """submitit's local launcher runs both jobs at once; the identity lock makes the
     second wait for the first and reuse its checkpoint instead of training it again."""
