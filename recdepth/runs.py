@@ -111,13 +111,18 @@ def read_entry(path: Path) -> dict | None:
     return entry
 
 
+def _entry(identity: str, run_dir: Path) -> dict:
+    """What every index entry holds: the identity, its run dir and that dir's checkpoint."""
+    return {"identity": identity, "run_dir": str(run_dir.resolve()),
+            "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve())}
+
+
 def register_partial(path: Path, identity: str, run_dir: Path, resumed_from: Path | None = None) -> None:
     """Record that run_dir has started training this identity. Its own checkpoint comes
     later; until then the checkpoint it resumed from stands in, so a run killed before
     its first checkpoint loses nothing an earlier run had saved."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, {"identity": identity, "run_dir": str(run_dir.resolve()),
-                      "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve()),
+    write_json(path, {**_entry(identity, run_dir),
                       "resumed_from": None if resumed_from is None else str(Path(resumed_from).resolve()),
                       "pid": os.getpid(), "host": socket.gethostname()})
 
@@ -125,8 +130,7 @@ def register_partial(path: Path, identity: str, run_dir: Path, resumed_from: Pat
 def register_trained(index: Path, identity: str, run_dir: Path, metrics: dict) -> None:
     """Record a finished training run (`reuse.index/<identity>.json`); drop its partial entry."""
     index.parent.mkdir(parents=True, exist_ok=True)
-    write_json(index, {"identity": identity, "run_dir": str(run_dir.resolve()),
-                       "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve()),
+    write_json(index, {**_entry(identity, run_dir),
                        "training": {k: metrics[k] for k in TRAINING_METRICS if k in metrics}})
     with contextlib.suppress(FileNotFoundError):
         (index.parent / f"{identity}.partial.json").unlink()
@@ -203,7 +207,7 @@ def find_resume(cfg: DictConfig, run_dir: Path, partial: Path | None) -> Path | 
     return None
 
 
-def check_resumable(ckpt: Path, training: dict, shape: dict, max_steps: int) -> int:
+def check_resumable(ckpt: Path, training: dict, max_steps: int) -> int:
     """Refuse (one line) a checkpoint that is unreadable, past trainer.max_steps, or was
     saved under a different training config; return its global step. A checkpoint at
     max_steps is accepted: its run was killed after training and before it finished
@@ -217,6 +221,7 @@ def check_resumable(ckpt: Path, training: dict, shape: dict, max_steps: int) -> 
         raise ValueError(f"ckpt_path: {ckpt} is not a Lightning checkpoint (no global_step / state_dict)")
     saved, now = c.get("training_config"), training
     if saved is None:  # not written by recdepth.train: at least the model's shape must match
+        shape = training["model_shape"]
         hp = (c.get("hyper_parameters") or {}).get("model") or {}
         saved = {"model": {k: hp.get(k) for k in shape}}
         now = {"model": shape}
@@ -231,13 +236,19 @@ def check_resumable(ckpt: Path, training: dict, shape: dict, max_steps: int) -> 
     return step
 
 
+def run_dir_of(ckpt: Path) -> Path | None:
+    """The run dir a checkpoint was saved in (`<run_dir>/checkpoints/x.ckpt`), if any."""
+    ckpt = ckpt.resolve()
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+
+
 def carry_over(ckpt: Path, step: int, run_dir: Path) -> None:
     """Continuing another directory's run here: bring its loop diagnostics and training
     curves up to the checkpoint's step, so this run dir reads as one uninterrupted run.
     The old directory is left as it was."""
-    old = ckpt.resolve().parent.parent
-    if old == run_dir.resolve() or ckpt.resolve().parent.name != "checkpoints":
-        return  # in place, or a checkpoint file outside any run dir: nothing to bring
+    old = run_dir_of(ckpt)
+    if old is None or old == run_dir.resolve():
+        return  # a checkpoint file outside any run dir, or in place: nothing to bring
     n = 0
     for f in sorted(old.glob("diagnostics/step_*.json")):
         if int(f.stem.split("_")[1]) <= step:
@@ -250,8 +261,9 @@ def carry_over(ckpt: Path, step: int, run_dir: Path) -> None:
 def earlier_curves(ckpt: Path, step: int) -> list[dict]:
     """The rows of the resumed run's csv/metrics.csv up to the checkpoint's step (the CSV
     logger starts its file afresh; these are written back into it first)."""
-    f = ckpt.resolve().parent.parent / "csv" / "metrics.csv"
-    if ckpt.resolve().parent.name != "checkpoints" or not f.is_file():
+    old = run_dir_of(ckpt)
+    f = None if old is None else old / "csv" / "metrics.csv"
+    if f is None or not f.is_file():
         return []
     rows = []
     with open(f, newline="") as fh:

@@ -253,6 +253,7 @@ def train(cfg: DictConfig) -> dict:
     LoopSampler(n_groups=len(probe.groups), **sampler_args(cfg))  # and the sampler's
     distributed.strategy(cfg.trainer)  # and the trainer's
     identity, training = training_identity(cfg)
+    training["model_shape"] = model_shape(probe)  # also checked against a resumed checkpoint's
     if distributed.is_worker():  # a DDP rank > 0: rank 0 decided everything and writes everything
         return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=cfg.get("ckpt_path"))
 
@@ -272,8 +273,7 @@ def train(cfg: DictConfig) -> dict:
         resume = None if entry is not None else find_resume(cfg, run_dir, partial)
         step, restart = 0, False
         if resume is not None:
-            step = check_resumable(resume, {**training, "model_shape": model_shape(probe)}, model_shape(probe),
-                                   cfg.trainer.max_steps)
+            step = check_resumable(resume, training, cfg.trainer.max_steps)
         elif entry is None and (run_dir / "checkpoints" / "last.ckpt").is_file():  # ckpt_path=null
             raise FileExistsError(f"run_dir: {run_dir} already holds checkpoints/last.ckpt and ckpt_path=null "
                                   "starts fresh; choose a new run_dir (or resume it: ckpt_path=last)")
@@ -295,7 +295,7 @@ def train(cfg: DictConfig) -> dict:
             register_partial(partial, identity, run_dir, resumed_from=resume)
         return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=resume, resumed_step=step,
                                 keep_diagnostics=restart,
-                                on_trained=lambda m: _registered(cfg, finished, identity, run_dir, m, lock))
+                                on_trained=lambda m: _registered(finished, identity, run_dir, m, lock))
     finally:
         lock.release()
         owner.release()
@@ -309,7 +309,7 @@ def same_training(run_dir: Path, identity: str) -> bool:
         return False
 
 
-def _registered(cfg, finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
+def _registered(finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
     """Training finished: record it in the index and let the next process of this identity in."""
     if finished is not None:
         register_trained(finished, identity, run_dir, metrics)
@@ -340,7 +340,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
         max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
     )
     module.data_config = OmegaConf.to_container(cfg.data, resolve=True)
-    module.training_config = {**training, "model_shape": model_shape(mcfg)}
+    module.training_config = training
     if mcfg.logit_bias:
         module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
     if dm.id_map is not None:
@@ -418,8 +418,9 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
             # Lightning moves the module back to the CPU at teardown; evaluate (and time)
             # on the device that trained it, eagerly: token-by-token decoding changes the
             # cache position every call, which a compiled block would recompile for.
-            for block in module.model.h:
-                block._compiled_call_impl = None  # undoes nn.Module.compile (torch keeps it there)
+            if t.compile:
+                for block in module.model.h:
+                    block._compiled_call_impl = None  # undoes nn.Module.compile (torch keeps it there)
             module.to(trainer.strategy.root_device)
             metrics["eval"] = exit_eval(module.model, dm, policy, cfg)
         write_json(run_dir / "metrics.json", metrics)
