@@ -24,7 +24,8 @@ Cache layout
   <cache_dir>/tokens/<source>-<key[:16]>/
       train.bin    uint16 token ids of the train split
       val.bin      uint16 token ids of the val split
-      vocab.npy    int64, compact id -> GPT-2 id (only with compact_vocab)
+      vocab.npy    int64, compact id -> GPT-2 id, -1 for the shared "other" entry
+                   (only with compact_vocab)
       meta.json    source, parameters, tokenizer id, content hash, counts, vocab info
   <cache_dir>/hf-datasets/   lock files of the `datasets` builders used for local files
 
@@ -48,10 +49,15 @@ warning), never trusted.
 Compact vocabulary
 ------------------
 With `compact_vocab` (the default for shakespeare, off otherwise) the model's vocabulary is
-the sorted set of GPT-2 ids that occur anywhere in the tokenized corpus (train + val):
-Shakespeare uses 19379 of GPT-2's 50257 tokens, so the embedding / unembedding shrink by
-2.6x. The .bin files then hold compact ids 0..V_c-1 and vocab.npy maps them back;
-`TokenDataModule.to_gpt2` / `from_gpt2` convert either way.
+the sorted set of GPT-2 ids that occur in the **train split** (the held-out text plays no
+part in choosing it), plus one shared "other" entry, the last id, that stands for every
+GPT-2 id outside that set (SPEC §4, vocabulary). The model's probability of "other" is
+spread evenly over those n_other ids, so a held-out token the train split never saw is
+scored log p(other) − log n_other and CE stays a cross-entropy over all 50257 GPT-2 ids
+(`recdepth.model.token_nll`). Shakespeare's train split uses 19,194 of GPT-2's 50257 tokens, so
+the embedding / unembedding shrink by 2.6x. The .bin files hold compact ids 0..V_c (V_c =
+"other") and vocab.npy maps them back (-1 for "other"); `TokenDataModule.to_gpt2` /
+`from_gpt2` convert either way (`from_gpt2` sends unseen ids to "other").
 """
 
 from __future__ import annotations
@@ -81,7 +87,7 @@ log = logging.getLogger(__name__)
 
 # Bump when the on-disk layout or the tokenization procedure changes: old caches then
 # simply stop matching.
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2  # 2: compact vocabulary from the train split only, plus "other"
 SOURCES = ("shakespeare", "fineweb", "files")
 FINEWEB_REPO = "HuggingFaceFW/fineweb"
 FINEWEB_CONFIG = "sample-10BT"
@@ -399,6 +405,11 @@ class TokenCache:
     def vocab_size(self) -> int:
         return int(self.meta["vocab_size"])
 
+    @property
+    def n_other(self) -> int:
+        """GPT-2 ids that share the "other" entry (0 without a compact vocabulary)."""
+        return int(self.meta["n_other"])
+
 
 def _open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     """The cache at `path` if it is complete and matches `key`, else (None, why not)."""
@@ -415,6 +426,7 @@ def _open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
             int(meta["vocab_size"]),
         )
         compact = bool(meta["compact_vocab"])
+        int(meta["n_other"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"{meta_path} is unreadable ({type(e).__name__}: {e})"
     for name, n in (("train.bin", n_train), ("val.bin", n_val)):
@@ -472,16 +484,24 @@ def _build_cache(
                 f"val_fraction={val_fraction}"
             )
         tokens = np.memmap(tmp["tokens.bin"], dtype=np.uint16, mode="r+", shape=(n,))
+        n_other = val_other = 0
         if compact_vocab:
-            vocab = np.flatnonzero(counts)  # sorted GPT-2 ids present in train + val
-            lut = np.zeros(GPT2_VOCAB_SIZE, dtype=np.uint16)
-            lut[vocab] = np.arange(len(vocab), dtype=np.uint16)
+            # The train split alone chooses the vocabulary; everything else is "other".
+            train_counts = np.zeros(GPT2_VOCAB_SIZE, dtype=np.int64)
             step = 1 << 24
+            for i in range(0, n_train, step):
+                train_counts += np.bincount(tokens[i : min(i + step, n_train)], minlength=GPT2_VOCAB_SIZE)
+            vocab = np.flatnonzero(train_counts)  # sorted GPT-2 ids of the train split
+            other = len(vocab)
+            n_other = GPT2_VOCAB_SIZE - len(vocab)
+            val_other = int(n - n_train - (counts - train_counts)[vocab].sum())
+            lut = np.full(GPT2_VOCAB_SIZE, other, dtype=np.uint16)
+            lut[vocab] = np.arange(len(vocab), dtype=np.uint16)
             for i in range(0, n, step):  # remap in place, in bounded-memory chunks
                 tokens[i : i + step] = lut[tokens[i : i + step]]
             with open(tmp["vocab.npy"], "wb") as fh:
-                np.save(fh, vocab.astype(np.int64))
-            vocab_size = len(vocab)
+                np.save(fh, np.append(vocab, -1).astype(np.int64))
+            vocab_size = len(vocab) + 1
         else:
             vocab_size = GPT2_VOCAB_SIZE
         tokens[n_train:].tofile(tmp["val.bin"])
@@ -509,6 +529,8 @@ def _build_cache(
             "n_val": n_val,
             "dtype": "uint16",
             "vocab_size": vocab_size,
+            "n_other": n_other,
+            "val_other_tokens": val_other,
             "gpt2_vocab_size": GPT2_VOCAB_SIZE,
             "eot_gpt2_id": EOT_ID,
             "n_eot": int(counts[EOT_ID]),
@@ -739,6 +761,8 @@ class TokenDataModule(L.LightningDataModule):
         self.train_tokens: np.memmap | None = None
         self.val_tokens: np.memmap | None = None
         self.id_map: np.ndarray | None = None
+        self.n_other = 0  # GPT-2 ids sharing the "other" entry (compact vocabulary)
+        self.other_id: int | None = None  # the model id of "other"
         self.eot_id: int | None = None
         self.train_offsets: np.ndarray | None = None
         self.val_offsets: np.ndarray | None = None
@@ -789,11 +813,13 @@ class TokenDataModule(L.LightningDataModule):
         self.train_tokens = cache.train
         self.val_tokens = cache.val
         self.id_map = cache.id_map
+        self.n_other = cache.n_other
         if self.id_map is not None:
-            inv = np.full(GPT2_VOCAB_SIZE, -1, dtype=np.int64)
-            inv[self.id_map] = np.arange(len(self.id_map))
+            self.other_id = len(self.id_map) - 1
+            inv = np.full(GPT2_VOCAB_SIZE, self.other_id, dtype=np.int64)
+            inv[self.id_map[:-1]] = np.arange(self.other_id)
             self._gpt2_to_compact = inv
-            self.eot_id = int(inv[EOT_ID]) if inv[EOT_ID] >= 0 else None
+            self.eot_id = int(inv[EOT_ID]) if inv[EOT_ID] != self.other_id else None
         else:
             self.eot_id = EOT_ID
         self.train_offsets = draw_train_offsets(
@@ -877,19 +903,27 @@ class TokenDataModule(L.LightningDataModule):
         return np.asarray(self.val_tokens[1 : len(self.val_offsets) * self.block_size + 1])
 
     def unigram_log_prior(self) -> np.ndarray:
-        """log p(t) of the train split's add-one smoothed unigram,
-        p(t) = (count_train(t) + 1) / (N + V), over the model vocabulary (float64 [V])."""
+        """log p(t) of the train split's add-one smoothed unigram over all 50257 GPT-2 ids,
+        p(t) = (count_train(t) + 1) / (N + 50257), in the model vocabulary (float64 [V]):
+        the "other" entry of a compact vocabulary gets the mass of the n_other ids it stands
+        for (each unseen in train, so n_other / (N + 50257))."""
         self._require_setup()
         V = self.vocab_size
-        counts = np.bincount(self.train_tokens, minlength=V).astype(np.float64)
-        return np.log(counts + 1.0) - np.log(len(self.train_tokens) + V)
+        counts = np.bincount(self.train_tokens, minlength=V).astype(np.float64) + 1.0
+        if self.other_id is not None:
+            counts[self.other_id] = self.n_other
+        return np.log(counts) - np.log(len(self.train_tokens) + GPT2_VOCAB_SIZE)
 
     def unigram_ce(self) -> float:
-        """Cross-entropy (nats/token) of exactly the targets val_dataloader scores, under
-        the train split's add-one smoothed unigram (`unigram_log_prior`). A baseline any
-        model should beat."""
+        """Cross-entropy (nats/token, over all GPT-2 ids) of exactly the targets
+        val_dataloader scores, under the train split's add-one smoothed unigram
+        (`unigram_log_prior`; an "other" target is scored log p(other) − log n_other, as
+        `recdepth.model.token_nll` scores the model). A baseline any model should beat."""
         V = self.vocab_size
         logp = self.unigram_log_prior()
+        if self.other_id is not None and self.n_other > 1:
+            logp = logp.copy()
+            logp[self.other_id] -= math.log(self.n_other)
         targets = self.val_targets()
         return float(-(np.bincount(targets, minlength=V) @ logp) / len(targets))
 
@@ -903,8 +937,9 @@ class TokenDataModule(L.LightningDataModule):
         return np.asarray(self.val_tokens[:n], dtype=np.int64)
 
     def to_gpt2(self, ids):
-        """Model ids -> GPT-2 ids (identity without a compact vocab). numpy in, int64
-        numpy out; a torch tensor in, a LongTensor on the same device out."""
+        """Model ids -> GPT-2 ids (identity without a compact vocab; -1 for the shared
+        "other" entry, which stands for many). numpy in, int64 numpy out; a torch tensor
+        in, a LongTensor on the same device out."""
         self._require_setup()
         if torch.is_tensor(ids):
             ids = ids.long()
@@ -915,7 +950,8 @@ class TokenDataModule(L.LightningDataModule):
         return ids if self.id_map is None else self.id_map[ids]
 
     def from_gpt2(self, ids):
-        """GPT-2 ids -> model ids; ValueError for an id outside the model's vocabulary."""
+        """GPT-2 ids -> model ids (an id the train split never saw -> "other");
+        ValueError for an id outside GPT-2's vocabulary."""
         self._require_setup()
         is_tensor = torch.is_tensor(ids)
         arr = (
@@ -938,5 +974,12 @@ class TokenDataModule(L.LightningDataModule):
         return torch.as_tensor(out, device=ids.device) if is_tensor else out
 
     def decode(self, ids) -> str:
-        """Model ids -> text."""
-        return gpt2().decode(np.asarray(self.to_gpt2(np.asarray(ids))).tolist())
+        """Model ids -> text ("other" shows as U+FFFD, the replacement character)."""
+        parts, run = [], []
+        for t in np.asarray(self.to_gpt2(np.asarray(ids))).tolist():
+            if t < 0:
+                parts.append(gpt2().decode(run) + "\ufffd")
+                run = []
+            else:
+                run.append(t)
+        return "".join(parts) + gpt2().decode(run)

@@ -51,7 +51,13 @@ class GPTConfig:
     block_size: int = 512
     """Context length (learned absolute position embeddings)."""
     vocab_size: int = 50257
-    """Real vocabulary size (GPT-2's 50257, or a compact corpus vocabulary)."""
+    """Real vocabulary size (GPT-2's 50257, or a compact corpus vocabulary plus its
+    shared "other" entry)."""
+    n_other: int = 0
+    """Tokenizer ids that share the model's last logit, the "other" entry of a compact
+    vocabulary (SPEC §4, vocabulary): p(id) = p(other) / n_other for each of them, so the
+    loss stays a cross-entropy over the full tokenizer vocabulary (`token_nll`). 0 = no
+    shared entry (every tokenizer id has its own logit)."""
     groups: list[list[int]] = field(default_factory=lambda: [[4], [5, 6], [7]])
     """Recurrence groups: disjoint, contiguous, in-range, ordered runs of layer indices."""
     mean_recurrence: float = 12.0
@@ -79,6 +85,8 @@ class GPTConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"model.{name}: expected a positive integer, got {v!r}")
+        if isinstance(self.n_other, bool) or not isinstance(self.n_other, int) or self.n_other < 0:
+            raise ValueError(f"model.n_other: expected an integer >= 0, got {self.n_other!r}")
         if self.n_embd % self.n_head:
             raise ValueError(
                 f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}"
@@ -90,6 +98,11 @@ class GPTConfig:
         if not (isinstance(self.mean_recurrence, (int, float)) and self.mean_recurrence >= 1):
             raise ValueError(f"model.mean_recurrence: expected a number >= 1, got {self.mean_recurrence!r}")
         self.groups = validate_groups(self.groups, self.n_layer)
+
+    @property
+    def other_id(self) -> int | None:
+        """The model id of the shared "other" entry (the last one), or None without it."""
+        return self.vocab_size - 1 if self.n_other else None
 
     @property
     def padded_vocab_size(self) -> int:
@@ -141,6 +154,20 @@ def validate_groups(groups, n_layer: int) -> list[list[int]]:
             raise ValueError(f"model.groups: groups must be listed in layer order, got {groups}")
         last = g[-1]
     return groups
+
+
+def token_nll(logits: Tensor, targets: Tensor, other_id: int | None = None, n_other: int = 0) -> Tensor:
+    """Per-token negative log-likelihood over the full tokenizer vocabulary (SPEC §4,
+    vocabulary): −log softmax(logits)[target], plus log(n_other) where the target is the
+    shared "other" entry `other_id`, whose probability is spread evenly over the n_other
+    tokenizer ids it stands for. logits [..., V_padded], targets [...] -> [...], in float32
+    at least."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+    nll = nll.view(targets.shape)
+    if other_id is not None and n_other > 1:
+        nll = nll + (targets == other_id).to(nll.dtype) * math.log(n_other)
+    return nll
 
 
 # ------------------------------------------------------------------------- layers
@@ -401,6 +428,10 @@ class LoopedGPT(nn.Module):
             logits[..., self.cfg.vocab_size :] = float("-inf")
         return logits
 
+    def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """`token_nll` with this model's "other" entry."""
+        return token_nll(logits, targets, self.cfg.other_id, self.cfg.n_other)
+
     def embed(self, idx: Tensor, pos0: int = 0) -> Tensor:
         T = idx.shape[1]
         if pos0 + T > self.cfg.block_size:
@@ -440,8 +471,8 @@ class LoopedGPT(nn.Module):
                 trace.append((kind, i, rec))
         logits = self.decode_logits(x)
         loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if targets is not None:  # mean token_nll: the full-vocabulary cross-entropy
+            loss = self.nll(logits, targets).mean()
         return logits, loss
 
     def default_loops(self) -> list[int]:

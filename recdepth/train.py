@@ -66,12 +66,12 @@ def conf_dir() -> str:
 
 
 # ------------------------------------------------------------------- pieces
-def model_config(cfg: DictConfig, vocab_size: int) -> GPTConfig:
+def model_config(cfg: DictConfig, vocab_size: int, n_other: int = 0) -> GPTConfig:
     m = cfg.model
     return GPTConfig.from_size(
         m.size, n_layer=m.n_layer, n_head=m.n_head, n_embd=m.n_embd, block_size=m.block_size,
         groups=OmegaConf.to_object(m.groups), state_init=m.state_init, logit_bias=m.logit_bias,
-        mean_recurrence=cfg.sampler.mean, vocab_size=vocab_size,
+        mean_recurrence=cfg.sampler.mean, vocab_size=vocab_size, n_other=n_other,
     )
 
 
@@ -332,7 +332,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
     dm = data_module(cfg, block_size=probe.block_size)
     dm.prepare_data()
     dm.setup()
-    mcfg = model_config(cfg, vocab_size=dm.vocab_size)
+    mcfg = model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)
     module = LoopedLM(
         model=mcfg.to_dict(),
         sampler=sampler_args(cfg),

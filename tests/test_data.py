@@ -88,10 +88,9 @@ def test_shakespeare_roundtrip_and_eot(tmp_path):
     assert len(docs) == 42
 
     dm = TokenDataModule(
-        "shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path
+        "shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path, compact_vocab=False
     )
     dm.setup()
-    assert dm.id_map is not None  # compact vocab is the shakespeare default
     stream = full_stream(dm)
     n = len(stream)
     # Tail split, nanoGPT style.
@@ -103,10 +102,19 @@ def test_shakespeare_roundtrip_and_eot(tmp_path):
     starts = np.concatenate([[0], eots[:-1] + 1])
     for doc, s, e in zip(docs, starts, eots):
         assert gpt2().decode(stream[s:e].tolist()) == doc
-    # Compact vocab: exactly the distinct GPT-2 ids of the corpus, sorted.
-    assert np.array_equal(dm.id_map, np.unique(stream))
-    assert dm.vocab_size == len(np.unique(stream)) < 50257
-    assert dm.eot_id == int(np.searchsorted(dm.id_map, EOT_ID))
+    # Compact vocab (the shakespeare default): exactly the distinct GPT-2 ids of the train
+    # split, sorted, then the shared "other" entry; held-out ids unseen in train map to it.
+    cm = TokenDataModule("shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path)
+    cm.setup()
+    train_ids = np.unique(stream[: len(dm.train_tokens)])
+    assert np.array_equal(cm.id_map[:-1], train_ids) and cm.id_map[-1] == -1
+    assert cm.vocab_size == len(train_ids) + 1 < 50257 and cm.other_id == len(train_ids)
+    assert cm.n_other == 50257 - len(train_ids)
+    assert cm.eot_id == int(np.searchsorted(train_ids, EOT_ID))
+    seen = np.isin(stream, train_ids)
+    assert np.array_equal(full_stream(cm), np.where(seen, stream, -1))
+    assert seen[: len(dm.train_tokens)].all() and not seen.all()  # some held-out ids never occur in train
+    assert cm.cache.meta["val_other_tokens"] == int((~seen).sum())
 
 
 def test_tiny_files_stream_has_eot_after_each_document(tmp_path):
@@ -218,17 +226,23 @@ def test_compact_vocab_maps_back(tmp_path):
     f.write_text(text)
     dm = dm_files(tmp_path, [str(f)], compact_vocab=True)
     ref = gpt2().encode_ordinary(text) + [EOT_ID]  # independent encoding
-    assert dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == ref
-    assert dm.vocab_size == len(set(ref))
-    assert int(max(dm.train_tokens.max(), dm.val_tokens.max())) == dm.vocab_size - 1
-    # from_gpt2 inverts to_gpt2, also on tensors.
+    train = set(ref[: len(dm.train_tokens)])
+    expect = [t if t in train else -1 for t in ref]  # held-out ids unseen in train -> "other"
+    assert -1 in expect
+    assert dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == expect
+    assert dm.vocab_size == len(train) + 1 and dm.n_other == 50257 - len(train)
+    assert int(dm.val_tokens.max()) == dm.other_id == dm.vocab_size - 1
+    # from_gpt2 inverts to_gpt2 on the train vocabulary, also on tensors; others -> "other".
     assert np.array_equal(dm.from_gpt2(ref), np.concatenate([dm.train_tokens, dm.val_tokens]))
     t = torch.tensor(ref[:10])
     assert torch.equal(dm.to_gpt2(dm.from_gpt2(t)), t)
     absent = next(i for i in range(50257) if i not in set(ref))
-    with pytest.raises(ValueError, match=f"GPT-2 id {absent} is not in the model vocabulary"):
-        dm.from_gpt2([ref[0], absent])
-    assert dm.decode(dm.from_gpt2(ref[:-1])) == text
+    assert dm.from_gpt2([ref[0], absent]).tolist() == [dm.from_gpt2([ref[0]])[0], dm.other_id]
+    with pytest.raises(ValueError, match="GPT-2 id 50257 is not in the model vocabulary"):
+        dm.from_gpt2([50257])
+    n_train = len(dm.train_tokens)
+    assert dm.decode(dm.from_gpt2(ref[:n_train])) == gpt2().decode(ref[:n_train])
+    assert dm.decode([dm.other_id]) == "\ufffd"
 
 
 def test_full_vocab_is_identity(tmp_path):
@@ -331,15 +345,19 @@ def test_val_windows(tmp_path):
 @pytest.mark.parametrize("compact", [True, False])
 def test_unigram_ce_matches_slow_loop(tmp_path, compact):
     f = tmp_path / "doc.txt"
-    f.write_text(make_text(8, 600))
-    dm = dm_files(tmp_path, [str(f)], block_size=8, compact_vocab=compact, val_tokens=50)
-    train = [int(t) for t in dm.train_tokens]
+    f.write_text(make_text(8, 600) + "Zyzzyva quixotic xylophone.\n")  # words only the val tail has
+    dm = dm_files(tmp_path, [str(f)], block_size=8, compact_vocab=compact, val_tokens=None)
+    # The reference works on GPT-2 ids (an uncompacted copy), over all 50257 of them:
+    # the compact vocabulary and its "other" entry must not change the number.
+    raw = dm_files(tmp_path, [str(f)], block_size=8, compact_vocab=False, val_tokens=None)
+    train = [int(t) for t in raw.train_tokens]
     counts = Counter(train)
-    V = dm.vocab_size
-    assert V == (len(set(train + [int(t) for t in dm.val_tokens])) if compact else 50257)
-    targets = [int(t) for _, y in dm.val_dataloader() for t in y.reshape(-1)]
-    slow = sum(-math.log((counts[t] + 1) / (len(train) + V)) for t in targets) / len(targets)
+    assert dm.vocab_size == (len(set(train)) + 1 if compact else 50257)
+    targets = [int(t) for _, y in raw.val_dataloader() for t in y.reshape(-1)]
+    assert compact is False or any(t not in counts for t in targets)  # the "other" path is exercised
+    slow = sum(-math.log((counts[t] + 1) / (len(train) + 50257)) for t in targets) / len(targets)
     assert dm.unigram_ce() == pytest.approx(slow, rel=1e-12)
+    assert math.fsum(np.exp(dm.unigram_log_prior())) == pytest.approx(1.0, abs=1e-12)
 
 
 # ---------------------------------------------------------------------------------------

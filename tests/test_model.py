@@ -228,3 +228,37 @@ def test_logit_bias_starts_at_the_prior_and_can_be_switched_off():
     assert plain.lm_bias is None and "lm_bias" not in dict(plain.named_parameters())
     with pytest.raises(ValueError, match="logit_bias"):
         plain.init_logit_bias(prior)
+
+
+def test_other_entry_ce_equals_the_full_vocabulary_ce_of_an_equivalent_model():
+    """SPEC §4, vocabulary: a compact model whose last logit is "other" (shared by n_other
+    tokenizer ids) scores exactly what a full-vocabulary model scores, where every unseen id
+    has "other"'s embedding row and bias − log n_other (so each gets p(other) / n_other)."""
+    torch.manual_seed(0)
+    full_V, seen = 40, torch.tensor([0, 3, 4, 7, 9, 10, 15, 22, 23, 30, 31, 39])
+    unseen = torch.tensor([i for i in range(full_V) if i not in set(seen.tolist())])
+    n_other = len(unseen)
+    compact = LoopedGPT(tiny(vocab_size=len(seen) + 1, n_other=n_other, state_init="zero")).double()
+    with torch.no_grad():
+        compact.lm_bias.normal_()
+    full = LoopedGPT(tiny(vocab_size=full_V, state_init="zero")).double()
+    sd = {k: v for k, v in compact.state_dict().items() if k not in ("wte.weight", "lm_bias")}
+    full.load_state_dict(sd, strict=False)
+    with torch.no_grad():
+        other = compact.cfg.other_id
+        full.wte.weight[seen] = compact.wte.weight[: len(seen)]
+        full.wte.weight[unseen] = compact.wte.weight[other]
+        full.lm_bias[seen] = compact.lm_bias[: len(seen)]
+        full.lm_bias[unseen] = compact.lm_bias[other] - math.log(n_other)
+    gpt = torch.randint(0, full_V, (3, 16))
+    assert (~torch.isin(gpt, seen)).any()
+    to_compact = torch.full((full_V,), other)
+    to_compact[seen] = torch.arange(len(seen))
+    ids = to_compact[gpt]
+    x, y = ids[:, :-1], ids[:, 1:]
+    _, loss_c = compact(x, y)
+    _, loss_f = full(gpt[:, :-1], gpt[:, 1:])
+    assert loss_c.item() == pytest.approx(loss_f.item(), rel=1e-12)
+    # and the full model's distribution sums to one, so this is a proper cross-entropy
+    logits, _ = full(gpt[:, :-1])
+    assert torch.allclose(logits.float().softmax(-1).sum(-1), torch.ones(3, 15), atol=1e-6)
