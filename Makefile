@@ -8,7 +8,7 @@ TORCH_INDEX ?=
 ARGS        ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install ensure train test test-slow bench lint clean
+.PHONY: help install ensure train test test-slow bench frontier lint clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -19,7 +19,7 @@ install: ## install torch (pinned, CPU build here) first, then recdepth (editabl
 	else \
 		$(PIP) install "torch==$(TORCH_VERSION)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)); \
 	fi
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev]" --config-settings editable_mode=compat  # compat: Hydra finds hydra_plugins/ from any directory
 
 ensure:  # install if anything is missing, or if the recdepth on the path is another checkout
 	@$(PYTHON) -I -c "import importlib.metadata as m, pathlib, recdepth, sys; [m.version(p) for p in ('torch', 'lightning', 'hydra-core', 'tiktoken', 'datasets', 'wandb', 'torchmetrics', 'matplotlib', 'pytest', 'hydra-submitit-launcher')]; sys.exit(pathlib.Path(recdepth.__file__).resolve().parents[1] != pathlib.Path('$(CURDIR)').resolve())" 2>/dev/null \
@@ -36,6 +36,10 @@ test-slow: ensure ## run only the slow tests
 
 bench: ensure ## throughput / MFU / cost per layer application, baseline vs grouped
 	$(PYTHON) -m recdepth.bench $(ARGS)
+
+frontier: ensure ## exit frontier of a checkpoint: fixed grid, rules, oracle (CKPT=<last.ckpt> OUT=<dir> [ARGS=...])
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make frontier: set CKPT=<path to last.ckpt> and OUT=<new directory>"; exit 2; }
+	$(PYTHON) -m recdepth.evaluate --multirun hydra/sweeper=frontier ckpt=$(CKPT) hydra.sweep.dir=$(OUT) $(ARGS)
 
 lint: ensure ## ruff
 	$(PYTHON) -m ruff check recdepth tests

@@ -193,7 +193,7 @@ def bench_exits(args) -> dict:
     for name in args.rules:
         for tau in ([None] if name == "fixed" else args.taus):
             policy = exits.build(name, tau, max_steps=args.max_steps)
-            ev = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
+            ev, _ = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
             tps = throughput(policy)
             b1 = 1000 / ev["ms_per_token"]
             apps = ev["applications_per_token"]

@@ -11,18 +11,31 @@ row's result in a batch is exactly its result alone.
 Quality = cross-entropy / perplexity over the scored tokens; cost = mean applications per
 token per group; latency = wall-clock ms per token at batch 1 after a warm-up, exit
 checks included.
+
+Noise: with `state_init=normal` the initial state of row b's loop for the token at
+position p in group g is drawn from a generator seeded by `noise_seed(seed, sequence_b, p,
+g)` alone (SPEC §4, noise and batches), so a window's result does not depend on the
+other windows decoded beside it: batch B reproduces batch 1.
+
+`evaluate_exit` scores held-out windows `batch_size` at a time (quality, cost, a per-token
+record), then times the first `latency_tokens` tokens again at batch 1, `repeats` times
+(latency). `evaluate_oracle` computes the oracle bound of SPEC §4b.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
+import struct
 import time
+from collections.abc import Sequence
 
+import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from recdepth.exits import ExitPolicy
+from recdepth import stats
+from recdepth.exits import ORACLE, ExitPolicy, build
 from recdepth.model import KVCache, LoopedGPT, StepKVCache
 
 SHARING = ("latest", "per_step")
@@ -43,18 +56,50 @@ def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "lates
             else KVCache(*shape) for layer in range(cfg.n_layer)]
 
 
+def validate_eval(e) -> None:
+    """The `eval` config block's fields (a mapping), checked before any work (one line each)."""
+    for field, lo in (("tokens", 0), ("warmup_tokens", 0), ("batch_size", 1), ("latency_tokens", 0),
+                      ("repeats", 1)):
+        v = e.get(field)
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"eval.{field}: expected an integer >= {lo}, got {v!r}")
+    if e.get("cache") not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {e.get('cache')!r}")
+
+
+def noise_seed(seed: int, sequence: int, position: int, group: int) -> int:
+    """The seed of one row's initial-state noise (SPEC §4, noise and batches): a hash of
+    (seed, sequence, position, group) alone, never of the batch a row is decoded in."""
+    h = hashlib.blake2b(struct.pack("<4q", seed, sequence, position, group), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+
+
+class RowNoise:
+    """Per-row noise keys of a decoding batch: row b is sequence `sequences[b]`."""
+
+    def __init__(self, seed: int, sequences: Sequence[int]):
+        self.seed, self.sequences = int(seed), [int(q) for q in sequences]
+
+    def seeds(self, position: int, group: int, rows: Tensor | None = None) -> list[int]:
+        seqs = self.sequences if rows is None else [self.sequences[i] for i in rows.tolist()]
+        return [noise_seed(self.seed, q, position, group) for q in seqs]
+
+
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
-               pos: int, generator: torch.Generator | None = None, compact: bool = True) -> tuple[Tensor, Tensor]:
+               pos: int, generator: torch.Generator | None = None, compact: bool = True,
+               noise: RowNoise | None = None, limit: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
     Returns the final states [B, 1, d] and applications per row [B].
 
     With `compact`, once some rows have exited the layers run on the rows still looping
     only (their attention reads the full cache in place), so compute saved by early exits
     is wall-clock saved; without it, exited rows are computed and masked out. Either way a
-    row's result is exactly its batch-1 result."""
+    row's result is exactly its batch-1 result. `noise` keys each row's initial state
+    (otherwise all rows draw from `generator`); `limit` [B], if given, stops row b after
+    limit[b] applications at the latest (a per-row max_steps)."""
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
-    s = model.initial_state(e, generator)
+    s = model.initial_state(e, generator, None if noise is None else noise.seeds(pos, g))
     decode = model.decode_logits if policy.needs_decode else None
     monitor = policy.monitor(s[:, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=e.device)
@@ -74,6 +119,8 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
             s = torch.where(active[:, None, None], s_new, s)
         n += active
         fired = monitor.observe(s_new[:, 0])
+        if limit is not None:
+            fired = fired | (n >= limit)
         active = active & ~fired
         j += 1
         n_active = int(active.sum()) if B > 1 else 1
@@ -85,71 +132,217 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
 
 @torch.no_grad()
 def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
-                generator: torch.Generator | None = None, compact: bool = True) -> tuple[Tensor, Tensor]:
+                generator: torch.Generator | None = None, compact: bool = True,
+                noise: RowNoise | None = None, limit: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
-    next token and applications [B, G] per group."""
+    next token and applications [B, G] per group (`noise`, `limit`: see `loop_group`)."""
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     for kind, i in model.plan:
         if kind == "layer":
             x = model.h[i](x, caches[i], pos)
         else:
-            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact)
+            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit)
     return model.decode_logits(x)[:, 0], apps
 
 
-@torch.no_grad()
-def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
-                  warmup_tokens: int = 8, seed: int = 0, cache: str = "latest") -> dict:
-    """Score `n_tokens` held-out next-token predictions at batch 1 under `policy`, with
-    K/V `cache` sharing "latest" (SPEC §4) or "per_step" (see `new_caches`).
+def windows(n_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """The held-out stream cut into windows of block_size + 1 tokens with stride block_size
+    (a fresh cache per window, as in generation from a fresh context): (start, scored)
+    pairs, window w scoring the targets start+1 .. start+scored."""
+    return [(w, min(block_size, n_tokens - w)) for w in range(0, n_tokens, block_size)]
 
-    `tokens` is a 1-D id tensor; it is cut into windows of block_size + 1 (a fresh cache
-    per window, as in generation from a fresh context). Returns SPEC §4's quality, cost
-    and latency as the `eval` block of metrics.json.
-    """
-    was_training = model.training
-    model.eval()
+
+def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
+    """Row b's cache entries at `pos` become row src[b]'s (every application slot)."""
+    for c in caches:
+        c.k[..., pos, :] = c.k[src][..., pos, :]
+        c.v[..., pos, :] = c.v[src][..., pos, :]
+
+
+def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
+                    cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
+                    timed: bool = False) -> tuple[Tensor, Tensor, list[float]]:
+    """Decode windows side by side, `reps` rows per window (row r is window r // reps).
+    Returns nll [R, L], applications [R, L, G] and, with `timed`, the seconds of each
+    position. With reps > 1 the rows of a window share their history: after each position
+    every row takes the cache entries of the window's last row (the oracle's max_steps)."""
+    device, T = tokens.device, model.cfg.block_size
+    L = max(n for _, n in wins)
+    R = len(wins) * reps
+    idx = torch.zeros(R, L + 1, dtype=torch.long, device=device)
+    for w, (start, n) in enumerate(wins):
+        idx[w * reps : (w + 1) * reps, : n + 1] = tokens[start : start + n + 1]
+    noise = RowNoise(seed, [wins[r // reps][0] // T for r in range(R)])
+    caches = new_caches(model, R, T, cache, policy.max_steps)
+    src = torch.arange(R, device=device) // reps * reps + reps - 1
+    nll = torch.empty(R, L, dtype=torch.float64)
+    apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
+    seconds = []
+    for pos in range(L):
+        t0 = time.perf_counter()
+        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit)
+        if timed and device.type == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - t0)
+        if reps > 1:
+            _sync_rows(caches, pos, src)
+        nll[:, pos] = model.nll(logits, idx[:, pos + 1]).double().cpu()
+        apps[:, pos] = a.cpu()
+    return nll, apps, seconds
+
+
+def _records(wins: list[tuple[int, int]], nll: Tensor, apps: Tensor, tokens: Tensor, block_size: int) -> dict:
+    """One row per scored token, in stream order: window, position (of the input token in
+    the held-out stream), target (model id), nll, applications per group [N, G]."""
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0)  # noqa: E731
+    return {
+        "window": cat([np.full(n, start // block_size) for start, n in wins]).astype(np.int64),
+        "position": cat([np.arange(start, start + n) for start, n in wins]).astype(np.int64),
+        "target": cat([tokens[start + 1 : start + n + 1].cpu().numpy() for start, n in wins]).astype(np.int64),
+        "nll": cat([nll[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
+        "apps": np.concatenate([apps[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
+    }
+
+
+def _merge(parts: list[dict]) -> dict:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def _prepare(model: LoopedGPT, tokens: Tensor, n_tokens: int) -> tuple[Tensor, int, list[tuple[int, int]]]:
     device = next(model.parameters()).device
-    T = model.cfg.block_size
     tokens = tokens.to(device=device, dtype=torch.long)
     n_tokens = min(n_tokens, tokens.numel() - 1)
     if n_tokens < 1:
         raise ValueError("eval.tokens: need at least 2 held-out tokens to score one prediction")
-    gen = torch.Generator(device=device).manual_seed(seed)
+    return tokens, n_tokens, windows(n_tokens, model.cfg.block_size)
 
-    # Warm-up (untimed, unscored): first calls allocate and pick kernels.
-    caches = new_caches(model, 1, T, cache, policy.max_steps)
-    for pos in range(min(warmup_tokens, T, tokens.numel())):
-        decode_step(model, tokens[pos : pos + 1], pos, caches, policy, gen)
 
-    nll, seconds = 0.0, 0.0
-    apps = torch.zeros(model.n_groups, dtype=torch.long)
-    scored = 0
-    while scored < n_tokens:
-        window = tokens[scored : scored + T + 1]  # targets scored+1 .. scored+T
-        caches = new_caches(model, 1, T, cache, policy.max_steps)
-        n_win = min(window.numel() - 1, n_tokens - scored)
-        for pos in range(n_win):
-            t0 = time.perf_counter()
-            logits, a = decode_step(model, window[pos : pos + 1], pos, caches, policy, gen)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            seconds += time.perf_counter() - t0
-            nll -= F.log_softmax(logits.float(), -1)[0, window[pos + 1]].item()
-            apps += a[0].cpu()
-        scored += n_win
-    model.train(was_training)
-    ce = nll / n_tokens
+def _warmup(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int) -> None:
+    """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels."""
+    n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
+    if n:
+        caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps)
+        noise = RowNoise(seed, [-1])
+        for pos in range(n):
+            decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise)
+
+
+def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, resamples: int = 1000) -> dict:
+    nll, apps = rec["nll"], rec["apps"]
+    ce, lo, hi = stats.mean_ci(nll, stats.bootstrap_indices(len(nll), resamples))
+    per_group = apps.mean(axis=0).tolist()
     return {
-        "exit": policy.name,
-        "tau": policy.tau,
-        "min_steps": policy.min_steps,
-        "max_steps": policy.max_steps,
-        "ce": ce,
-        "ppl": math.exp(ce),
-        "ms_per_token": 1000 * seconds / n_tokens,
-        "applications_per_token": (apps.double() / n_tokens).tolist(),
-        "tokens": n_tokens,
-        "cache": cache,
+        "exit": policy.name, "tau": policy.tau, "min_steps": policy.min_steps, "max_steps": policy.max_steps,
+        "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ppl": math.exp(ce),
+        "applications_per_token": per_group, "mean_applications": float(np.mean(per_group)),
+        "tokens": len(nll), "cache": cache, "batch_size": batch_size,
     }
+
+
+@torch.no_grad()
+def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, warmup_tokens: int = 8,
+                  seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
+                  repeats: int = 1) -> tuple[dict, dict]:
+    """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
+    `cache` sharing "latest" or "per_step" (see `new_caches`). Returns the `eval` block of
+    metrics.json and the per-token record (`_records`, plus `ms`).
+
+    `tokens` is a 1-D id tensor, cut into `windows`. Quality and cost: `batch_size`
+    windows decoded side by side (each row exactly its batch-1 result; throughput
+    `tokens_per_s` at that batch). Latency: the first `latency_tokens` tokens (all by
+    default) decoded again at batch 1 after `warmup_tokens` untimed steps, `repeats` times:
+    `ms_per_token` is the median over repeats of the mean ms per token, with the min and
+    max; each timed token's record carries its median ms. The batch-1 pass is also checked
+    against the batched one: `batch_check` counts timed tokens whose applications differ
+    (a criterion within rounding of τ) and the largest NLL difference.
+    """
+    if policy.name == ORACLE:
+        return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size)
+    for field, v, lo in (("eval.batch_size", batch_size, 1), ("eval.repeats", repeats, 1)):
+        if v < lo:
+            raise ValueError(f"{field}: expected an integer >= {lo}, got {v!r}")
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens)
+    _warmup(model, tokens, policy, cache, warmup_tokens, seed)
+
+    parts, t0 = [], time.perf_counter()
+    for b in range(0, len(wins), batch_size):
+        ws = wins[b : b + batch_size]
+        nll, apps, _ = _decode_windows(model, tokens, ws, policy, cache, seed)
+        parts.append(_records(ws, nll, apps, tokens, T))
+    batch_seconds = time.perf_counter() - t0
+    rec = _merge(parts)
+    rec["ms"] = np.full(n_tokens, np.nan)
+    ev = _summary(policy, rec, cache, batch_size)
+    ev["tokens_per_s"] = n_tokens / batch_seconds
+
+    n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
+    if n_lat > 0:
+        lat_wins = windows(n_lat, T)
+        per_rep, ms = [], []
+        for _ in range(repeats):
+            secs, nll1, apps1 = [], [], []
+            for w in lat_wins:
+                nll, apps, s = _decode_windows(model, tokens, [w], policy, cache, seed, timed=True)
+                r = _records([w], nll, apps, tokens, T)
+                secs += s[: w[1]]
+                nll1.append(r["nll"])
+                apps1.append(r["apps"])
+            ms.append(1000 * np.asarray(secs))
+            per_rep.append(float(np.mean(ms[-1])))
+        rec["ms"][:n_lat] = np.median(np.stack(ms), axis=0)
+        nll1, apps1 = np.concatenate(nll1), np.concatenate(apps1)
+        ev.update(ms_per_token=float(np.median(per_rep)), ms_per_token_min=min(per_rep),
+                  ms_per_token_max=max(per_rep), latency_tokens=n_lat, repeats=repeats)
+        ev["batch_check"] = {"tokens": n_lat,
+                             "apps_mismatch": int((apps1 != rec["apps"][:n_lat]).any(axis=1).sum()),
+                             "max_abs_dnll": float(np.abs(nll1 - rec["nll"][:n_lat]).max())}
+    else:
+        ev.update(ms_per_token=None, latency_tokens=0, repeats=0)
+    model.train(was_training)
+    return ev, rec
+
+
+@torch.no_grad()
+def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, seed: int = 0,
+                    cache: str = "latest", batch_size: int = 1) -> tuple[dict, dict]:
+    """The oracle bound of SPEC §4b at ε = policy.tau, N = policy.max_steps: per token, the
+    smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
+    at N, with every earlier token computed at N.
+
+    Each window is decoded as N rows side by side, row n stopping every group after n
+    applications, all with the window's noise; after each position every row takes the
+    cache entries of row N, so the history is always the N-application one. Row N is then
+    exactly `exit=fixed max_steps=N`. The record carries `nll_by_n` [tokens, N], from which
+    the oracle at any other ε follows without decoding again (`recdepth.stats.oracle_n`).
+    No latency: the oracle reads the target, so it cannot run for real."""
+    was_training = model.training
+    model.eval()
+    N = policy.max_steps
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens)
+    fixed = build("fixed", None, max_steps=N)
+    parts, by_n, t0 = [], [], time.perf_counter()
+    for b in range(0, len(wins), batch_size):
+        ws = wins[b : b + batch_size]
+        limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
+        nll, _, _ = _decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit)
+        nll = nll.view(len(ws), N, -1)  # [window, n, position]
+        by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
+        parts.append(_records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
+                                                             dtype=torch.long), tokens, T))
+    seconds = time.perf_counter() - t0
+    rec = _merge(parts)
+    rec["nll_by_n"] = np.concatenate(by_n)
+    n = stats.oracle_n(rec["nll_by_n"], policy.tau)
+    rec["nll"] = rec["nll_by_n"][np.arange(n_tokens), n - 1]
+    rec["apps"] = np.repeat(n[:, None], model.n_groups, axis=1)
+    rec["ms"] = np.full(n_tokens, np.nan)
+    ev = _summary(policy, rec, cache, batch_size)
+    ev.update(ms_per_token=None, latency_tokens=0, repeats=0, tokens_per_s=n_tokens / seconds,
+              ce_at_max_steps=float(rec["nll_by_n"][:, -1].mean()))
+    model.train(was_training)
+    return ev, rec

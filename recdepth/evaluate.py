@@ -6,8 +6,10 @@ under an exit rule, token by token with a KV cache (SPEC §4), without training 
 
 The held-out text is the checkpoint's own val split: the data config and the compact
 vocabulary travel in the checkpoint, so the tokens are exactly those the training run
-held out. Each run directory gets `config.yaml` and `metrics.json` with the same `eval`
-block as a training run; a multirun also gets the sweep summary (`recdepth.sweep`).
+held out. Each run directory gets `config.yaml`, `metrics.json` with the same `eval`
+block as a training run, and `eval_tokens.csv`, one row per scored token (`write_eval`);
+a multirun also gets the sweep summary (`recdepth.sweep`), with the fixed-depth frontier
+when the sweep has fixed-depth jobs (`make frontier`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import hydra
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.decoding import SHARING, evaluate_exit
+from recdepth import stats
+from recdepth.decoding import evaluate_exit, validate_eval
 from recdepth.lit import LoopedLM
 from recdepth.sweep import guarded, run_hydra_main
 from recdepth.train import conf_dir, exit_policy, write_json
@@ -98,8 +101,7 @@ def evaluate(cfg: DictConfig) -> dict:
     if OmegaConf.is_missing(cfg, "ckpt"):
         raise ValueError("ckpt: required, the path of a training checkpoint (e.g. <run_dir>/checkpoints/last.ckpt)")
     policy = exit_policy(cfg)
-    if cfg.eval.cache not in SHARING:
-        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
+    validate_eval(cfg.eval)
     if cfg.eval.tokens < 1:
         raise ValueError(f"eval.tokens: expected >= 1, got {cfg.eval.tokens}")
     if (run_dir / "metrics.json").exists():
@@ -109,18 +111,44 @@ def evaluate(cfg: DictConfig) -> dict:
     tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    ev = evaluate_exit(module.model, tokens, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens,
-                       seed=cfg.seed, cache=cfg.eval.cache)
+    ev = run_eval(module.model, tokens, policy, cfg, run_dir, module.vocab_to_gpt2)
     metrics = {"ckpt": str(Path(cfg.ckpt).resolve()), "groups": module.config.groups,
                "params": module.model.num_params(), "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)
-    log_eval(ev)
     return metrics
 
 
+def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path,
+             vocab_to_gpt2: torch.Tensor | None) -> dict:
+    """SPEC §4 evaluation of `model` on held-out `tokens` under `policy` with cfg.eval's
+    settings; writes the per-token record into run_dir and returns the `eval` block."""
+    e = cfg.eval
+    ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
+                            cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
+                            repeats=e.repeats)
+    write_eval(run_dir, rec, vocab_to_gpt2)
+    log_eval(ev)
+    return ev
+
+
+def write_eval(run_dir: Path, rec: dict, vocab_to_gpt2: torch.Tensor | None) -> None:
+    """`eval_tokens.csv`: one row per scored token (window, position, target, target_gpt2
+    (-1 for the shared "other" entry), nll, apps_<g> per group, ms of the batch-1 timing or
+    empty); the oracle also writes `oracle_nll.npy`, its NLL at every n [tokens, max_steps]."""
+    target = rec["target"]
+    gpt2 = target if vocab_to_gpt2 is None else vocab_to_gpt2.cpu().numpy()[target]
+    stats.write_tokens(run_dir / "eval_tokens.csv", rec["window"], rec["position"], target, gpt2,
+                       rec["nll"], rec["apps"], rec["ms"])
+    if "nll_by_n" in rec:
+        stats.save_array(run_dir / "oracle_nll.npy", rec["nll_by_n"])
+
+
 def log_eval(ev: dict) -> None:
-    log.info("eval (%s, tau=%s): ce %.4f, ppl %.2f, %.2f ms/token, applications %s", ev["exit"], ev["tau"],
-             ev["ce"], ev["ppl"], ev["ms_per_token"], [round(a, 2) for a in ev["applications_per_token"]])
+    ms = "—" if ev["ms_per_token"] is None else (f"{ev['ms_per_token']:.2f} "
+                                                 f"[{ev['ms_per_token_min']:.2f}, {ev['ms_per_token_max']:.2f}]")
+    log.info("eval (%s, tau=%s, max_steps=%s): ce %.4f [%.4f, %.4f], %s ms/token, applications %s, "
+             "%.0f tokens/s at batch %d", ev["exit"], ev["tau"], ev["max_steps"], ev["ce"], *ev["ce_ci"], ms,
+             [round(a, 2) for a in ev["applications_per_token"]], ev["tokens_per_s"], ev["batch_size"])
 
 
 @hydra.main(config_path=conf_dir(), config_name="evaluate", version_base="1.3")

@@ -11,6 +11,11 @@ initial state, x^(n) the state after n applications and Δ^(j) = x^(j+1) − x^(
     accel         a^(n−1) < τ and a^(n−2) < τ,  a^(j) = ‖Δ^(j) − Δ^(j−1)‖      3
     accel_rel     as accel with â^(j) (eq. 6)                                  3
 
+    oracle        (evaluation only) the smallest uniform n whose target NLL is within
+                  τ of its NLL at max_steps (SPEC §4b): it reads the answer, so no model
+                  can run it; `recdepth.decoding.evaluate_oracle` computes it as the bound
+                  of what any rule could save at that quality
+
 Every rule also stops at `max_steps` and never before `min_steps`. After the check that
 fires, the newest state x^(n) is kept (deviation from Algorithm 1, which returns x^(n−1)
 after paying for n applications; the decision, and so n, is identical).
@@ -35,6 +40,7 @@ from torch import Tensor
 from recdepth import geometry as geo
 
 RULES = ("fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel")
+ORACLE = "oracle"  # an evaluation bound, not a rule (see the module docstring)
 ALIASES = {"none": "fixed"}
 
 
@@ -62,6 +68,9 @@ class ExitPolicy:
         return self.name == "kl"
 
     def monitor(self, x0: Tensor, decode: Callable[[Tensor], Tensor] | None = None) -> ExitMonitor:
+        if self.name == ORACLE:
+            raise ValueError("exit.name: 'oracle' reads the target token, so no loop can run it; "
+                             "only the evaluation engine computes it (recdepth.decoding.evaluate_oracle)")
         if self.needs_decode and decode is None:
             raise ValueError("exit.name: rule 'kl' needs a decode function (state -> logits)")
         return ExitMonitor(self, x0, decode)
@@ -129,16 +138,19 @@ def _check_int(field: str, value, lo: int) -> int:
 def build(name: str, tau: float | None, min_steps: int = 0, max_steps: int = 32) -> ExitPolicy:
     """Validate and build an exit policy (SPEC §3). `tau` is ignored by `fixed`/`none`."""
     key = ALIASES.get(name, name)
-    if key not in RULES:
-        raise ValueError(f"exit.name: unknown exit rule {name!r} (expected one of: none, {', '.join(RULES)})")
+    if key not in RULES and key != ORACLE:
+        raise ValueError(f"exit.name: unknown exit rule {name!r} (expected one of: none, {', '.join(RULES)}, "
+                         f"{ORACLE})")
     min_steps = _check_int("min_steps", min_steps, 0)
     max_steps = _check_int("max_steps", max_steps, 1)
     if max_steps < min_steps:
         raise ValueError(f"exit.max_steps: {max_steps} is smaller than exit.min_steps={min_steps}")
     if key != "fixed":
-        ok = isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau) and tau > 0
-        if not ok:
-            raise ValueError(f"exit.tau: expected a finite number > 0 for rule {key!r}, got {tau!r}")
+        ok = isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau)
+        lo = 0 if key == ORACLE else None  # the oracle's ε may be 0 (as good as max_steps)
+        if not (ok and (tau >= 0 if lo == 0 else tau > 0)):
+            what = ">= 0 for the oracle's ε" if lo == 0 else f"> 0 for rule {key!r}"
+            raise ValueError(f"exit.tau: expected a finite number {what}, got {tau!r}")
         tau = float(tau)
     return ExitPolicy(key, tau, min_steps, max_steps)
 

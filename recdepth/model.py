@@ -368,15 +368,27 @@ class LoopedGPT(nn.Module):
         self.lm_bias[: self.cfg.vocab_size] = log_prior.to(self.lm_bias)
 
     # ------------------------------------------------------------- the loop
-    def initial_state(self, e: Tensor, generator: torch.Generator | None = None) -> Tensor:
-        """s^(init) for a group entered with hidden state e (SPEC §1)."""
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None,
+                      row_seeds: Sequence[int] | None = None) -> Tensor:
+        """s^(init) for a group entered with hidden state e (SPEC §1).
+
+        With `row_seeds` (one per row of e), row b's noise is drawn from a generator seeded
+        with row_seeds[b] alone, so it does not depend on which rows share the batch (SPEC
+        §4, noise and batches); otherwise the whole tensor is drawn from `generator`."""
         if self.cfg.state_init == "zero":
             return torch.zeros_like(e)
         if self.cfg.state_init == "input":
             return e
         std = self.cfg.state_std
         s = torch.empty_like(e)
-        return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=generator)
+        if row_seeds is None:
+            return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=generator)
+        if len(row_seeds) != e.shape[0]:
+            raise ValueError(f"initial_state: {len(row_seeds)} row seeds for {e.shape[0]} rows")
+        g = torch.Generator(device=e.device)
+        for b, seed in enumerate(row_seeds):
+            nn.init.trunc_normal_(s[b], 0.0, std, -3 * std, 3 * std, generator=g.manual_seed(seed))
+        return s
 
     def apply_group(self, g: int, s: Tensor, e_proj: Tensor, cache=None, pos: int = 0, rows=None) -> Tensor:
         """One application of group g (SPEC §1); `e_proj` = W_e e_g, computed once per pass."""

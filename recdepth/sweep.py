@@ -8,8 +8,16 @@ into the sweep directory,
     sweep_results.csv   one row per job: job, overrides, status, exit, tau, ce, ppl,
                         ms_per_token, applications per group and their mean, reused, error
     sweep_results.md    the same as a Markdown table
+    frontier.csv / .md  when the sweep has fixed-depth jobs at two or more n (SPEC §4b): for
+                        every other job, its CE with a 95% bootstrap CI, the best fixed CE
+                        at no more applications and the paired CE difference, the fewest
+                        fixed applications that reach its CE and the saving 1 − A/n with a
+                        paired bootstrap CI, and the oracle's saving at the same CE
+                        (`frontier_rows`, from the jobs' eval_tokens.csv)
     fig4_exits.{png,pdf} the paper's Fig. 4: ms/token, PPL, CE and mean applications per
-                        token against τ (log-x), one line per exit rule (`fixed` dashed)
+                        token against τ (log-x), one line per exit rule (`fixed` dashed);
+                        with a frontier also CE against mean applications and against
+                        ms/token, every rule a curve, the fixed frontier and the oracle drawn
 
 and, at the end, a W&B table with the same rows when the sweep's config has `logger.wandb`.
 A job that raised is recorded as `failed` (its error in `<job>/error.txt`); the others are
@@ -27,8 +35,11 @@ import sys
 import traceback
 from pathlib import Path
 
+import numpy as np
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from recdepth import stats
 
 log = logging.getLogger("recdepth.sweep")
 _FAILED: list[str] = []  # jobs of this process that raised (multirun only)
@@ -100,8 +111,8 @@ def run_hydra_main(hydra_main) -> None:
 
 
 # -------------------------------------------------------------- aggregation
-COLUMNS = ["job", "overrides", "status", "exit", "tau", "ce", "ppl", "ms_per_token", "applications_per_token",
-           "mean_applications", "reused", "error"]
+COLUMNS = ["job", "overrides", "status", "exit", "tau", "max_steps", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
+           "ms_min", "ms_max", "applications_per_token", "mean_applications", "tokens", "tokens_per_s", "reused", "error"]
 
 
 def _job_row(job_dir: Path) -> dict:
@@ -122,8 +133,12 @@ def _job_row(job_dir: Path) -> dict:
         row["reused"] = bool(m.get("reused", False))
         if ev:
             apps = ev["applications_per_token"]
-            row.update(exit=ev["exit"], tau=ev["tau"], ce=ev["ce"], ppl=ev["ppl"], ms_per_token=ev["ms_per_token"],
-                       applications_per_token=apps, mean_applications=sum(apps) / len(apps) if apps else 0.0)
+            lo, hi = ev.get("ce_ci", ["", ""])
+            row.update(exit=ev["exit"], tau=ev["tau"], max_steps=ev.get("max_steps", ""), ce=ev["ce"], ce_lo=lo, ce_hi=hi,
+                       ppl=ev["ppl"], ms_per_token=ev["ms_per_token"], ms_min=ev.get("ms_per_token_min", ""),
+                       ms_max=ev.get("ms_per_token_max", ""), applications_per_token=apps,
+                       mean_applications=sum(apps) / len(apps) if apps else 0.0, tokens=ev.get("tokens", ""),
+                       tokens_per_s=ev.get("tokens_per_s", ""))
     elif (job_dir / "error.txt").is_file():
         lines = (job_dir / "error.txt").read_text().strip().splitlines()
         row["status"], row["error"] = "failed", lines[-1] if lines else "error"
@@ -150,72 +165,254 @@ def _fmt(v, digits=4) -> str:
     return str(v)
 
 
+def _ci(v, lo, hi, digits=4) -> str:
+    if v in ("", None) or (isinstance(v, float) and math.isnan(v)):
+        return "—"
+    if lo in ("", None) or (isinstance(lo, float) and math.isnan(lo)):
+        return _fmt(v, digits)
+    return f"{_fmt(v, digits)} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
+
+
+def _tau(r: dict) -> str:
+    return f"{r['tau']:g}" if isinstance(r["tau"], float | int) and not isinstance(r["tau"], bool) else "—"
+
+
 def markdown(rows: list[dict]) -> str:
-    head = ["job", "exit", "τ", "CE", "PPL", "ms/token", "applications per token (per group)", "mean", "status"]
+    head = ["job", "exit", "τ", "max steps", "CE [95% CI]", "PPL", "ms/token [min, max]",
+            "applications per token (per group)", "mean", "status"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = r["status"] + (f": {r['error']}" if r["error"] else "") + (" (reused checkpoint)" if r["reused"] is True else "")
-        tau = f"{r['tau']:g}" if isinstance(r["tau"], float | int) else "—"
-        out.append("| " + " | ".join([str(r["job"]), _fmt(r["exit"]), tau, _fmt(r["ce"]), _fmt(r["ppl"], 2),
-                                      _fmt(r["ms_per_token"], 2), _fmt(r["applications_per_token"]),
-                                      _fmt(r["mean_applications"], 2), status.replace("|", "/")]) + " |")
+        out.append("| " + " | ".join([str(r["job"]), _fmt(r["exit"]), _tau(r), _fmt(r["max_steps"]),
+                                      _ci(r["ce"], r["ce_lo"], r["ce_hi"]), _fmt(r["ppl"], 2),
+                                      _ci(r["ms_per_token"], r["ms_min"], r["ms_max"], 2),
+                                      _fmt(r["applications_per_token"]), _fmt(r["mean_applications"], 2),
+                                      status.replace("|", "/")]) + " |")
     return "\n".join(out) + "\n"
 
 
-def fig4(rows: list[dict]):
-    """The paper's Fig. 4: latency, PPL, CE and compute against τ, one line per rule."""
+# ------------------------------------------------------------ frontier (SPEC §4b)
+FRONTIER_COLUMNS = ["job", "exit", "tau", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
+                    "d_ce", "d_ce_lo", "d_ce_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
+                    "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
+                    "oracle_saving_lo", "oracle_saving_hi", "verdict"]
+ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
+
+
+def _verdict(lo: float, hi: float) -> str:
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "not resolved"
+    return "beats the fixed frontier" if lo > 0 else ("worse than the fixed frontier" if hi < 0 else "not resolved")
+
+
+def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.ndarray | None] | None:
+    """Per-token records of the sweep's ok jobs, the fixed ones by n, and the oracle's NLL
+    at every n (or None); None when the sweep has fewer than two fixed depths."""
+    tokens, fixed, by_n, ref = {}, {}, None, None
+    for r in rows:
+        f = Path(sweep_dir) / str(r["job"]) / "eval_tokens.csv"
+        if r["status"] != "ok" or r["ce"] == "" or not f.is_file():
+            continue
+        t = stats.read_tokens(f)
+        key = (t["position"].tolist(), t["target"].tolist())
+        if ref is None:
+            ref = key
+        elif key != ref:
+            raise ValueError(f"frontier: {f} scores other tokens than the sweep's first job; "
+                             "every job of a frontier must score the same held-out tokens (same eval.tokens)")
+        tokens[r["job"]] = t
+        if r["exit"] == "fixed":
+            fixed.setdefault(int(r["max_steps"]), t)
+        if r["exit"] == "oracle" and by_n is None and (f.parent / "oracle_nll.npy").is_file():
+            by_n = np.load(f.parent / "oracle_nll.npy")
+    if len(fixed) < 2:
+        return None
+    return tokens, fixed, by_n
+
+
+def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000) -> list[dict]:
+    """SPEC §4b, for every job that is not fixed: `stats.compare` against the fixed jobs,
+    and the oracle's saving at the job's CE (from the oracle job's NLLs, over ORACLE_EPS).
+    Intervals: one set of bootstrap resamples of the token indices, shared by every job."""
+    inputs = frontier_inputs(Path(sweep_dir), rows)
+    if inputs is None:
+        return []
+    tokens, fixed, by_n = inputs
+    n_tok = len(next(iter(fixed.values()))["nll"])
+    idx = stats.bootstrap_indices(n_tok, resamples)
+    fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
+    fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if r["exit"] == "fixed" and r["ce"] != ""}
+    out = []
+    for r in rows:
+        if r["job"] not in tokens or r["exit"] == "fixed":
+            continue
+        t = tokens[r["job"]]
+        c = stats.compare(t["nll"], t["apps"], fixed_nll, idx)
+        row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
+        row.update(job=r["job"], exit=r["exit"], tau=r["tau"], ms_per_token=r["ms_per_token"],
+                   fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict=_verdict(c["saving_lo"], c["saving_hi"]))
+        if by_n is not None:
+            o = stats.oracle_saving(by_n, ORACLE_EPS, c["ce"], fixed_nll, idx)
+            row.update(oracle_applications_at_ce=o["applications"], oracle_saving=o["saving"],
+                       oracle_saving_lo=o["saving_lo"], oracle_saving_hi=o["saving_hi"])
+        out.append(row)
+    return out
+
+
+def frontier_markdown(rows: list[dict]) -> str:
+    head = ["job", "exit", "τ", "CE [95% CI]", "mean applications", "best fixed at ≤ A: n, CE",
+            "CE − that [95% CI]", "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
+            "ms/token (fixed at CE)", "verdict"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    pct = lambda v: "—" if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"  # noqa: E731
+    for r in rows:
+        fr = "—" if r["frontier_n"] in ("", None) else f"{r['frontier_n']}, {_fmt(r['frontier_ce'])}"
+        reach = f"{r['fixed_n']}" + ("" if r["reached"] else " (not reached: lower bound)")
+        sav = f"{pct(r['saving'])} [{pct(r['saving_lo'])}, {pct(r['saving_hi'])}]"
+        osav = "—" if r["oracle_saving"] == "" else (f"{pct(r['oracle_saving'])} [{pct(r['oracle_saving_lo'])}, "
+                                                    f"{pct(r['oracle_saving_hi'])}]")
+        ms = f"{_fmt(r['ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
+        out.append("| " + " | ".join([str(r["job"]), r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
+                                      _fmt(r["mean_applications"], 2), fr,
+                                      _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), reach, sav, osav, ms,
+                                      r["verdict"]]) + " |")
+    return "\n".join(out) + "\n"
+
+
+def oracle_curve(by_n: np.ndarray) -> list[tuple[float, float, float]]:
+    """(ε, mean applications, CE) of the oracle over ORACLE_EPS."""
+    return [(float(e), *stats.oracle_point(by_n, e)[::-1]) for e in ORACLE_EPS]
+
+
+def _num(v) -> bool:
+    return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = None):
+    """The paper's Fig. 4: latency, PPL, CE and compute against τ, one line per rule; with
+    fixed jobs at two or more depths, a second row: CE against mean applications and
+    against ms/token, every rule a curve (95% CIs), the fixed-depth frontier in black and
+    the oracle (`oracle`: (ε, applications, CE) points) dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok" and r["ce"] != ""]
+    fixed = sorted((r for r in ok if r["exit"] == "fixed" and _num(r["max_steps"])), key=lambda r: r["max_steps"])
+    frontier = len({r["max_steps"] for r in fixed}) >= 2
     panels = [("ms_per_token", "ms / token"), ("ppl", "PPL"), ("ce", "CE (nats)"),
               ("mean_applications", "mean applications per token")]
-    fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
+    fig, axes = plt.subplots(2 if frontier else 1, 4, figsize=(16, 7.4 if frontier else 3.6), squeeze=False)
     rules = sorted({r["exit"] for r in ok})
     colors = dict(zip(rules, plt.get_cmap("tab10").colors))
-    taus = sorted({r["tau"] for r in ok if isinstance(r["tau"], float | int)})
-    for ax, (key, label) in zip(axes, panels):
+    taus = sorted({r["tau"] for r in ok if _num(r["tau"])})
+    for ax, (key, label) in zip(axes[0], panels):
         for rule in rules:
-            pts = sorted((r["tau"], r[key]) for r in ok if r["exit"] == rule and isinstance(r["tau"], float | int))
+            pts = sorted((r["tau"], r[key]) for r in ok if r["exit"] == rule and _num(r["tau"]) and _num(r[key]))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[rule], label=rule)
-            flat = [r[key] for r in ok if r["exit"] == rule and not isinstance(r["tau"], float | int)]
-            if flat:  # rules without a threshold (fixed): one level across τ
+            flat = [r[key] for r in ok if r["exit"] == rule and not _num(r["tau"]) and _num(r[key])]
+            if flat and not (rule == "fixed" and frontier):  # one level across τ (fixed at one depth)
                 ax.axhline(sum(flat) / len(flat), color=colors[rule], ls="--", label=f"{rule} (no τ)")
         if taus:
             ax.set_xscale("log")
         ax.set_xlabel("τ")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=8)
+    axes[0][0].legend(fontsize=8)
+    if frontier:
+        _frontier_panels(axes[1], ok, fixed, colors, oracle)
     n_failed = sum(r["status"] != "ok" for r in rows)
     fig.suptitle("Fig. 4: exit policies — latency and quality against the threshold τ"
+                 + ("; below, against compute, with the fixed-depth frontier" if frontier else "")
                  + (f" ({n_failed} job(s) not ok, left out)" if n_failed else ""), fontsize=10)
     fig.tight_layout()
     return fig
 
 
+def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, oracle) -> None:
+    """CE against mean applications (log-x) and against ms/token."""
+    def err(rs, key, lo, hi):
+        v = np.array([r[key] for r in rs], dtype=float)
+        if not all(_num(r[lo]) and _num(r[hi]) for r in rs):
+            return None
+        return np.array([v - [r[lo] for r in rs], [r[hi] for r in rs] - v])
+
+    for ax, xkey, (xlo, xhi), xlabel in ((axes[0], "mean_applications", (None, None), "mean applications per token"),
+                                         (axes[1], "ms_per_token", ("ms_min", "ms_max"), "ms / token (batch 1)")):
+        groups = [("fixed (frontier)", fixed, "k", "s-")]
+        groups += [(rule, sorted((r for r in ok if r["exit"] == rule), key=lambda r: r["mean_applications"]),
+                    colors[rule], "o-") for rule in sorted({r["exit"] for r in ok} - {"fixed"})]
+        for label, rs, color, style in groups:
+            rs = [r for r in rs if _num(r[xkey]) and _num(r["ce"])]
+            if not rs:
+                continue
+            x = [r[xkey] for r in rs]
+            xerr = err(rs, xkey, xlo, xhi) if xlo else None
+            ax.errorbar(x, [r["ce"] for r in rs], yerr=err(rs, "ce", "ce_lo", "ce_hi"), xerr=xerr, fmt=style,
+                        color=color, ms=4, capsize=2, lw=1.2, label=label)
+            if label.startswith("fixed"):
+                for r in rs:
+                    ax.annotate(f"{r['max_steps']}", (r[xkey], r["ce"]), fontsize=7, xytext=(3, 3),
+                                textcoords="offset points")
+        if oracle and xkey == "mean_applications":
+            ax.plot([p[1] for p in oracle], [p[2] for p in oracle], "k--", lw=1, label="oracle (ε from 0 to 1)")
+        ax.set_xscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel("CE (nats)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=7)
+    # zoom: the interesting part is near the best CE
+    ces = [r["ce"] for r in ok if _num(r["ce"])]
+    best, worst = min(ces), max(ces)
+    for ax in axes[:2]:
+        ax.set_ylim(best - 0.1 * (worst - best) - 1e-4, min(worst, best + 0.5 * (worst - best) + 0.02))
+    for ax in axes[2:]:
+        ax.axis("off")
+    axes[2].text(0, 1, "Below the black curve = fewer applications than fixed depth for the same CE.\n"
+                 "Error bars: 95% bootstrap CI over tokens (CE), min–max over repeats (ms).\n"
+                 "Numbers by the squares: the fixed depth n.", va="top", fontsize=8, transform=axes[2].transAxes)
+
+
 def summarize(sweep_dir: str | Path) -> list[dict]:
-    """Write sweep_results.csv / .md and Fig. 4 into sweep_dir; return the rows."""
+    """Write sweep_results.csv / .md, frontier.csv / .md (with fixed jobs at two or more
+    depths) and Fig. 4 into sweep_dir; return the rows."""
     import matplotlib.pyplot as plt
 
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
-    with open(sweep_dir / "sweep_results.csv.tmp", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        for r in rows:
-            w.writerow({**r, "applications_per_token": " ".join(map(str, r["applications_per_token"] or []))})
-    (sweep_dir / "sweep_results.csv.tmp").replace(sweep_dir / "sweep_results.csv")
+    _write_csv(sweep_dir / "sweep_results.csv", COLUMNS, [
+        {**r, "applications_per_token": " ".join(map(str, r["applications_per_token"] or []))} for r in rows])
     (sweep_dir / "sweep_results.md").write_text(markdown(rows))
+    oracle = None
+    try:
+        front = frontier_rows(sweep_dir, rows)
+        inputs = frontier_inputs(sweep_dir, rows) if front else None
+        if inputs is not None and inputs[2] is not None:
+            oracle = oracle_curve(inputs[2])
+    except ValueError as e:
+        log.warning("%s", e)
+        front = []
+    if front:
+        _write_csv(sweep_dir / "frontier.csv", FRONTIER_COLUMNS, front)
+        (sweep_dir / "frontier.md").write_text(frontier_markdown(front))
     if any(r["status"] == "ok" and r["ce"] != "" for r in rows):
-        fig = fig4(rows)
+        fig = fig4(rows, oracle)
         for fmt in ("png", "pdf"):
             fig.savefig(sweep_dir / f"fig4_exits.{fmt}", dpi=150 if fmt == "png" else None)
         plt.close(fig)
     return rows
+
+
+def _write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=columns)
+        w.writeheader()
+        for r in rows:
+            w.writerow({c: r.get(c, "") for c in columns})
+    tmp.replace(path)
 
 
 def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:

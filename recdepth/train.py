@@ -30,7 +30,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth import distributed, exits
 from recdepth.data import TokenDataModule
-from recdepth.decoding import SHARING, evaluate_exit
+from recdepth.decoding import validate_eval
 from recdepth.lit import LoopedLM, TrainingDiverged
 from recdepth.model import GPTConfig
 from recdepth.runs import (  # noqa: F401 (re-exported: training_identity and the index are public here)
@@ -92,9 +92,9 @@ def validate_run(cfg: DictConfig) -> None:
             raise ValueError(f"{field}: expected an integer >= {lo}, got {v!r}")
 
     for field, lo in (("seed", 0), ("batch_size", 1), ("trainer.max_steps", 1), ("trainer.val_check_interval", 1),
-                      ("trainer.checkpoint_every", 1), ("trainer.log_every_n_steps", 1), ("eval.tokens", 0),
-                      ("eval.warmup_tokens", 0)):
+                      ("trainer.checkpoint_every", 1), ("trainer.log_every_n_steps", 1)):
         need_int(field, lo)
+    validate_eval(cfg.eval)
     clip = cfg.trainer.gradient_clip_val
     if clip is not None and (not isinstance(clip, int | float) or isinstance(clip, bool) or not clip >= 0):
         raise ValueError(f"trainer.gradient_clip_val: expected a number >= 0 or null, got {clip!r}")
@@ -118,8 +118,6 @@ def validate_run(cfg: DictConfig) -> None:
                          "device (CPU build, or CUDA_VISIBLE_DEVICES empty?); on a CPU leave trainer=default")
     if not isinstance(t.compile, bool):
         raise ValueError(f"trainer.compile: expected true or false, got {t.compile!r}")
-    if cfg.eval.cache not in SHARING:
-        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {cfg.eval.cache!r}")
 
 
 def exit_policy(cfg: DictConfig) -> exits.ExitPolicy:
@@ -205,15 +203,14 @@ def loggers(cfg: DictConfig, run_dir: Path) -> list:
 
 
 # -------------------------------------------------------------- reuse / eval
-def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictConfig) -> dict:
-    """SPEC §4 evaluation of `model` on the first eval.tokens held-out tokens (batch 1)."""
-    from recdepth.evaluate import log_eval
+def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictConfig, run_dir: Path) -> dict:
+    """SPEC §4 evaluation of `model` on the first eval.tokens held-out tokens; writes
+    run_dir/eval_tokens.csv and returns the `eval` block."""
+    from recdepth.evaluate import run_eval
 
     heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
-    ev = evaluate_exit(model, heldout, policy, cfg.eval.tokens, warmup_tokens=cfg.eval.warmup_tokens, seed=cfg.seed,
-                       cache=cfg.eval.cache)
-    log_eval(ev)
-    return ev
+    vocab = None if dm.id_map is None else torch.as_tensor(dm.id_map)
+    return run_eval(model, heldout, policy, cfg, run_dir, vocab)
 
 
 def reuse_trained(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy,
@@ -230,7 +227,7 @@ def reuse_trained(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy,
         device = torch.device("cuda" if cfg.trainer.accelerator in ("auto", "gpu", "cuda")
                               and torch.cuda.is_available() else "cpu")
         module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=True)
-        metrics["eval"] = exit_eval(module.model.to(device), dm, policy, cfg)
+        metrics["eval"] = exit_eval(module.model.to(device), dm, policy, cfg, run_dir)
     write_json(run_dir / "metrics.json", metrics)
     return metrics
 
@@ -422,7 +419,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
                 for block in module.model.h:
                     block._compiled_call_impl = None  # undoes nn.Module.compile (torch keeps it there)
             module.to(trainer.strategy.root_device)
-            metrics["eval"] = exit_eval(module.model, dm, policy, cfg)
+            metrics["eval"] = exit_eval(module.model, dm, policy, cfg, run_dir)
         write_json(run_dir / "metrics.json", metrics)
         for lgr in lg:
             lgr.log_metrics({f"final/{k}": v for k, v in _flat(metrics).items()}, step=trainer.global_step)

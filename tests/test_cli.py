@@ -49,7 +49,9 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
                                         weights_only=True)  # plain data only: loads without unpickling code
     v = mod.vocab_to_gpt2
     assert v is not None and len(v) == mod.config.vocab_size
-    assert int(v[-1]) == 50256 and gpt2().decode(v[:5].tolist())  # sorted ids, EOT last
+    # sorted train-split ids, EOT the last of them, then the shared "other" entry (-1)
+    assert int(v[-2]) == 50256 and int(v[-1]) == -1 and gpt2().decode(v[:5].tolist())
+    assert mod.config.n_other == 50257 - (len(v) - 1)
     assert mod.model.lm_bias is not None and mod.model.lm_bias.abs().sum() > 0
 
 
@@ -327,3 +329,52 @@ def test_paper_size_runs_on_cpu(tmp_path, env):
     # Loop diagnostics at 30 loops on 4 x 512 tokens, one row per capture (the memory bound).
     d = json.loads((rd / "diagnostics" / "step_2.json").read_text())
     assert d["batch"] == {"sequences": 4, "seq_len": 512, "tokens": 2048, "rows_per_pass": 1}
+
+
+def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle(tmp_path, env):
+    """`hydra/sweeper=frontier` (what `make frontier` runs): one multirun of recdepth.evaluate
+    with the fixed grid, the rules and the oracle; the summary's frontier.csv is built from
+    the jobs' own per-token files and agrees with their metrics."""
+    import csv
+
+    import numpy as np
+
+    rd = tmp_path / "train"
+    run([f"run_dir={rd}", "callbacks=none", *TINY], cwd=tmp_path, env=env)
+    sweep = tmp_path / "frontier"
+    q = subprocess.run(
+        [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier",
+         f"ckpt={rd / 'checkpoints' / 'last.ckpt'}", f"hydra.sweep.dir={sweep}", "eval.tokens=40",
+         "eval.latency_tokens=4", "eval.repeats=2", "eval.warmup_tokens=1", "hydra.sweeper.fixed=[1,2,4]",
+         "hydra.sweeper.rules.accel=[0.5]",
+         "hydra.sweeper.rules.stepnorm=[1.0]", "hydra.sweeper.rules.kl=[]", "hydra.sweeper.oracle=[0.01]",
+         "exit.max_steps=4"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert q.returncode == 0, q.stderr[-3000:]
+    jobs = list(csv.DictReader(open(sweep / "sweep_results.csv")))
+    assert [(r["exit"], r["max_steps"], r["tau"]) for r in jobs] == [
+        ("fixed", "1", ""), ("fixed", "2", ""), ("fixed", "4", ""), ("stepnorm", "4", "1.0"),
+        ("accel", "4", "0.5"), ("oracle", "4", "0.01")]
+    assert all(r["status"] == "ok" for r in jobs)
+    for r in jobs:  # every job wrote its per-token record: 40 tokens
+        assert len((sweep / r["job"] / "eval_tokens.csv").read_text().splitlines()) == 41
+    fixed = {int(r["max_steps"]): float(r["ce"]) for r in jobs if r["exit"] == "fixed"}
+    front = list(csv.DictReader(open(sweep / "frontier.csv")))
+    assert [r["exit"] for r in front] == ["stepnorm", "accel", "oracle"]
+    for f in front:
+        job = next(r for r in jobs if r["job"] == f["job"])
+        A = float(job["mean_applications"])
+        assert float(f["ce"]) == pytest.approx(float(job["ce"]), rel=1e-12)
+        assert float(f["mean_applications"]) == pytest.approx(A)
+        below = [n for n in fixed if n <= A]
+        best = min(below, key=lambda n: fixed[n]) if below else None
+        assert (f["frontier_n"] or None) == (None if best is None else str(best))
+        reach = [n for n in sorted(fixed) if fixed[n] <= float(job["ce"])]
+        assert int(f["fixed_n"]) == (reach[0] if reach else max(fixed))
+        assert float(f["saving"]) == pytest.approx(1 - A / int(f["fixed_n"]))
+        assert float(f["saving_lo"]) <= float(f["saving"]) <= float(f["saving_hi"])
+    # the oracle's NLLs at every n: its row n = 4 is the fixed-4 job's per-token NLL
+    by_n = np.load(sweep / "5" / "oracle_nll.npy")
+    nll4 = [float(r["nll"]) for r in csv.DictReader(open(sweep / "2" / "eval_tokens.csv"))]
+    assert by_n.shape == (40, 4) and np.allclose(by_n[:, 3], nll4, atol=1e-5)
+    assert (sweep / "frontier.md").is_file() and (sweep / "fig4_exits.png").is_file()
