@@ -1,21 +1,38 @@
-"""Statistics of exit evaluations from per-token records (docs/spec.md §4b: fixed-depth
-frontier, oracle, intervals). numpy only.
+"""Statistics of exit evaluations from per-token records, numpy only. Follows
+docs/spec.md §4b (fixed-depth frontier, oracle, intervals).
 
-Every evaluation of one checkpoint scores the same held-out tokens in the same order and
-writes one row per token (`write_tokens` / `read_tokens`): its NLL and the applications
-of every group. A job's CE is the mean NLL; its cost A the mean applications per token
-(over tokens and groups). Everything here is a function of those arrays:
+Every exit-rule evaluation ("job") of one checkpoint scores the same held-out tokens in
+the same order and writes one row per token (`write_tokens` / `read_tokens`): nll[i]
+(nats), apps[i, g] (applications of recurrence group g) and ms[i] (batch-1 latency, NaN
+where not timed). A job's CE is mean(nll); its cost A ("mean applications per token") is
+the mean of apps over tokens and groups. Each definition below lives in one function:
 
-- fixed-depth frontier (`exit=fixed`, n = 1, 2, 3, 4, 6, 8, 12, 16, 24, 32): for a job with
-  cost A and CE c, the frontier CE at A is the lowest CE among fixed n <= A
-  (`frontier_ce`); the fixed applications needed for c are the smallest fixed n whose CE
-  <= c (`fixed_needed`; if none reaches c, the largest n, flagged, a conservative bound);
-  saving = 1 − A / that n (`saving`);
-- oracle (ε): per token, the smallest uniform n whose NLL is within ε of its NLL at the
-  largest n (`oracle_n`, `oracle_point`, `oracle_saving`);
-- intervals: 95% paired percentile bootstrap over tokens (`bootstrap_indices`): the same
-  resampled token indices for every job of a comparison, and the whole statistic
-  recomputed per resample (the frontier point, the fixed n reached, the oracle's ε).
+- fixed-depth frontier: the jobs with exit=fixed at n = 1, 2, 3, 4, 6, 8, 12, 16, 24, 32
+  (every group runs exactly n). For a rule job with cost A and CE c:
+  - `frontier_ce`: the lowest CE among fixed n <= A (NaN, no n, if there is none);
+  - `fixed_needed`: the smallest fixed n whose CE <= c; if no fixed n reaches c, the
+    largest n of the grid, flagged reached=False (the saving is then a lower bound);
+  - `saving`: 1 − A / (fixed applications needed for c);
+  - `hull_ce`: the fixed frontier at exactly A applications: the lower convex hull of
+    the points (n, CE_n), i.e. the best mix of two fixed depths whose mean cost is A (a
+    coin flip per token between them reaches it, up to the depth of the history). This
+    is the equal-compute baseline the verdict uses: on a grid, "best fixed n <= A" for a
+    rule at A = 7.96 is fixed-6, which costs 25% less;
+  - `compare`: all of these for one job, with intervals.
+- oracle (ε): nll_by_n[i, n−1] is token i's NLL at a uniform n = 1..N in every group
+  (earlier tokens at N). `oracle_n`: per token the smallest n with |nll_by_n[i, n−1] −
+  nll_by_n[i, N−1]| <= ε (two-sided: "within ε" of the max-depth prediction, so the
+  oracle keeps the quality of N; a one-sided "<= + ε" would also pick depths where the
+  target happens to score better, a best-of-N selection on the target that lowers CE
+  below every fixed depth and measures luck, not saved compute); `oracle_point`: its CE (mean NLL at those n) and A (mean n);
+  `oracle_saving`: at a CE c, the oracle point over an ε grid with the smallest A whose
+  CE <= c, and 1 − A_oracle / fixed_needed(c).
+- intervals: 95% paired percentile bootstrap over tokens. `bootstrap_indices` draws R
+  resamples of the token indices (fixed seed); every job of a quantity is evaluated on
+  the SAME index sets, the whole statistic is recomputed per resample (every fixed CE,
+  the rule's CE and A, then the frontier point / fixed n / oracle ε chosen again), and
+  the 2.5% and 97.5% percentiles of the resampled statistic are the interval
+  (`mean_ci`, `diff_ci`, `compare`, `oracle_saving`).
 """
 
 from __future__ import annotations
@@ -41,6 +58,8 @@ def bootstrap_indices(n: int, resamples: int = 1000, seed: int = 0) -> np.ndarra
 
 
 def _interval(samples: np.ndarray) -> tuple[float, float]:
+    """The 2.5% and 97.5% percentiles of the resampled statistic (its undefined, NaN,
+    resamples left out; (nan, nan) if all are)."""
     s = np.asarray(samples, dtype=float)
     s = s[np.isfinite(s)]
     if len(s) == 0:
@@ -85,6 +104,30 @@ def fixed_needed(fixed: Mapping[int, float], c: float) -> tuple[int, bool]:
     return int(max(fixed)), False
 
 
+def hull_ce(fixed: Mapping[int, float], A: float) -> float:
+    """The fixed-depth frontier at cost A: the lowest CE that fixed depths mixed per token
+    reach at mean cost <= A, i.e. the lower convex hull of the points (n, min_{m<=n} CE_m)
+    evaluated at A (NaN if A < the smallest n; the smallest CE if A >= the largest n)."""
+    pts, best = [], math.inf
+    for n, ce in sorted(fixed.items()):
+        best = min(best, float(ce))
+        pts.append((float(n), best))
+    if not pts or A < pts[0][0]:
+        return math.nan
+    if A >= pts[-1][0]:
+        return pts[-1][1]
+    hull: list[tuple[float, float]] = []  # Andrew's monotone chain, lower part
+    for p in pts:
+        while len(hull) >= 2 and ((hull[-1][0] - hull[-2][0]) * (p[1] - hull[-2][1])
+                                  - (hull[-1][1] - hull[-2][1]) * (p[0] - hull[-2][0])) <= 0:
+            hull.pop()
+        hull.append(p)
+    for (x0, y0), (x1, y1) in zip(hull, hull[1:]):
+        if x0 <= A <= x1:
+            return y0 + (y1 - y0) * (A - x0) / (x1 - x0)
+    return math.nan  # unreachable: A lies within [first n, last n]
+
+
 def saving(A: float, fixed: Mapping[int, float], c: float) -> float:
     """1 − A / (the fixed applications needed for CE c)."""
     return 1.0 - A / fixed_needed(fixed, c)[0]
@@ -97,10 +140,25 @@ def _cost(apps) -> np.ndarray:
 
 
 def compare(rule_nll, rule_apps, fixed_nll: Mapping[int, np.ndarray], idx: np.ndarray) -> dict:
-    """One job against the fixed-depth jobs, with paired bootstrap intervals (module doc)."""
+    """One rule job against the fixed-depth jobs (docs/spec.md §4b), with paired intervals.
+
+    rule_nll [tokens], rule_apps [tokens, groups] (or [tokens], already averaged over
+    groups), fixed_nll {n: [tokens]} on the same tokens, idx from `bootstrap_indices`.
+    Returns ce (lo, hi); mean_applications (lo, hi) = A; frontier_n, frontier_ce =
+    `frontier_ce` at A; d_ce = ce − frontier_ce (lo, hi); fixed_n, reached =
+    `fixed_needed` for ce; saving = `saving` (lo, hi); hull_ce = `hull_ce` at A and
+    d_hull = ce − hull_ce (lo, hi), the equal-compute comparison. Per resample the rule's CE and A and
+    every fixed CE are recomputed on the same resampled tokens and the definitions applied
+    again (the frontier point and the fixed n may change). Resamples where d_ce is
+    undefined (no fixed n <= A there) are left out of its interval; d_ce_undefined is
+    their fraction (0 when the grid has n = 1, since A >= 1)."""
     nll, cost = np.asarray(rule_nll, dtype=float), _cost(rule_apps)
+    if len(nll) != len(cost) or not fixed_nll:
+        raise ValueError(f"compare: {len(nll)} NLLs, {len(cost)} application rows, {len(fixed_nll)} fixed jobs")
     ns = sorted(fixed_nll)
     F = np.stack([np.asarray(fixed_nll[n], dtype=float) for n in ns])  # [fixed, tokens]
+    if F.shape[1] != len(nll):
+        raise ValueError(f"compare: the fixed jobs score {F.shape[1]} tokens, the rule {len(nll)}")
     ce, A = float(nll.mean()), float(cost.mean())
     fixed = {n: float(F[i].mean()) for i, n in enumerate(ns)}
     f_ce, f_n = frontier_ce(fixed, A)
@@ -108,87 +166,132 @@ def compare(rule_nll, rule_apps, fixed_nll: Mapping[int, np.ndarray], idx: np.nd
     # per resample: everything again
     ce_r, A_r = resampled_means(nll, idx), resampled_means(cost, idx)
     F_r = np.stack([resampled_means(F[i], idx) for i in range(len(ns))], axis=1)  # [resamples, fixed]
-    d_r, s_r = np.empty(len(idx)), np.empty(len(idx))
+    d_r, s_r, h_r = np.empty(len(idx)), np.empty(len(idx)), np.empty(len(idx))
     for k in range(len(idx)):
-        fk = dict(zip(ns, F_r[k]))
+        fk = dict(zip(ns, F_r[k].tolist()))
         d_r[k] = ce_r[k] - frontier_ce(fk, A_r[k])[0]
-        s_r[k] = 1.0 - A_r[k] / fixed_needed(fk, ce_r[k])[0]
+        s_r[k] = saving(A_r[k], fk, ce_r[k])
+        h_r[k] = ce_r[k] - hull_ce(fk, A_r[k])
+    (ce_lo, ce_hi), (a_lo, a_hi) = _interval(ce_r), _interval(A_r)
+    (d_lo, d_hi), (s_lo, s_hi), (h_lo, h_hi) = _interval(d_r), _interval(s_r), _interval(h_r)
+    h_ce = hull_ce(fixed, A)
     return {
-        "ce": ce, "ce_lo": _interval(ce_r)[0], "ce_hi": _interval(ce_r)[1],
-        "mean_applications": A,
+        "ce": ce, "ce_lo": ce_lo, "ce_hi": ce_hi,
+        "mean_applications": A, "mean_applications_lo": a_lo, "mean_applications_hi": a_hi,
         "frontier_n": f_n, "frontier_ce": f_ce,
-        "d_ce": ce - f_ce, "d_ce_lo": _interval(d_r)[0], "d_ce_hi": _interval(d_r)[1],
+        "d_ce": ce - f_ce, "d_ce_lo": d_lo, "d_ce_hi": d_hi, "d_ce_undefined": float(np.isnan(d_r).mean()),
         "fixed_n": n_need, "reached": reached,
-        "saving": 1.0 - A / n_need, "saving_lo": _interval(s_r)[0], "saving_hi": _interval(s_r)[1],
+        "saving": saving(A, fixed, ce), "saving_lo": s_lo, "saving_hi": s_hi,
+        "hull_ce": h_ce, "d_hull": ce - h_ce, "d_hull_lo": h_lo, "d_hull_hi": h_hi,
     }
 
 
 # -------------------------------------------------------------------- oracle
 def oracle_n(nll_by_n, eps: float) -> np.ndarray:
-    """Per token, the smallest n (1-based) with nll_by_n[:, n−1] <= nll_by_n[:, −1] + eps."""
+    """Per token, the oracle's n at eps (docs/spec.md §4b): the smallest n (1-based) with
+    |nll_by_n[i, n−1] − nll_by_n[i, N−1]| <= eps, N the last column."""
     m = np.asarray(nll_by_n, dtype=float)
-    ok = m <= m[:, -1:] + eps
-    return ok.argmax(axis=1) + 1  # the last column always qualifies
+    if m.ndim != 2 or m.shape[1] < 1:
+        raise ValueError(f"oracle_n: expected nll_by_n [tokens, N], got shape {m.shape}")
+    ok = np.abs(m - m[:, -1:]) <= eps
+    return ok.argmax(axis=1) + 1  # the last column always qualifies (eps >= 0)
 
 
 def oracle_point(nll_by_n, eps: float) -> tuple[float, float]:
-    """(CE, mean applications) of the oracle at eps."""
+    """(CE, mean applications) of the oracle at eps: the mean of each token's NLL at its
+    oracle n, and the mean of those n."""
     m = np.asarray(nll_by_n, dtype=float)
     n = oracle_n(m, eps)
     return float(m[np.arange(len(m)), n - 1].mean()), float(n.mean())
 
 
-def oracle_saving(nll_by_n, eps_grid: Sequence[float], c: float, fixed_nll: Mapping[int, np.ndarray],
+def oracle_saving(nll_by_n, eps_grid: Sequence[float], c, fixed_nll: Mapping[int, np.ndarray],
                   idx: np.ndarray) -> dict:
-    """The oracle at CE c: over eps_grid, the oracle point with the fewest mean
-    applications whose CE <= c (else the largest-CE-quality one, eps = min), and its saving
-    1 − A_oracle / fixed_needed(c), with the choice redone per resample."""
+    """The oracle's saving at CE c (docs/spec.md §4b): over eps_grid, the oracle point with
+    the fewest mean applications whose CE <= c, and 1 − A_oracle / fixed_needed(c).
+
+    c is a target CE (a float, held fixed across resamples) or a rule's per-token NLL
+    [tokens] (then c is its mean, recomputed on every resample). Per resample the oracle's
+    CE and A at every eps, every fixed CE (and c) are recomputed and the eps chosen again.
+    Where no eps reaches c the saving is undefined (NaN, eps None); such resamples are
+    left out of the interval and counted in saving_undefined (a fraction). Returns eps, ce,
+    applications, fixed_n, reached (of fixed_needed(c)), saving, saving_lo, saving_hi,
+    saving_undefined."""
     m = np.asarray(nll_by_n, dtype=float)
     eps_grid = sorted(float(e) for e in eps_grid)
     rows = np.arange(len(m))
-    pts_nll = np.stack([m[rows, oracle_n(m, e) - 1] for e in eps_grid])  # [eps, tokens]
-    pts_n = np.stack([oracle_n(m, e).astype(float) for e in eps_grid])
+    n_eps = [oracle_n(m, e) for e in eps_grid]
+    pts_nll = np.stack([m[rows, n - 1] for n in n_eps])  # [eps, tokens]
+    pts_n = np.stack([n.astype(float) for n in n_eps])
     ns = sorted(fixed_nll)
     F = np.stack([np.asarray(fixed_nll[n], dtype=float) for n in ns])
+    c_tok = None if np.ndim(c) == 0 else np.asarray(c, dtype=float)
+    if F.shape[1] != len(m) or (c_tok is not None and len(c_tok) != len(m)):
+        raise ValueError(f"oracle_saving: the oracle scores {len(m)} tokens, the fixed jobs {F.shape[1]}"
+                         + ("" if c_tok is None else f", the rule {len(c_tok)}"))
 
     def choose(ces, As, fixed, target):
+        """(index into eps_grid or None, saving)."""
         ok = [i for i in range(len(ces)) if ces[i] <= target]
-        i = min(ok, key=lambda i: As[i]) if ok else 0
-        return As[i], 1.0 - As[i] / fixed_needed(fixed, target)[0], eps_grid[i]
+        if not ok:
+            return None, math.nan
+        i = min(ok, key=lambda i: (As[i], ces[i]))
+        return i, saving(As[i], fixed, target)
 
+    c0 = float(c) if c_tok is None else float(c_tok.mean())
     fixed = {n: float(F[i].mean()) for i, n in enumerate(ns)}
-    A, s, eps = choose(pts_nll.mean(axis=1), pts_n.mean(axis=1), fixed, c)
+    i, s = choose(pts_nll.mean(axis=1), pts_n.mean(axis=1), fixed, c0)
+    n_need, reached = fixed_needed(fixed, c0)
     P_r = np.stack([resampled_means(p, idx) for p in pts_nll], axis=1)  # [resamples, eps]
     N_r = np.stack([resampled_means(p, idx) for p in pts_n], axis=1)
     F_r = np.stack([resampled_means(f, idx) for f in F], axis=1)
-    s_r = np.array([choose(P_r[k], N_r[k], dict(zip(ns, F_r[k])), c)[1] for k in range(len(idx))])
+    c_r = np.full(len(idx), c0) if c_tok is None else resampled_means(c_tok, idx)
+    s_r = np.array([choose(P_r[k], N_r[k], dict(zip(ns, F_r[k].tolist())), c_r[k])[1] for k in range(len(idx))])
     lo, hi = _interval(s_r)
-    return {"applications": float(A), "eps": eps, "saving": float(s), "saving_lo": lo, "saving_hi": hi}
+    return {"eps": None if i is None else eps_grid[i],
+            "ce": math.nan if i is None else float(pts_nll[i].mean()),
+            "applications": math.nan if i is None else float(pts_n[i].mean()),
+            "fixed_n": n_need, "reached": reached,
+            "saving": float(s), "saving_lo": lo, "saving_hi": hi,
+            "saving_undefined": float(np.isnan(s_r).mean())}
 
 
 # --------------------------------------------------------- per-token records
+TOKEN_COLUMNS = ("window", "position", "target", "target_gpt2", "nll")  # then apps_0.., then ms
+
+
 def write_tokens(path: str | os.PathLike, window, position, target, target_gpt2, nll, apps, ms=None) -> None:
-    """eval_tokens.csv: window, position, target, target_gpt2, nll, apps_<g>..., ms (empty
-    where not timed). Floats are written with repr precision (read back exactly);
-    atomically (a temporary file, then a rename)."""
+    """Write a per-token record (eval_tokens.csv): header window, position, target,
+    target_gpt2, nll, apps_0 .. apps_{G−1}, ms; one row per token; ms empty where not
+    timed (NaN or ms=None). Floats are written with repr precision (read back bit-equal);
+    atomically (a temporary file beside it, then os.replace)."""
     path = Path(path)
-    apps = np.asarray(apps)
+    nll = np.asarray(nll, dtype=float)
     n = len(nll)
+    apps = np.asarray(apps).reshape(n, -1)
     ms = np.full(n, np.nan) if ms is None else np.asarray(ms, dtype=float)
+    cols = [np.asarray(v) for v in (window, position, target, target_gpt2)]
+    if any(len(v) != n for v in (*cols, ms)) or apps.shape[1] < 1:
+        raise ValueError(f"write_tokens {path}: columns of unequal length or no apps columns")
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(["window", "position", "target", "target_gpt2", "nll",
-                    *[f"apps_{g}" for g in range(apps.shape[1])], "ms"])
-        for i in range(n):
-            w.writerow([int(window[i]), int(position[i]), int(target[i]), int(target_gpt2[i]), repr(float(nll[i])),
-                        *[int(a) for a in apps[i]], "" if math.isnan(ms[i]) else repr(float(ms[i]))])
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow([*TOKEN_COLUMNS, *[f"apps_{g}" for g in range(apps.shape[1])], "ms"])
+            for i in range(n):
+                w.writerow([*[int(v[i]) for v in cols], repr(float(nll[i])), *[int(a) for a in apps[i]],
+                            "" if math.isnan(ms[i]) else repr(float(ms[i]))])
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
 
 
 def read_tokens(path: str | os.PathLike) -> dict:
-    """An eval_tokens.csv as arrays: window, position, target, target_gpt2, nll, apps
-    [tokens, groups], ms (NaN where not timed)."""
+    """Read a per-token record written by `write_tokens`: a dict of arrays window,
+    position, target, target_gpt2 (int64), nll (float), apps [tokens, groups] (int64, the
+    apps_<g> columns in order of g), ms (float, NaN where empty). A missing column or a
+    malformed row raises a one-line ValueError naming the file."""
     path = Path(path)
     with open(path, newline="") as f:
         r = csv.reader(f)
@@ -196,19 +299,31 @@ def read_tokens(path: str | os.PathLike) -> dict:
         rows = list(r)
     if head is None:
         raise ValueError(f"{path}: empty file, expected an eval_tokens.csv header")
-    for col in ("window", "position", "target", "target_gpt2", "nll", "apps_0", "ms"):
-        if col not in head:
-            raise ValueError(f"{path}: no column {col!r} (expected an eval_tokens.csv written by recdepth)")
+    head = [h.strip() for h in head]
+    for c in (*TOKEN_COLUMNS, "apps_0", "ms"):
+        if c not in head:
+            raise ValueError(f"{path}: no column {c!r} (expected an eval_tokens.csv written by recdepth)")
     col = {c: i for i, c in enumerate(head)}
-    g_cols = [col[c] for c in head if c.startswith("apps_")]
-    ints = lambda c: np.array([int(x[col[c]]) for x in rows], dtype=np.int64)  # noqa: E731
-    return {
-        "window": ints("window"), "position": ints("position"), "target": ints("target"),
-        "target_gpt2": ints("target_gpt2"),
-        "nll": np.array([float(x[col["nll"]]) for x in rows]),
-        "apps": np.array([[int(x[i]) for i in g_cols] for x in rows], dtype=np.int64).reshape(len(rows), len(g_cols)),
-        "ms": np.array([float(x[col["ms"]]) if x[col["ms"]] else math.nan for x in rows]),
-    }
+    G = sum(1 for h in head if h.startswith("apps_"))
+    for g in range(G):
+        if f"apps_{g}" not in col:
+            raise ValueError(f"{path}: no column 'apps_{g}' (apps columns must be apps_0 .. apps_{G - 1})")
+    g_cols = [col[f"apps_{g}"] for g in range(G)]
+    out = {c: np.empty(len(rows), dtype=np.int64) for c in TOKEN_COLUMNS[:4]}
+    out["nll"], out["ms"] = np.empty(len(rows)), np.empty(len(rows))
+    out["apps"] = np.empty((len(rows), G), dtype=np.int64)
+    for i, x in enumerate(rows):
+        try:
+            if len(x) != len(head):
+                raise ValueError(f"{len(x)} fields, header has {len(head)}")
+            for c in TOKEN_COLUMNS[:4]:
+                out[c][i] = int(x[col[c]])
+            out["nll"][i] = float(x[col["nll"]])
+            out["apps"][i] = [int(x[j]) for j in g_cols]
+            out["ms"][i] = float(x[col["ms"]]) if x[col["ms"]].strip() else math.nan
+        except ValueError as e:
+            raise ValueError(f"{path}: data row {i + 1}: {e}".replace("\n", " ")) from None
+    return out
 
 
 def save_array(path: str | os.PathLike, a: np.ndarray) -> None:

@@ -5,13 +5,18 @@
 every job and at the end of the sweep it reads every job directory of the sweep and writes,
 into the sweep directory,
 
-    sweep_results.csv   one row per job: job, overrides, status, exit, tau, ce, ppl,
-                        ms_per_token, applications per group and their mean, reused, error
+    sweep_results.csv   one row per job: job, overrides, status, exit, tau, max_steps, ce
+                        with its 95% CI, ppl, ms_per_token (median, min, max), applications
+                        per group and their mean, tokens, tokens_per_s (batched), the
+                        batch-1 check (tokens whose applications differ between batch 1
+                        and batch B, largest NLL difference), reused, error
     sweep_results.md    the same as a Markdown table
     frontier.csv / .md  when the sweep has fixed-depth jobs at two or more n (SPEC §4b): for
                         every other job, its CE with a 95% bootstrap CI, the best fixed CE
-                        at no more applications and the paired CE difference, the fewest
-                        fixed applications that reach its CE and the saving 1 − A/n with a
+                        at no more applications and the paired CE difference, the fixed
+                        frontier at exactly its applications (`stats.hull_ce`) and the
+                        paired CE difference to it (the verdict), the fewest fixed
+                        applications that reach its CE and the saving 1 − A/n with a
                         paired bootstrap CI, and the oracle's saving at the same CE
                         (`frontier_rows`, from the jobs' eval_tokens.csv)
     fig4_exits.{png,pdf} the paper's Fig. 4: ms/token, PPL, CE and mean applications per
@@ -112,7 +117,8 @@ def run_hydra_main(hydra_main) -> None:
 
 # -------------------------------------------------------------- aggregation
 COLUMNS = ["job", "overrides", "status", "exit", "tau", "max_steps", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
-           "ms_min", "ms_max", "applications_per_token", "mean_applications", "tokens", "tokens_per_s", "reused", "error"]
+           "ms_min", "ms_max", "applications_per_token", "mean_applications", "tokens", "tokens_per_s", "batch1_apps_mismatch",
+           "batch1_max_abs_dnll", "reused", "error"]
 
 
 def _job_row(job_dir: Path) -> dict:
@@ -138,7 +144,9 @@ def _job_row(job_dir: Path) -> dict:
                        ppl=ev["ppl"], ms_per_token=ev["ms_per_token"], ms_min=ev.get("ms_per_token_min", ""),
                        ms_max=ev.get("ms_per_token_max", ""), applications_per_token=apps,
                        mean_applications=sum(apps) / len(apps) if apps else 0.0, tokens=ev.get("tokens", ""),
-                       tokens_per_s=ev.get("tokens_per_s", ""))
+                       tokens_per_s=ev.get("tokens_per_s", ""),
+                       batch1_apps_mismatch=(ev.get("batch_check") or {}).get("apps_mismatch", ""),
+                       batch1_max_abs_dnll=(ev.get("batch_check") or {}).get("max_abs_dnll", ""))
     elif (job_dir / "error.txt").is_file():
         lines = (job_dir / "error.txt").read_text().strip().splitlines()
         row["status"], row["error"] = "failed", lines[-1] if lines else "error"
@@ -193,16 +201,17 @@ def markdown(rows: list[dict]) -> str:
 
 # ------------------------------------------------------------ frontier (SPEC §4b)
 FRONTIER_COLUMNS = ["job", "exit", "tau", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
-                    "d_ce", "d_ce_lo", "d_ce_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
+                    "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
                     "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
                     "oracle_saving_lo", "oracle_saving_hi", "verdict"]
 ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
 
 
 def _verdict(lo: float, hi: float) -> str:
+    """From the 95% CI of CE − (fixed frontier at the rule's own mean applications)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "not resolved"
-    return "beats the fixed frontier" if lo > 0 else ("worse than the fixed frontier" if hi < 0 else "not resolved")
+    return "beats the fixed frontier" if hi < 0 else ("worse than the fixed frontier" if lo > 0 else "not resolved")
 
 
 def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.ndarray | None] | None:
@@ -250,9 +259,9 @@ def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000
         c = stats.compare(t["nll"], t["apps"], fixed_nll, idx)
         row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
         row.update(job=r["job"], exit=r["exit"], tau=r["tau"], ms_per_token=r["ms_per_token"],
-                   fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict=_verdict(c["saving_lo"], c["saving_hi"]))
+                   fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict="bound (reads the target)" if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
         if by_n is not None:
-            o = stats.oracle_saving(by_n, ORACLE_EPS, c["ce"], fixed_nll, idx)
+            o = stats.oracle_saving(by_n, ORACLE_EPS, t["nll"], fixed_nll, idx)
             row.update(oracle_applications_at_ce=o["applications"], oracle_saving=o["saving"],
                        oracle_saving_lo=o["saving_lo"], oracle_saving_hi=o["saving_hi"])
         out.append(row)
@@ -261,7 +270,7 @@ def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000
 
 def frontier_markdown(rows: list[dict]) -> str:
     head = ["job", "exit", "τ", "CE [95% CI]", "mean applications", "best fixed at ≤ A: n, CE",
-            "CE − that [95% CI]", "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
+            "CE − that [95% CI]", "fixed frontier at A", "CE − frontier at A [95% CI]", "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
             "ms/token (fixed at CE)", "verdict"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pct = lambda v: "—" if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"  # noqa: E731
@@ -274,7 +283,8 @@ def frontier_markdown(rows: list[dict]) -> str:
         ms = f"{_fmt(r['ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
         out.append("| " + " | ".join([str(r["job"]), r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
                                       _fmt(r["mean_applications"], 2), fr,
-                                      _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), reach, sav, osav, ms,
+                                      _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), _fmt(r["hull_ce"]),
+                                      _ci(r["d_hull"], r["d_hull_lo"], r["d_hull_hi"]), reach, sav, osav, ms,
                                       r["verdict"]]) + " |")
     return "\n".join(out) + "\n"
 

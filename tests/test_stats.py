@@ -1,0 +1,305 @@
+"""recdepth.stats against independent computations (docs/spec.md §4b): the closed-form CI
+of a mean, coverage on data with a known mean, slow per-resample reference loops written
+here from the definitions, brute force for the oracle, exact CSV round trips."""
+
+import math
+
+import numpy as np
+import pytest
+
+from recdepth import stats
+
+GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
+
+
+# ----------------------------------------------------------------- intervals
+def test_bootstrap_indices_shape_range_and_seed():
+    idx = stats.bootstrap_indices(50, 300, seed=3)
+    assert idx.shape == (300, 50) and idx.min() >= 0 and idx.max() < 50
+    assert np.array_equal(idx, stats.bootstrap_indices(50, 300, seed=3))
+    assert not np.array_equal(idx, stats.bootstrap_indices(50, 300, seed=4))
+
+
+def test_bootstrap_ci_of_a_mean_matches_the_closed_form():
+    rng = np.random.default_rng(1)
+    x = rng.normal(3.0, 2.0, 4000)
+    m, lo, hi = stats.mean_ci(x, stats.bootstrap_indices(len(x), 2000, seed=2))
+    half = 1.959964 * 2.0 / math.sqrt(len(x))  # normal-theory half-width, sd known
+    assert m == pytest.approx(x.mean(), rel=1e-12)
+    assert (hi - lo) / 2 == pytest.approx(half, rel=0.1)
+    assert (lo + hi) / 2 == pytest.approx(x.mean(), abs=0.1 * half)
+
+
+def test_bootstrap_interval_covers_the_true_mean_about_95_percent_of_the_time():
+    rng = np.random.default_rng(3)
+    idx = stats.bootstrap_indices(200, 400, seed=4)
+    trials, covered = 200, 0
+    for _ in range(trials):
+        x = rng.normal(1.5, 3.0, 200)
+        _, lo, hi = stats.mean_ci(x, idx)
+        covered += lo <= 1.5 <= hi
+    assert 0.90 <= covered / trials <= 0.99
+
+
+def test_paired_difference():
+    rng = np.random.default_rng(5)
+    a = rng.normal(0, 1, 1000)
+    idx = stats.bootstrap_indices(1000, 500)
+    d, lo, hi = stats.diff_ci(a, a + 0.1, idx)
+    assert d == pytest.approx(-0.1, abs=1e-12)
+    assert lo == pytest.approx(-0.1, abs=1e-12) and hi == pytest.approx(-0.1, abs=1e-12)
+    b = a + rng.normal(0.05, 0.1, 1000)  # strongly positively correlated with a
+    _, plo, phi = stats.diff_ci(a, b, idx)
+    # unpaired: a and b resampled independently
+    idx2 = stats.bootstrap_indices(1000, 500, seed=99)
+    u = a[idx].mean(axis=1) - b[idx2].mean(axis=1)
+    ulo, uhi = np.quantile(u, [0.025, 0.975])
+    assert phi - plo < 0.3 * (uhi - ulo)
+    assert plo <= np.mean(a - b) <= phi
+
+
+# ------------------------------------------------------------------ frontier
+def ref_frontier(F, A):
+    best, best_n = math.inf, None
+    for n in F:
+        if n <= A and F[n] < best:
+            best, best_n = F[n], n
+    return (math.nan, None) if best_n is None else (best, best_n)
+
+
+def ref_needed(F, c):
+    reach = [n for n in F if F[n] <= c]
+    return (min(reach), True) if reach else (max(F), False)
+
+
+def ref_hull(F, A):
+    """The best per-token mix of fixed depths at mean cost <= A, by enumeration: a single
+    depth n <= A, or two depths n_i <= A < n_j mixed to cost exactly A (a linear program
+    with two constraints has an optimum on two points)."""
+    cand = [F[n] for n in F if n <= A]
+    cand += [F[i] + (F[j] - F[i]) * (A - i) / (j - i) for i in F for j in F if i <= A < j]
+    return min(cand) if cand else math.nan
+
+
+def test_hull_ce_against_pairwise_mixtures():
+    rng = np.random.default_rng(21)
+    for _ in range(300):
+        ns = sorted(rng.choice(GRID, size=rng.integers(1, len(GRID) + 1), replace=False).tolist())
+        F = {n: float(rng.normal(3, 0.3)) for n in ns}
+        A = float(rng.uniform(0.5, 35))
+        got, want = stats.hull_ce(F, A), ref_hull(F, A)
+        assert (math.isnan(got) and math.isnan(want)) or got == pytest.approx(want, abs=1e-12)
+    F = {2: 4.0, 4: 3.0, 8: 2.8, 16: 2.9}
+    assert stats.hull_ce(F, 3.0) == pytest.approx(3.5)  # half fixed-2, half fixed-4
+    assert stats.hull_ce(F, 6.0) == pytest.approx(2.9)  # 4 to 8 on the hull
+    assert stats.hull_ce(F, 12.0) == pytest.approx(2.8)  # more compute buys nothing past 8
+    assert math.isnan(stats.hull_ce(F, 1.5))
+
+
+def test_frontier_fixed_needed_and_saving_on_small_grids():
+    rng = np.random.default_rng(20)
+    for _ in range(200):
+        ns = sorted(rng.choice(GRID, size=rng.integers(1, len(GRID) + 1), replace=False).tolist())
+        F = {n: float(rng.normal(3, 0.3)) for n in ns}
+        A, c = float(rng.uniform(0.5, 35)), float(rng.normal(3, 0.4))
+        f_ce, f_n = stats.frontier_ce(F, A)
+        w_ce, w_n = ref_frontier(F, A)
+        assert f_n == w_n and (f_ce == w_ce or (math.isnan(f_ce) and math.isnan(w_ce)))
+        assert stats.fixed_needed(F, c) == ref_needed(F, c)
+        assert stats.saving(A, F, c) == pytest.approx(1 - A / ref_needed(F, c)[0])
+    F = {1: 4.0, 2: 3.5, 4: 3.6, 8: 3.2}
+    assert stats.frontier_ce(F, 0.9) == (pytest.approx(math.nan, nan_ok=True), None)
+    assert stats.frontier_ce(F, 5.0) == (3.5, 2)  # lowest CE at n <= A, not the largest n
+    assert stats.fixed_needed(F, 3.55) == (2, True)
+    assert stats.fixed_needed(F, 3.5) == (2, True)  # CE <= c: a tie reaches it
+    assert stats.frontier_ce(F, 2.0) == (3.5, 2)  # n <= A: n = A is on the frontier
+    assert stats.fixed_needed(F, 3.0) == (8, False)
+    assert stats.saving(2.0, F, 3.2) == pytest.approx(0.75)
+
+
+def slow_compare(nll, apps, fixed_nll, idx):
+    """compare() from the definitions, one resample at a time, in plain Python."""
+    def point(sel):
+        c = sum(nll[i] for i in sel) / len(sel)
+        A = sum(sum(apps[i]) / len(apps[i]) for i in sel) / len(sel)
+        F = {n: sum(v[i] for i in sel) / len(sel) for n, v in fixed_nll.items()}
+        front, front_n = ref_frontier(F, A)
+        need, reached = ref_needed(F, c)
+        return c, A, c - front, 1 - A / need, need, reached, front, front_n, c - ref_hull(F, A)
+
+    full = point(range(len(nll)))
+    res = [point(list(r)) for r in idx.tolist()]
+
+    def q(k):
+        v = sorted(r[k] for r in res if not math.isnan(r[k]))
+        return (np.quantile(v, 0.025), np.quantile(v, 0.975)) if v else (math.nan, math.nan)
+    return full, q, res
+
+
+@pytest.mark.parametrize("case", ["between", "better_than_all", "below_smallest", "sometimes_undefined"])
+def test_compare_against_a_slow_reference(case):
+    rng = np.random.default_rng({"between": 6, "better_than_all": 7, "below_smallest": 8,
+                                 "sometimes_undefined": 13}[case])
+    n_tok, G = 60, 3
+    base = rng.gamma(2.0, 2.0, n_tok)
+    fixed_nll = {n: base + 0.3 / n + rng.normal(0, 0.05, n_tok) for n in (2, 4, 8)}
+    if case == "between":
+        nll, apps = base + 0.1 + rng.normal(0, 0.05, n_tok), rng.integers(2, 7, (n_tok, G))
+    elif case == "better_than_all":
+        nll, apps = base - 0.2, rng.integers(3, 9, (n_tok, G))
+    elif case == "below_smallest":
+        nll, apps = base + 0.5, np.ones((n_tok, G), dtype=int)
+    else:  # A close to the smallest fixed n: some resamples fall below it
+        nll = base + 0.2
+        apps = np.repeat(rng.permutation(np.repeat([1, 3], n_tok // 2))[:, None], G, axis=1)  # A = 2 exactly
+    idx = stats.bootstrap_indices(n_tok, 300, seed=9)
+    got = stats.compare(nll, apps, fixed_nll, idx)
+    (c, A, d, s, need, reached, front, front_n, dh), q, res = slow_compare(
+        nll.tolist(), apps.tolist(), {k: v.tolist() for k, v in fixed_nll.items()}, idx)
+    assert got["ce"] == pytest.approx(c) and got["mean_applications"] == pytest.approx(A)
+    assert got["fixed_n"] == need and got["reached"] == reached and got["saving"] == pytest.approx(s)
+    assert got["frontier_n"] == front_n
+    if case != "below_smallest":
+        assert got["d_hull"] == pytest.approx(dh) and (got["d_hull_lo"], got["d_hull_hi"]) == pytest.approx(q(8))
+    assert (got["ce_lo"], got["ce_hi"]) == pytest.approx(q(0))
+    assert (got["mean_applications_lo"], got["mean_applications_hi"]) == pytest.approx(q(1))
+    assert (got["saving_lo"], got["saving_hi"]) == pytest.approx(q(3))
+    undefined = np.mean([math.isnan(r[2]) for r in res])
+    assert got["d_ce_undefined"] == pytest.approx(undefined)
+    if case == "below_smallest":
+        assert math.isnan(got["frontier_ce"]) and math.isnan(got["d_ce"]) and got["frontier_n"] is None
+        assert math.isnan(got["d_ce_lo"]) and math.isnan(got["d_ce_hi"]) and undefined == 1
+    else:
+        assert got["frontier_ce"] == pytest.approx(front) and got["d_ce"] == pytest.approx(d)
+        assert (got["d_ce_lo"], got["d_ce_hi"]) == pytest.approx(q(2))
+    if case == "better_than_all":
+        assert got["reached"] is False and got["fixed_n"] == 8
+    if case == "between":
+        assert got["reached"] is True
+    if case == "sometimes_undefined":
+        assert 0 < undefined < 1
+
+
+# -------------------------------------------------------------------- oracle
+def brute_oracle_n(m, eps):
+    N = len(m[0])
+    return [next(n for n in range(1, N + 1) if abs(m[t][n - 1] - m[t][N - 1]) <= eps) for t in range(len(m))]
+
+
+def test_oracle_n_by_brute_force():
+    rng = np.random.default_rng(10)
+    m = rng.normal(3, 1, (50, 7))
+    for eps in (0.0, 0.1, 0.5, 2.0):
+        got = stats.oracle_n(m, eps)
+        assert got.tolist() == brute_oracle_n(m.tolist(), eps)
+        ce, A = stats.oracle_point(m, eps)
+        assert ce == pytest.approx(np.mean([m[t, got[t] - 1] for t in range(50)]))
+        assert A == pytest.approx(np.mean(got))
+    assert (stats.oracle_n(m, math.inf) == 1).all()
+    n0 = stats.oracle_n(m, 0.0)
+    assert ((n0 >= 1) & (n0 <= 7)).all()
+    assert (m[np.arange(50), n0 - 1] == m[:, -1]).all()  # eps = 0: the max-depth NLL itself
+    # two-sided: a depth whose target NLL is far BELOW the max-depth one is not "within eps"
+    assert stats.oracle_n([[1.0, 3.0, 3.05]], 0.1).tolist() == [2]
+
+
+def slow_oracle_saving(m, grid, c_tok, c_fixed, fixed_nll, idx):
+    """oracle_saving() from the definitions, per resample, plain Python."""
+    n_by_eps = {e: brute_oracle_n(m, e) for e in grid}
+
+    def one(sel):
+        c = c_fixed if c_tok is None else sum(c_tok[i] for i in sel) / len(sel)
+        F = {n: sum(v[i] for i in sel) / len(sel) for n, v in fixed_nll.items()}
+        pts = []
+        for e in grid:
+            ns = n_by_eps[e]
+            ce = sum(m[i][ns[i] - 1] for i in sel) / len(sel)
+            A = sum(ns[i] for i in sel) / len(sel)
+            if ce <= c:
+                pts.append((A, ce, e))
+        if not pts:
+            return math.nan, None, math.nan
+        A, _, e = min(pts)
+        return 1 - A / ref_needed(F, c)[0], e, A
+
+    full = one(range(len(m)))
+    res = [one(r) for r in idx.tolist()]
+    v = [r[0] for r in res if not math.isnan(r[0])]
+    q = tuple(np.quantile(v, [0.025, 0.975])) if v else (math.nan, math.nan)
+    return full, q, np.mean([math.isnan(r[0]) for r in res])
+
+
+@pytest.mark.parametrize("target", ["float", "per_token", "unreachable"])
+def test_oracle_saving_against_a_slow_reference(target):
+    rng = np.random.default_rng(11)
+    n_tok, N = 80, 8
+    m = rng.normal(3, 1, (n_tok, N)) + 0.4 / np.arange(1, N + 1)
+    fixed_nll = {n: m[:, n - 1] + 0.05 for n in (1, 2, 4, 8)}
+    grid = [0.0, 0.01, 0.1, 0.3, 1.0]
+    idx = stats.bootstrap_indices(n_tok, 200, seed=12)
+    rule = m[:, -1] + 0.1 + rng.normal(0, 0.05, n_tok)
+    if target == "float":
+        c_tok, c = None, float(m[:, -1].mean()) + 0.08
+    elif target == "per_token":
+        c_tok, c = rule, rule
+    else:
+        c_tok, c = None, float(m.min(axis=1).mean()) - 0.5  # below every oracle point
+    got = stats.oracle_saving(m, grid, c, fixed_nll, idx)
+    c0 = float(np.mean(c))
+    (s, eps, A), q, undefined = slow_oracle_saving(
+        m.tolist(), grid, None if c_tok is None else c_tok.tolist(), c0,
+        {k: v.tolist() for k, v in fixed_nll.items()}, idx)
+    assert (got["fixed_n"], got["reached"]) == ref_needed({n: v.mean() for n, v in fixed_nll.items()}, c0)
+    assert got["saving_undefined"] == pytest.approx(undefined)
+    if target == "unreachable":
+        assert got["eps"] is None and math.isnan(got["saving"]) and math.isnan(got["applications"])
+        assert math.isnan(got["saving_lo"]) and undefined == 1
+        return
+    assert got["eps"] == eps and got["applications"] == pytest.approx(A) and got["saving"] == pytest.approx(s)
+    assert got["ce"] <= c0
+    assert (got["saving_lo"], got["saving_hi"]) == pytest.approx(q)
+
+
+# --------------------------------------------------------- per-token records
+def test_token_records_round_trip_exactly(tmp_path):
+    rng = np.random.default_rng(12)
+    n = 25
+    nll = rng.normal(4, 1, n) / 3  # full-precision floats
+    apps = rng.integers(1, 33, (n, 3))
+    ms = np.where(np.arange(n) < 10, rng.uniform(1, 20, n) / 7, np.nan)
+    target, gpt2 = rng.integers(0, 100, n), rng.integers(-1, 100, n)
+    f = tmp_path / "eval_tokens.csv"
+    stats.write_tokens(f, np.arange(n) // 8, np.arange(n), target, gpt2, nll, apps, ms)
+    r = stats.read_tokens(f)
+    assert r["nll"].tobytes() == nll.tobytes() and np.array_equal(r["apps"], apps)
+    assert r["ms"][:10].tobytes() == ms[:10].tobytes() and np.isnan(r["ms"][10:]).all()
+    assert r["window"].tolist() == (np.arange(n) // 8).tolist() and r["position"].tolist() == list(range(n))
+    assert r["target"].tolist() == target.tolist() and r["target_gpt2"].tolist() == gpt2.tolist()
+    assert f.read_text().splitlines()[0] == "window,position,target,target_gpt2,nll,apps_0,apps_1,apps_2,ms"
+    assert [p.name for p in tmp_path.iterdir()] == ["eval_tokens.csv"]  # no temporary left behind
+    # ms=None: an empty ms column; one group
+    stats.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], [[1], [2]])
+    r = stats.read_tokens(f)
+    assert r["apps"].shape == (2, 1) and np.isnan(r["ms"]).all() and r["nll"].tolist() == [0.1, 0.2]
+
+
+def test_read_tokens_apps_columns_in_group_order(tmp_path):
+    f = tmp_path / "t.csv"
+    f.write_text("window,position,target,target_gpt2,nll,apps_1,apps_0,ms\n0,3,4,5,1.5,7,2,\n")
+    r = stats.read_tokens(f)
+    assert r["apps"].tolist() == [[2, 7]] and math.isnan(r["ms"][0]) and r["nll"][0] == 1.5
+
+
+def test_read_tokens_errors_are_one_line_and_name_the_file(tmp_path):
+    f = tmp_path / "eval_tokens.csv"
+    f.write_text("window,position,target\n0,0,1\n")
+    with pytest.raises(ValueError, match="no column 'target_gpt2'") as e:
+        stats.read_tokens(f)
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+    f.write_text("window,position,target,target_gpt2,nll,apps_0,ms\n0,0,1,1,0.5,2,\n0,1,1,1,oops,2,\n")
+    with pytest.raises(ValueError, match="row 2") as e:
+        stats.read_tokens(f)
+    assert "\n" not in str(e.value) and str(f) in str(e.value)
+    f.write_text("window,position,target,target_gpt2,nll,apps_0,apps_2,ms\n")
+    with pytest.raises(ValueError, match="apps_1"):
+        stats.read_tokens(f)
