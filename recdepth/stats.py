@@ -186,6 +186,24 @@ def compare(rule_nll, rule_apps, fixed_nll: Mapping[int, np.ndarray], idx: np.nd
     }
 
 
+def vs_frontier_at(rule_nll, cost: float, fixed_nll: Mapping[float, np.ndarray], idx: np.ndarray) -> dict:
+    """CE − the fixed frontier at a given cost that is not resampled (e.g. a rule's
+    median ms/token, with fixed_nll keyed by each fixed job's ms/token): `hull_ce` over
+    the fixed jobs' (cost, CE) at `cost`, paired over the same resampled tokens. Returns
+    frontier_ce, d, d_lo, d_hi (NaN where the cost is below every fixed job's)."""
+    nll = np.asarray(rule_nll, dtype=float)
+    keys = sorted(fixed_nll)
+    F = np.stack([np.asarray(fixed_nll[k], dtype=float) for k in keys])
+    if F.shape[1] != len(nll):
+        raise ValueError(f"vs_frontier_at: the fixed jobs score {F.shape[1]} tokens, the rule {len(nll)}")
+    f_ce = hull_ce({k: float(F[i].mean()) for i, k in enumerate(keys)}, cost)
+    ce_r = resampled_means(nll, idx)
+    F_r = np.stack([resampled_means(f, idx) for f in F], axis=1)
+    d_r = np.array([ce_r[k] - hull_ce(dict(zip(keys, F_r[k].tolist())), cost) for k in range(len(idx))])
+    lo, hi = _interval(d_r)
+    return {"frontier_ce": f_ce, "d": float(nll.mean()) - f_ce, "d_lo": lo, "d_hi": hi}
+
+
 # -------------------------------------------------------------------- oracle
 def oracle_n(nll_by_n, eps: float) -> np.ndarray:
     """Per token, the oracle's n at eps (docs/spec.md §4b): the smallest n (1-based) with

@@ -15,7 +15,8 @@ into the sweep directory,
                         every other job, its CE with a 95% bootstrap CI, the best fixed CE
                         at no more applications and the paired CE difference, the fixed
                         frontier at exactly its applications (`stats.hull_ce`) and the
-                        paired CE difference to it (the verdict), the fewest fixed
+                        paired CE difference to it (the verdict), the same at the job's
+                        ms/token (the fixed jobs' (ms, CE) frontier), the fewest fixed
                         applications that reach its CE and the saving 1 − A/n with a
                         paired bootstrap CI, and the oracle's saving at the same CE
                         (`frontier_rows`, from the jobs' eval_tokens.csv)
@@ -201,7 +202,7 @@ def markdown(rows: list[dict]) -> str:
 
 # ------------------------------------------------------------ frontier (SPEC §4b)
 FRONTIER_COLUMNS = ["job", "exit", "tau", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
-                    "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
+                    "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
                     "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
                     "oracle_saving_lo", "oracle_saving_hi", "verdict"]
 ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
@@ -251,6 +252,7 @@ def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000
     idx = stats.bootstrap_indices(n_tok, resamples)
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
     fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if r["exit"] == "fixed" and r["ce"] != ""}
+    fixed_by_ms = {fixed_ms[n]: t["nll"] for n, t in fixed.items() if _num(fixed_ms.get(n))}
     out = []
     for r in rows:
         if r["job"] not in tokens or r["exit"] == "fixed":
@@ -260,6 +262,9 @@ def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000
         row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
         row.update(job=r["job"], exit=r["exit"], tau=r["tau"], ms_per_token=r["ms_per_token"],
                    fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict="bound (reads the target)" if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
+        if _num(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
+            v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, idx)
+            row.update(ms_frontier_ce=v["frontier_ce"], d_ms=v["d"], d_ms_lo=v["d_lo"], d_ms_hi=v["d_hi"])
         if by_n is not None:
             o = stats.oracle_saving(by_n, ORACLE_EPS, t["nll"], fixed_nll, idx)
             row.update(oracle_applications_at_ce=o["applications"], oracle_saving=o["saving"],
@@ -270,7 +275,8 @@ def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000
 
 def frontier_markdown(rows: list[dict]) -> str:
     head = ["job", "exit", "τ", "CE [95% CI]", "mean applications", "best fixed at ≤ A: n, CE",
-            "CE − that [95% CI]", "fixed frontier at A", "CE − frontier at A [95% CI]", "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
+            "CE − that [95% CI]", "fixed frontier at A", "CE − frontier at A [95% CI]",
+            "CE − fixed frontier at its ms/token [95% CI]", "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
             "ms/token (fixed at CE)", "verdict"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pct = lambda v: "—" if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"  # noqa: E731
@@ -284,7 +290,9 @@ def frontier_markdown(rows: list[dict]) -> str:
         out.append("| " + " | ".join([str(r["job"]), r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
                                       _fmt(r["mean_applications"], 2), fr,
                                       _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), _fmt(r["hull_ce"]),
-                                      _ci(r["d_hull"], r["d_hull_lo"], r["d_hull_hi"]), reach, sav, osav, ms,
+                                      _ci(r["d_hull"], r["d_hull_lo"], r["d_hull_hi"]),
+                                      _ci(r["d_ms"], r["d_ms_lo"], r["d_ms_hi"]),
+                                      reach, sav, osav, ms,
                                       r["verdict"]]) + " |")
     return "\n".join(out) + "\n"
 

@@ -96,6 +96,25 @@ def test_hull_ce_against_pairwise_mixtures():
     assert math.isnan(stats.hull_ce(F, 1.5))
 
 
+def test_vs_frontier_at_a_given_cost_against_a_slow_reference():
+    rng = np.random.default_rng(22)
+    n_tok = 50
+    base = rng.gamma(2.0, 2.0, n_tok)
+    fixed = {ms: base + 1.0 / ms + rng.normal(0, 0.05, n_tok) for ms in (4.3, 6.9, 8.9, 22.3)}
+    rule = base + 0.1 + rng.normal(0, 0.05, n_tok)
+    idx = stats.bootstrap_indices(n_tok, 200, seed=23)
+    for cost in (3.0, 5.0, 10.0, 40.0):
+        got = stats.vs_frontier_at(rule, cost, fixed, idx)
+        mean = lambda v, sel: sum(v[i] for i in sel) / len(sel)  # noqa: E731
+        d = [mean(rule, r) - ref_hull({k: mean(v, r) for k, v in fixed.items()}, cost) for r in idx.tolist()]
+        want = rule.mean() - ref_hull({k: v.mean() for k, v in fixed.items()}, cost)
+        if cost < 4.3:
+            assert math.isnan(got["d"]) and math.isnan(got["d_lo"])
+            continue
+        assert got["d"] == pytest.approx(want)
+        assert (got["d_lo"], got["d_hi"]) == pytest.approx(tuple(np.quantile(d, [0.025, 0.975])))
+
+
 def test_frontier_fixed_needed_and_saving_on_small_grids():
     rng = np.random.default_rng(20)
     for _ in range(200):
