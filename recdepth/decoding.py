@@ -235,7 +235,8 @@ def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, resampl
     return {
         "exit": policy.name, "tau": policy.tau, "min_steps": policy.min_steps, "max_steps": policy.max_steps,
         "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ppl": math.exp(ce),
-        "applications_per_token": per_group, "mean_applications": float(np.mean(per_group)),
+        "applications_per_token": per_group,
+        "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
         "tokens": len(nll), "cache": cache, "batch_size": batch_size,
     }
 

@@ -286,11 +286,11 @@ def write_tokens(path: str | os.PathLike, window, position, target, target_gpt2,
     path = Path(path)
     nll = np.asarray(nll, dtype=float)
     n = len(nll)
-    apps = np.asarray(apps).reshape(n, -1)
+    apps = np.asarray(apps).reshape(n, -1) if n else np.asarray(apps).reshape(0, -1)
     ms = np.full(n, np.nan) if ms is None else np.asarray(ms, dtype=float)
     cols = [np.asarray(v) for v in (window, position, target, target_gpt2)]
-    if any(len(v) != n for v in (*cols, ms)) or apps.shape[1] < 1:
-        raise ValueError(f"write_tokens {path}: columns of unequal length or no apps columns")
+    if any(len(v) != n for v in (*cols, ms)) or len(apps) != n:
+        raise ValueError(f"write_tokens {path}: columns of unequal length")
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w", newline="") as f:
@@ -318,7 +318,7 @@ def read_tokens(path: str | os.PathLike) -> dict:
     if head is None:
         raise ValueError(f"{path}: empty file, expected an eval_tokens.csv header")
     head = [h.strip() for h in head]
-    for c in (*TOKEN_COLUMNS, "apps_0", "ms"):
+    for c in (*TOKEN_COLUMNS, "ms"):
         if c not in head:
             raise ValueError(f"{path}: no column {c!r} (expected an eval_tokens.csv written by recdepth)")
     col = {c: i for i, c in enumerate(head)}

@@ -300,6 +300,11 @@ def test_token_records_round_trip_exactly(tmp_path):
     stats.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], [[1], [2]])
     r = stats.read_tokens(f)
     assert r["apps"].shape == (2, 1) and np.isnan(r["ms"]).all() and r["nll"].tolist() == [0.1, 0.2]
+    # a model without recurrence (model=baseline): no apps columns at all
+    stats.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], np.zeros((2, 0), dtype=int))
+    r = stats.read_tokens(f)
+    assert f.read_text().splitlines()[0] == "window,position,target,target_gpt2,nll,ms"
+    assert r["apps"].shape == (2, 0) and r["nll"].tolist() == [0.1, 0.2]
 
 
 def test_read_tokens_apps_columns_in_group_order(tmp_path):
