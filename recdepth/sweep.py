@@ -306,11 +306,13 @@ def _num(v) -> bool:
     return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
 
 
-def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = None):
+def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = None, front: list[dict] | None = None,
+         paired: dict | None = None):
     """The paper's Fig. 4: latency, PPL, CE and compute against τ, one line per rule; with
-    fixed jobs at two or more depths, a second row: CE against mean applications and
-    against ms/token, every rule a curve (95% CIs), the fixed-depth frontier in black and
-    the oracle (`oracle`: (ε, applications, CE) points) dashed."""
+    fixed jobs at two or more depths and `paired` (`paired_vs_max`), a second row: CE
+    against mean applications and against ms/token, every rule a curve, the fixed-depth
+    frontier in black and the oracle (`oracle`: (ε, applications, CE) points) dashed,
+    and each rule's CE minus the frontier at equal applications (`front`: frontier_rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -318,7 +320,7 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
 
     ok = [r for r in rows if r["status"] == "ok" and r["ce"] != ""]
     fixed = sorted((r for r in ok if r["exit"] == "fixed" and _num(r["max_steps"])), key=lambda r: r["max_steps"])
-    frontier = len({r["max_steps"] for r in fixed}) >= 2
+    frontier = len({r["max_steps"] for r in fixed}) >= 2 and bool(paired)
     panels = [("ms_per_token", "ms / token"), ("ppl", "PPL"), ("ce", "CE (nats)"),
               ("mean_applications", "mean applications per token")]
     fig, axes = plt.subplots(2 if frontier else 1, 4, figsize=(16, 7.4 if frontier else 3.6), squeeze=False)
@@ -340,7 +342,7 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     if frontier:
-        _frontier_panels(axes[1], ok, fixed, colors, oracle)
+        _frontier_panels(axes[1], ok, [r for r in fixed if r["job"] in paired], colors, oracle, front or [], paired)
     n_failed = sum(r["status"] != "ok" for r in rows)
     fig.suptitle("Fig. 4: exit policies — latency and quality against the threshold τ"
                  + ("; below, against compute, with the fixed-depth frontier" if frontier else "")
@@ -349,48 +351,88 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     return fig
 
 
-def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, oracle) -> None:
-    """CE against mean applications (log-x) and against ms/token."""
-    def err(rs, key, lo, hi):
-        v = np.array([r[key] for r in rs], dtype=float)
-        if not all(_num(r[lo]) and _num(r[hi]) for r in rs):
-            return None
-        return np.array([v - [r[lo] for r in rs], [r[hi] for r in rs] - v])
+def paired_vs_max(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000) -> dict:
+    """{job: (d, lo, hi)}: every ok job's CE minus the CE of the fixed job at the largest n,
+    paired over tokens with a 95% bootstrap CI (the absolute CE's CI, about ±0.1 nats
+    over 4096 tokens, hides differences of 1e-3 that the paired one resolves)."""
+    inputs = frontier_inputs(Path(sweep_dir), rows)
+    if inputs is None:
+        return {}
+    tokens, fixed, _ = inputs
+    ref = fixed[max(fixed)]["nll"]
+    idx = stats.bootstrap_indices(len(ref), resamples)
+    return {job: stats.diff_ci(t["nll"], ref, idx) for job, t in tokens.items()}
 
-    for ax, xkey, (xlo, xhi), xlabel in ((axes[0], "mean_applications", (None, None), "mean applications per token"),
-                                         (axes[1], "ms_per_token", ("ms_min", "ms_max"), "ms / token (batch 1)")):
-        groups = [("fixed (frontier)", fixed, "k", "s-")]
-        groups += [(rule, sorted((r for r in ok if r["exit"] == rule), key=lambda r: r["mean_applications"]),
-                    colors[rule], "o-") for rule in sorted({r["exit"] for r in ok} - {"fixed"})]
+
+def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, oracle, front: list[dict],
+                     paired: dict) -> None:
+    """CE − CE(fixed at the largest n) against mean applications (log-x) and against
+    ms/token; CE − the fixed frontier at equal applications (the verdict) against mean
+    applications. Paired 95% CIs over tokens."""
+    from matplotlib.ticker import ScalarFormatter
+
+    n_max = max(r["max_steps"] for r in fixed)
+
+    def yerr(rs):
+        return np.array([[paired[r["job"]][0] - paired[r["job"]][1] for r in rs],
+                         [paired[r["job"]][2] - paired[r["job"]][0] for r in rs]])
+
+    groups = [("fixed (frontier)", fixed, "k", "s-")]
+    groups += [(rule, sorted((r for r in ok if r["exit"] == rule), key=lambda r: r["mean_applications"]),
+                colors[rule], "o-") for rule in sorted({r["exit"] for r in ok} - {"fixed"})]
+    shown = []
+    for ax, xkey, xlabel in ((axes[0], "mean_applications", "mean applications per token"),
+                             (axes[1], "ms_per_token", "ms / token (batch 1, median of repeats)")):
         for label, rs, color, style in groups:
-            rs = [r for r in rs if _num(r[xkey]) and _num(r["ce"])]
+            rs = [r for r in rs if _num(r[xkey]) and r["job"] in paired]
             if not rs:
                 continue
-            x = [r[xkey] for r in rs]
-            xerr = err(rs, xkey, xlo, xhi) if xlo else None
-            ax.errorbar(x, [r["ce"] for r in rs], yerr=err(rs, "ce", "ce_lo", "ce_hi"), xerr=xerr, fmt=style,
-                        color=color, ms=4, capsize=2, lw=1.2, label=label)
+            ys = [paired[r["job"]][0] for r in rs]
+            shown += ys if label != "fixed (frontier)" else [y for r, y in zip(rs, ys) if r["max_steps"] >= 3]
+            ax.errorbar([r[xkey] for r in rs], ys, yerr=yerr(rs), fmt=style, color=color, ms=4, capsize=2, lw=1.2,
+                        label=label)
             if label.startswith("fixed"):
-                for r in rs:
-                    ax.annotate(f"{r['max_steps']}", (r[xkey], r["ce"]), fontsize=7, xytext=(3, 3),
+                for r, y in zip(rs, ys):
+                    ax.annotate(f"{r['max_steps']}", (r[xkey], y), fontsize=7, xytext=(3, 3),
                                 textcoords="offset points")
         if oracle and xkey == "mean_applications":
-            ax.plot([p[1] for p in oracle], [p[2] for p in oracle], "k--", lw=1, label="oracle (ε from 0 to 1)")
+            base = oracle[0][2]  # ε = 0: the oracle's own N-application NLLs
+            ax.plot([p[1] for p in oracle], [p[2] - base for p in oracle], "k--", lw=1, label="oracle (ε from 0 to 1)")
+        ax.axhline(0, color="grey", lw=0.8)
         ax.set_xscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_ylabel("CE (nats)")
+        ax.set_ylabel(f"CE − CE(fixed {n_max}) (nats)")
+        ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
-    # zoom: the interesting part is near the best CE
-    ces = [r["ce"] for r in ok if _num(r["ce"])]
-    best, worst = min(ces), max(ces)
-    for ax in axes[:2]:
-        ax.set_ylim(best - 0.1 * (worst - best) - 1e-4, min(worst, best + 0.5 * (worst - best) + 0.02))
-    for ax in axes[2:]:
-        ax.axis("off")
-    axes[2].text(0, 1, "Below the black curve = fewer applications than fixed depth for the same CE.\n"
-                 "Error bars: 95% bootstrap CI over tokens (CE), min–max over repeats (ms).\n"
-                 "Numbers by the squares: the fixed depth n.", va="top", fontsize=8, transform=axes[2].transAxes)
+    if shown:
+        lo, hi = min(shown), max(shown)
+        pad = 0.15 * (hi - lo) + 1e-4
+        for ax in axes[:2]:
+            ax.set_ylim(lo - pad, hi + pad)
+    ax = axes[2]
+    for rule in sorted({r["exit"] for r in front} - {"oracle"}):
+        rs = sorted((r for r in front if r["exit"] == rule and _num(r["d_hull"]) and _num(r["d_hull_lo"])),
+                    key=lambda r: r["mean_applications"])
+        if rs:
+            d = np.array([r["d_hull"] for r in rs])
+            ax.errorbar([r["mean_applications"] for r in rs], d, fmt="o-", color=colors[rule], ms=4, capsize=2,
+                        yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d], label=rule)
+    ax.axhline(0, color="k", lw=1, label="fixed frontier")
+    ax.set_xscale("log")
+    ax.set_xlabel("mean applications per token")
+    ax.set_ylabel("CE − fixed frontier at equal applications")
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    axes[3].axis("off")
+    axes[3].text(0, 1, "Left two: CE relative to the deepest fixed job,\n"
+                 "paired 95% bootstrap CIs over tokens; black squares:\n"
+                 "fixed depth n (off-scale n are the shallow ones).\n"
+                 "Third: CE minus the fixed frontier at the rule's own\n"
+                 "mean applications (best per-token mix of two fixed\n"
+                 "depths). Below 0 with its CI = beats fixed depth.",
+                 va="top", fontsize=8, transform=axes[3].transAxes)
 
 
 def summarize(sweep_dir: str | Path) -> list[dict]:
@@ -403,9 +445,10 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
     _write_csv(sweep_dir / "sweep_results.csv", COLUMNS, [
         {**r, "applications_per_token": " ".join(map(str, r["applications_per_token"] or []))} for r in rows])
     (sweep_dir / "sweep_results.md").write_text(markdown(rows))
-    oracle = None
+    oracle, paired = None, {}
     try:
         front = frontier_rows(sweep_dir, rows)
+        paired = paired_vs_max(sweep_dir, rows) if front else {}
         inputs = frontier_inputs(sweep_dir, rows) if front else None
         if inputs is not None and inputs[2] is not None:
             oracle = oracle_curve(inputs[2])
@@ -416,7 +459,7 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
         _write_csv(sweep_dir / "frontier.csv", FRONTIER_COLUMNS, front)
         (sweep_dir / "frontier.md").write_text(frontier_markdown(front))
     if any(r["status"] == "ok" and r["ce"] != "" for r in rows):
-        fig = fig4(rows, oracle)
+        fig = fig4(rows, oracle, front, paired)
         for fmt in ("png", "pdf"):
             fig.savefig(sweep_dir / f"fig4_exits.{fmt}", dpi=150 if fmt == "png" else None)
         plt.close(fig)
