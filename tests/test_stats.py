@@ -327,3 +327,52 @@ def test_read_tokens_errors_are_one_line_and_name_the_file(tmp_path):
     f.write_text("window,position,target,target_gpt2,nll,apps_0,apps_2,ms\n")
     with pytest.raises(ValueError, match="apps_1"):
         stats.read_tokens(f)
+
+
+# ------------------------------------------------- a sweep on synthetic files
+def test_sweep_frontier_csv_from_synthetic_token_files_matches_the_slow_reference(tmp_path):
+    """sweep.summarize on a sweep directory of synthetic jobs (eval_tokens.csv +
+    metrics.json, as recdepth.evaluate writes them): frontier.csv's numbers equal the slow
+    per-resample reference computed here from the same per-token values."""
+    import csv
+    import json
+
+    from recdepth import sweep
+
+    rng = np.random.default_rng(40)
+    n_tok, G = 120, 3
+    base = rng.gamma(2.0, 2.0, n_tok)
+    jobs = [("fixed", None, n, base + 0.4 / n + rng.normal(0, 0.03, n_tok), np.full((n_tok, G), n))
+            for n in (1, 2, 4, 8)]
+    jobs.append(("kl", 1e-3, 8, base + 0.02 + rng.normal(0, 0.03, n_tok), rng.integers(2, 5, (n_tok, G))))
+    jobs.append(("accel", 1e-2, 8, base + 0.2 + rng.normal(0, 0.03, n_tok), rng.integers(3, 8, (n_tok, G))))
+    for j, (rule, tau, n, nll, apps) in enumerate(jobs):
+        d = tmp_path / str(j)
+        d.mkdir()
+        stats.write_tokens(d / "eval_tokens.csv", np.zeros(n_tok, int), np.arange(n_tok), np.arange(n_tok) % 7,
+                           np.arange(n_tok) % 7, nll, apps)
+        ev = {"exit": rule, "tau": tau, "max_steps": n, "ce": float(np.mean(nll)), "ce_ci": [0, 0], "ppl": 1.0,
+              "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),
+              "tokens": n_tok, "tokens_per_s": 1.0}
+        (d / "metrics.json").write_text(json.dumps({"eval": ev}))
+    sweep.summarize(tmp_path)
+    front = {int(r["job"]): r for r in csv.DictReader(open(tmp_path / "frontier.csv"))}
+    assert sorted(front) == [4, 5]
+    idx = stats.bootstrap_indices(n_tok, 1000)
+    fixed_nll = {n: nll.tolist() for rule, _, n, nll, _ in jobs if rule == "fixed"}
+    for j in (4, 5):
+        _, _, _, nll, apps = jobs[j]
+        (c, A, d, s, need, reached, front_ce, front_n, dh), q, _ = slow_compare(nll.tolist(), apps.tolist(),
+                                                                                fixed_nll, idx)
+        r = front[j]
+        assert float(r["ce"]) == pytest.approx(c, abs=1e-12) and float(r["mean_applications"]) == pytest.approx(A)
+        assert int(r["fixed_n"]) == need and (r["reached"] == "True") == reached
+        assert float(r["saving"]) == pytest.approx(s) and int(r["frontier_n"]) == front_n
+        assert float(r["d_hull"]) == pytest.approx(dh)
+        assert (float(r["d_hull_lo"]), float(r["d_hull_hi"])) == pytest.approx(q(8))
+        assert (float(r["saving_lo"]), float(r["saving_hi"])) == pytest.approx(q(3))
+        lo, hi = q(8)
+        assert r["verdict"] == ("beats the fixed frontier" if hi < 0 else
+                                "worse than the fixed frontier" if lo > 0 else "not resolved")
+    assert front[4]["verdict"] == "beats the fixed frontier"  # kl: near the deepest CE at ~3 applications
+    assert front[5]["verdict"] == "worse than the fixed frontier"  # accel: 0.2 nats worse at ~5
