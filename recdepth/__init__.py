@@ -8,14 +8,21 @@ Where things are:
   callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
   figures.py      `python -m recdepth.figures <run_dir>` (the paper's Figs. 1, 2, 3, 5)
   exits.py        early-exit rules and the reference `iterate` loop
-  decoding.py     token-by-token evaluation with a KV cache under an exit rule
+  decoding.py     token-by-token evaluation with a KV cache under an exit rule, batched
+                  exactly (per-row noise keys), and the oracle bound
+  stats.py        exit statistics from per-token records: fixed-depth frontier, oracle
+                  saving, paired bootstrap CIs, eval_tokens.csv
   tokenizer.py    GPT-2 BPE, offline
   data.py         token caches and the LightningDataModule
   lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
+  runs.py         run bookkeeping: training identity, reuse index, identity lock, resume
+  distributed.py  DDP ranks started by rank 0 (`python -m recdepth.distributed`)
+  runtime.py      allocator tuning, peak FLOP/s
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
   evaluate.py     `python -m recdepth.evaluate ckpt=...` (a checkpoint under an exit rule)
-  sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table, Fig. 4)
-  bench.py        `python -m recdepth.bench` (throughput / MFU, callback overhead)
+  sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table,
+                  frontier.csv, Fig. 4)
+  bench.py        `python -m recdepth.bench` (throughput / MFU, exit kernels, callback overhead)
 """
 
 __version__ = "0.1.0"
