@@ -1,25 +1,34 @@
 """recdepth: recurrent-depth ("looped") GPT-2 — training, loop geometry, early exit.
 
-Where things are:
+Where things are, in three layers. Imports point down only (entry -> glue -> core), with
+no cycle, function-local imports included (tests/test_layers.py keeps it so).
+
+Core: the math, torch and numpy only
   model.py        the looped GPT-2 (config dataclass, recurrence groups, truncated backprop)
-  sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
   geometry.py     loop-geometry quantities (step norms, cosines, accelerations, DLR)
-  diagnostics.py  loop geometry of a model at fixed loops (capture, statistics, PCA)
-  callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
-  figures.py      `python -m recdepth.figures <run_dir>` (the paper's Figs. 1, 2, 3, 5)
+  sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
   exits.py        early-exit rules and the reference `iterate` loop
   decoding.py     token-by-token evaluation with a KV cache under an exit rule, batched
                   exactly (per-row noise keys), and the oracle bound
   stats.py        exit statistics from per-token records: fixed-depth frontier, oracle
                   saving, paired bootstrap CIs, eval_tokens.csv
+  diagnostics.py  loop geometry of a model at fixed loops (capture, statistics, PCA)
+  runtime.py      allocator tuning, peak FLOP/s
+
+Glue: Lightning, Hydra config, data, files, figures
   tokenizer.py    GPT-2 BPE, offline
   data.py         token caches and the LightningDataModule
   lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
+  callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
+  plots.py        the paper's Figs. 1, 2, 3, 5 drawn from diagnostics records
+  config.py       where conf/ is, the run config's checks, the objects built from it
   runs.py         run bookkeeping: training identity, reuse index, identity lock, resume
-  distributed.py  DDP ranks started by rank 0 (`python -m recdepth.distributed`)
-  runtime.py      allocator tuning, peak FLOP/s
+  distributed.py  DDP ranks started by rank 0 (`python -m recdepth.train --ddp-rank`)
+
+Entry points: what a user runs
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
   evaluate.py     `python -m recdepth.evaluate ckpt=...` (a checkpoint under an exit rule)
+  figures.py      `python -m recdepth.figures <run_dir>` (redraw a run's figures)
   sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table,
                   frontier.csv, Fig. 4)
   bench.py        `python -m recdepth.bench` (throughput / MFU, exit kernels, callback overhead)

@@ -108,7 +108,8 @@ def bench_callbacks(args) -> dict:
 
     from hydra import compose, initialize_config_dir
 
-    from recdepth.train import conf_dir, train
+    from recdepth.config import conf_dir
+    from recdepth.train import train
 
     base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", "reuse.enabled=false",
             *args.overrides]

@@ -104,10 +104,10 @@ class LoopDynamics(L.Callback):
     def on_train_end(self, trainer, pl_module):
         self._measure(trainer, pl_module)  # the final state, if the cadence missed it
         if self.figures and trainer.is_global_zero:
-            from recdepth import figures
+            from recdepth import plots
 
             t0 = time.perf_counter()
-            paths = figures.draw_all(self.run_dir)
+            paths = plots.draw_all(self.run_dir)
             self.seconds += time.perf_counter() - t0
             log.info("loop dynamics: %d figures in %s", len(paths), self.run_dir / "figures")
 
@@ -161,7 +161,7 @@ class LoopDynamics(L.Callback):
         import matplotlib.pyplot as plt
         import wandb
 
-        from recdepth import figures
+        from recdepth import plots
 
         hist = self.history
         keys = [f"step {h['global_step']}" for h in hist]
@@ -180,7 +180,7 @@ class LoopDynamics(L.Callback):
                 xname="global step")
         logger.experiment.log({**charts, "trainer/global_step": step})
         if hist[-1]["pca"] is not None:
-            fig = figures.fig1_pca(hist[-1])
+            fig = plots.fig1_pca(hist[-1])
             png = self.run_dir / "diagnostics" / f"pca_step_{step}.png"
             fig.savefig(png, dpi=100)
             plt.close(fig)

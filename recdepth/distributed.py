@@ -5,7 +5,7 @@ launcher re-runs the command line for every extra rank, and under Hydra that mak
 rank compose its config again and write Hydra files of its own (a multirun would even
 start the whole sweep again per rank). recdepth launches rank r > 0 instead as
 
-    python -m recdepth.distributed <run_dir>/config.yaml <checkpoint to resume | null>
+    python -m recdepth.train --ddp-rank <run_dir>/config.yaml <checkpoint to resume | null>
 
 on the resolved config rank 0 already wrote, with the resume decision rank 0 already took:
 every rank trains exactly the same run, no rank but 0 writes anything (Lightning writes
@@ -30,6 +30,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 
 STRATEGIES = ("auto", "ddp")
+RANK_FLAG = "--ddp-rank"  # `python -m recdepth.train --ddp-rank ...`: a rank > 0 (recdepth.train.ddp_rank)
 WORKER_ENV = "RECDEPTH_DDP_WORKER"
 
 
@@ -90,7 +91,7 @@ class _ConfigLauncher(_SubprocessScriptLauncher):
 
 
 class RecdepthDDP(DDPStrategy):
-    """DDPStrategy whose ranks > 0 run `python -m recdepth.distributed` (see module doc)."""
+    """DDPStrategy whose ranks > 0 run `python -m recdepth.train --ddp-rank` (see module doc)."""
 
     def __init__(self, command: list[str] | None = None, **kw):
         super().__init__(**kw)
@@ -152,32 +153,10 @@ def strategy(trainer_cfg, run_dir: Path | None = None, resume=None):
                          "(hydra.launcher.tasks_per_node=1), not several, and not under torchrun")
     command = None
     if run_dir is not None and not is_worker():
-        command = [sys.executable, "-m", "recdepth.distributed", str(Path(run_dir).resolve() / "config.yaml"),
+        command = [sys.executable, "-m", "recdepth.train", RANK_FLAG, str(Path(run_dir).resolve() / "config.yaml"),
                    "null" if resume is None else str(Path(resume).resolve())]
     # recdepth starts the ranks itself, also inside a SLURM job (Lightning would otherwise
     # see SLURM and wait for srun to have started them).
     from lightning.fabric.plugins.environments import LightningEnvironment
 
     return RecdepthDDP(command=command, cluster_environment=LightningEnvironment())
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point of a rank > 0: `python -m recdepth.distributed <config.yaml> <ckpt|null>`."""
-    import logging
-
-    from omegaconf import OmegaConf
-
-    from recdepth.train import train
-
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 2 or not is_worker():
-        raise SystemExit("recdepth.distributed: started by recdepth's DDP launcher only "
-                         "(use `python -m recdepth.train trainer=ddp`)")
-    logging.basicConfig(level=logging.WARNING)
-    cfg = OmegaConf.load(argv[0])
-    cfg.ckpt_path = None if argv[1] == "null" else argv[1]
-    train(cfg)
-
-
-if __name__ == "__main__":
-    main()

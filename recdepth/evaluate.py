@@ -24,10 +24,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
+from recdepth.config import conf_dir, exit_policy
 from recdepth.decoding import evaluate_exit, validate_eval
 from recdepth.lit import LoopedLM
+from recdepth.runs import write_json
 from recdepth.sweep import guarded, run_hydra_main
-from recdepth.train import conf_dir, exit_policy, write_json
 
 log = logging.getLogger("recdepth.evaluate")
 

@@ -480,7 +480,7 @@ def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:
     w = OmegaConf.select(config, "logger.wandb")
     if w is None:
         return
-    from recdepth.train import wandb_mode
+    from recdepth.config import wandb_mode
 
     mode = wandb_mode(w.mode)
     if mode == "disabled":

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth import diagnostics, figures
+from recdepth import diagnostics, plots
 from recdepth.callbacks import LoopDynamics
 from recdepth.model import GPTConfig, LoopedGPT
 from tests.tiny_fit import tiny_fit
@@ -279,7 +279,7 @@ def test_figure_contents_follow_the_json(run_dir):
 
     hist = diagnostics.load_diagnostics(run_dir)
     K = hist[-1]["steps"]  # 5
-    f3 = figures.fig3_loop_dynamics(hist, steps=4)
+    f3 = plots.fig3_loop_dynamics(hist, steps=4)
     axes = f3.axes
     assert len(axes) == 2 * 2
     for ax in axes[:2]:  # row a: step norms, k = 0..3, one curve per checkpoint
@@ -288,14 +288,14 @@ def test_figure_contents_follow_the_json(run_dir):
     np.testing.assert_allclose(axes[1].lines[-1].get_ydata(), hist[-1]["groups"][1]["step_norm"]["mean"][:4])
     for ax in axes[2:]:  # row b: cosines, k = 1..3
         assert list(ax.lines[0].get_xdata()) == [1, 2, 3]
-    f5 = figures.fig5_cosines(hist)
+    f5 = plots.fig5_cosines(hist)
     assert len(f5.axes) == 2 and list(f5.axes[0].lines[0].get_xdata()) == list(range(1, K))
-    f2 = figures.fig2_dlr(hist)
+    f2 = plots.fig2_dlr(hist)
     ax = f2.axes[0]
     mean_line = ax.lines[0]
     assert list(mean_line.get_xdata()) == [0, 2, 4, 5]
     np.testing.assert_allclose(mean_line.get_ydata(), [h["dlr"][0]["mean"] for h in hist])
-    f1 = figures.fig1_pca(hist[-1])
+    f1 = plots.fig1_pca(hist[-1])
     S, n_tok = len(hist[-1]["pca"]["xy"]), len(hist[-1]["pca"]["xy"][0])
     (lc,) = f1.axes[0].collections[:1]
     assert len(lc.get_segments()) == (S - 1) * n_tok  # one polyline per token through every state
