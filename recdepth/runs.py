@@ -31,6 +31,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.model import SIZES
+
 log = logging.getLogger("recdepth.runs")
 
 # Config keys that decide what training produces; exit, eval, logger, callbacks, run_dir,
@@ -54,16 +56,38 @@ def write_json(path: Path, obj) -> None:
 
 
 # ------------------------------------------------------------------ identity
+def what_trains(training: dict) -> dict:
+    """The training config reduced to what changes the trained weights (a copy): the
+    NOT_TRAINING keys dropped; `model.name` dropped (a preset's label: `model=single` and
+    `model=grouped 'model.groups=[[4,5,6,7]]'` are one network); `model.size` replaced by
+    the shape it stands for (n_layer, n_head, n_embd, block_size, each explicit override
+    kept), so `model.n_embd=128` on the cpu preset is the cpu preset; and `sampler.sigma`
+    dropped under `sampler=fixed`, which never reads it. Also applied to the training
+    config a checkpoint was saved with, so checkpoints from before a key was dropped
+    still resume."""
+    sub = json.loads(json.dumps(training, default=str))
+    for group, keys in NOT_TRAINING.items():
+        for k in keys:
+            (sub.get(group) or {}).pop(k, None)
+    m = sub.get("model")
+    if isinstance(m, dict):
+        m.pop("name", None)
+        if m.get("size") in SIZES:
+            for k, v in SIZES[m.pop("size")].items():
+                m[k] = v if m.get(k) is None else m[k]
+    s = sub.get("sampler")
+    if isinstance(s, dict) and s.get("name") == "fixed":
+        s.pop("sigma", None)
+    return sub
+
+
 def training_identity(cfg: DictConfig) -> tuple[str, dict]:
-    """(identity, what it hashes): sha256 over the resolved TRAINING_KEYS (less NOT_TRAINING)
+    """(identity, what it hashes): sha256 over `what_trains` of the resolved TRAINING_KEYS
     and the recdepth version, first 16 hex digits."""
     from recdepth import __version__
 
-    sub = {k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
-           for k in TRAINING_KEYS}
-    for group, keys in NOT_TRAINING.items():
-        for k in keys:
-            sub[group].pop(k, None)
+    sub = what_trains({k: OmegaConf.to_container(cfg[k], resolve=True) if OmegaConf.is_config(cfg[k]) else cfg[k]
+                       for k in TRAINING_KEYS})
     sub["recdepth"] = __version__
     blob = json.dumps(sub, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:16], sub
@@ -220,6 +244,8 @@ def check_resumable(ckpt: Path, training: dict, max_steps: int) -> int:
     if not isinstance(c, dict) or "global_step" not in c or "state_dict" not in c:
         raise ValueError(f"ckpt_path: {ckpt} is not a Lightning checkpoint (no global_step / state_dict)")
     saved, now = c.get("training_config"), training
+    if saved is not None:
+        saved = what_trains(saved)
     if saved is None:  # not written by recdepth.train: at least the model's shape must match
         shape = training["model_shape"]
         hp = (c.get("hyper_parameters") or {}).get("model") or {}

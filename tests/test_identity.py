@@ -1,0 +1,47 @@
+"""The training identity hashes what changes the trained weights, and only that
+(recdepth/runs.py: what_trains). Configs composed in-process with Hydra's compose API."""
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from recdepth.config import conf_dir
+from recdepth.runs import training_identity, what_trains
+
+
+def identity(*overrides: str) -> str:
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return training_identity(compose("config", overrides=list(overrides)))[0]
+
+
+DEFAULT = identity()
+
+
+@pytest.mark.parametrize("a, b", [
+    (("model=single",), ("model=grouped", "model.groups=[[4,5,6,7]]")),  # one network, two labels
+    (("sampler=fixed",), ("sampler=fixed", "sampler.sigma=0.9")),  # fixed never reads sigma
+    ((), ("model.n_embd=128", "model.n_layer=12")),  # the cpu preset, spelled out
+    ((), ("exit=kl", "exit.tau=0.5", "eval.tokens=8")),  # evaluation settings
+    ((), ("trainer.val_check_interval=7", "trainer.enable_progress_bar=false")),  # reporting cadence
+])
+def test_same_weights_same_identity(a, b):
+    assert identity(*a) == identity(*b)
+
+
+@pytest.mark.parametrize("change", [
+    ("model.n_embd=64",), ("model.groups=[[4,5,6,7]]",), ("model=single",), ("sampler.sigma=0.9",),
+    ("sampler.mean=8",), ("seed=1",), ("optim.lr=0.01",), ("model.size=paper",), ("trainer.max_steps=10",),
+])
+def test_what_changes_the_weights_changes_the_identity(change):
+    assert identity(*change) != DEFAULT
+
+
+def test_what_trains_normalises_an_older_checkpoints_config():
+    """A training config saved before name/size were normalised compares equal."""
+    old = {"model": {"name": "grouped", "size": "cpu", "n_layer": None, "n_head": None, "n_embd": None,
+                     "block_size": None, "groups": [[4]]},
+           "sampler": {"name": "fixed", "mean": 4, "sigma": 0.5, "backprop_depth": 2},
+           "trainer": {"max_steps": 10, "log_every_n_steps": 5}}
+    new = {"model": {"n_layer": 12, "n_head": 4, "n_embd": 128, "block_size": 128, "groups": [[4]]},
+           "sampler": {"name": "fixed", "mean": 4, "backprop_depth": 2}, "trainer": {"max_steps": 10}}
+    assert what_trains(old) == new
+    assert old["model"]["name"] == "grouped"  # a copy: the input is left as it was
