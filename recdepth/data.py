@@ -62,6 +62,7 @@ the embedding / unembedding shrink by 2.6x. The .bin files hold compact ids 0..V
 
 from __future__ import annotations
 
+import codecs
 import glob
 import hashlib
 import json
@@ -199,12 +200,23 @@ def _rows_text(ds, text_column: str, where: str, field: str) -> Iterator[str]:
             yield text
 
 
+def _not_text(f: Path, encoding: str, e: UnicodeDecodeError) -> ValueError:
+    return ValueError(
+        f"data.encoding: {str(f)!r} is not {encoding} text (byte {e.start}: {e.reason}); "
+        "pass its encoding, e.g. data.encoding=latin-1 (Gutenberg texts often are), "
+        "or leave binary files out"
+    )
+
+
 def iter_local_files(
-    files: Sequence[Path], text_column: str, hf_cache: Path | None, field: str
+    files: Sequence[Path], text_column: str, hf_cache: Path | None, field: str,
+    encoding: str = "utf-8",
 ) -> Iterator[str]:
     """Documents of local files, by extension. .txt files are read directly (the whole
-    file is one document, byte-exact); json/jsonl/parquet go through `datasets`' packaged
-    builders in streaming mode, which need no network."""
+    file is one document, decoded with `encoding`); json/jsonl (also decoded with
+    `encoding`) and parquet (UTF-8 by its format) go through `datasets`' packaged builders
+    in streaming mode, which need no network. A file that does not decode raises one line
+    naming it and data.encoding."""
     import datasets
 
     kw = {"split": "train", "streaming": True}
@@ -213,10 +225,16 @@ def iter_local_files(
     for f in files:
         ext = f.suffix.lower()
         if ext in TEXT_EXTS:
-            yield f.read_text(encoding="utf-8")
+            try:
+                yield f.read_text(encoding=encoding)
+            except UnicodeDecodeError as e:
+                raise _not_text(f, encoding, e) from None
         elif ext in JSON_EXTS:
-            ds = datasets.load_dataset("json", data_files=[str(f)], **kw)
-            yield from _rows_text(ds, text_column, repr(str(f)), field)
+            ds = datasets.load_dataset("json", data_files=[str(f)], encoding=encoding, **kw)
+            try:
+                yield from _rows_text(ds, text_column, repr(str(f)), field)
+            except UnicodeDecodeError as e:
+                raise _not_text(f, encoding, e) from None
         else:
             import pyarrow.parquet as pq
 
@@ -270,9 +288,17 @@ def resolve_source(
     dataset_name: str = FINEWEB_REPO,
     dataset_config: str = FINEWEB_CONFIG,
     hf_cache: Path | None = None,
+    encoding: str = "utf-8",
 ) -> SourceSpec:
     if max_tokens is not None and int(max_tokens) <= 0:
         raise ValueError(f"data.max_tokens: must be positive, got {max_tokens}")
+    try:
+        codecs.lookup(encoding)
+    except (LookupError, TypeError):
+        raise ValueError(f"data.encoding: unknown text encoding {encoding!r} (expected e.g. utf-8, latin-1, cp1252)") from None
+    # the encoding changes the tokens of .txt/.json files; utf-8 (the default) stays out
+    # of the key so caches made before the option existed remain valid
+    enc = {} if codecs.lookup(encoding).name == "utf-8" else {"encoding": codecs.lookup(encoding).name}
     max_tokens = None if max_tokens is None else int(max_tokens)
     if source == "shakespeare":
         return SourceSpec(
@@ -287,7 +313,7 @@ def resolve_source(
             files = expand_paths([path], "data.path", PARQUET_EXTS, FINEWEB_EXPECTED)
             return SourceSpec(
                 source,
-                {"local": True, "text_column": text_column, "max_tokens": max_tokens},
+                {"local": True, "text_column": text_column, "max_tokens": max_tokens},  # parquet: UTF-8
                 hash_files(files),
                 lambda: iter_local_files(files, text_column, hf_cache, "data.text_column"),
                 max_tokens,
@@ -320,9 +346,9 @@ def resolve_source(
         files = expand_paths(list(paths), "data.paths", FILE_EXTS, FILES_EXPECTED)
         return SourceSpec(
             source,
-            {"text_column": text_column, "max_tokens": max_tokens},
+            {"text_column": text_column, "max_tokens": max_tokens, **enc},
             hash_files(files),
-            lambda: iter_local_files(files, text_column, hf_cache, "data.text_column"),
+            lambda: iter_local_files(files, text_column, hf_cache, "data.text_column", encoding),
             max_tokens,
         )
     raise ValueError(
@@ -558,6 +584,7 @@ def prepare_tokens(
     dataset_name: str = FINEWEB_REPO,
     dataset_config: str = FINEWEB_CONFIG,
     progress: bool = True,
+    encoding: str = "utf-8",
 ) -> TokenCache:
     """Open the token cache of a source, tokenizing it first if there is no valid one.
 
@@ -577,6 +604,7 @@ def prepare_tokens(
         dataset_name=dataset_name,
         dataset_config=dataset_config,
         hf_cache=root / "hf-datasets",
+        encoding=encoding,
     )
     key = cache_key(spec, val_fraction, compact_vocab)
     cache_path = root / "tokens" / f"{source}-{key[:16]}"
@@ -715,6 +743,7 @@ class TokenDataModule(L.LightningDataModule):
         num_workers: int = 0,
         dataset_name: str = FINEWEB_REPO,
         dataset_config: str = FINEWEB_CONFIG,
+        encoding: str = "utf-8",
     ):
         super().__init__()
         if source not in SOURCES:
@@ -752,6 +781,7 @@ class TokenDataModule(L.LightningDataModule):
         self.num_workers = int(num_workers)
         self.dataset_name = dataset_name
         self.dataset_config = dataset_config
+        self.encoding = encoding
         # Batches to skip at the start of train_dataloader() (set before fit to resume).
         self.start_step = 0
 
@@ -782,6 +812,7 @@ class TokenDataModule(L.LightningDataModule):
             max_tokens=self.max_tokens,
             dataset_name=self.dataset_name,
             dataset_config=self.dataset_config,
+            encoding=self.encoding,
         )
 
     def prepare_data(self) -> None:

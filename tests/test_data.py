@@ -485,6 +485,32 @@ def test_jsonl_and_parquet_files_with_text_column(tmp_path):
         dm_files(tmp_path, [str(pqf)])
 
 
+def test_text_in_another_encoding(tmp_path):
+    """A Latin-1 .txt or .jsonl (Gutenberg texts often are) fails with one line naming the
+    file and data.encoding under the UTF-8 default, and reads exactly with
+    data.encoding=latin-1; a binary file fails the same way; an unknown codec is refused."""
+    text = "Ægypt's señor, naïve café - wherefore? ¶ £5\n" * 6
+    lat = tmp_path / "latin.txt"
+    lat.write_bytes(text.encode("latin-1"))
+    jl = tmp_path / "latin.jsonl"
+    jl.write_bytes((json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("latin-1"))
+    for f in (lat, jl):
+        with pytest.raises(ValueError) as e:
+            dm_files(tmp_path, [str(f)])
+        msg = one_line(e)
+        assert msg.startswith("data.encoding: ") and str(f) in msg and "data.encoding=latin-1" in msg
+    dm = dm_files(tmp_path, [str(lat), str(jl)], encoding="latin-1")
+    assert full_stream(dm).tolist() == expected_stream([text, text])
+    assert dm_files(tmp_path, [str(lat)], encoding="ISO-8859-1").cache_path == \
+        dm_files(tmp_path, [str(lat)], encoding="latin-1").cache_path  # one codec, one cache
+    binary = tmp_path / "model.txt"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match=r"^data.encoding: .*model.txt.* is not utf-8 text"):
+        dm_files(tmp_path, [str(binary)])
+    with pytest.raises(ValueError, match=r"^data.encoding: unknown text encoding 'klingon'"):
+        dm_files(tmp_path, [str(lat)], encoding="klingon")
+
+
 # ---------------------------------------------------------------------------------------
 # Errors
 
