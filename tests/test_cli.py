@@ -10,10 +10,9 @@ import pytest
 
 from tests.conftest import REPO
 
-# Tiny but real: the shipped corpus, the paper's groups, every stage of a run.
-TINY = ["batch_size=2", "sampler.mean=2", "sampler.backprop_depth=1", "trainer.max_steps=3",
-        "trainer.val_check_interval=3", "trainer.checkpoint_every=3", "data.val_tokens=512",
-        "eval.tokens=6", "eval.warmup_tokens=1", "trainer.enable_progress_bar=false"]
+# Tiny but real: the shipped corpus, the paper's groups, every stage of a run
+# (conf/debug/tiny.yaml; overrides given beside it win over its values).
+TINY = ["debug=tiny"]
 
 
 def run(args, cwd, env, check=True):
@@ -59,8 +58,7 @@ def test_run_writes_loop_diagnostics_and_figures(tmp_path, env):
     """Diagnostics at step 0, at every checkpoint and at the end; the four figures; and
     `python -m recdepth.figures` redraws them from the JSON alone."""
     rd = tmp_path / "run"
-    tiny = [a for a in TINY if not a.startswith(("trainer.max_steps", "trainer.checkpoint_every"))]
-    run(["model=grouped", "exit=accel", f"run_dir={rd}", *tiny, "trainer.max_steps=4",
+    run(["model=grouped", "exit=accel", f"run_dir={rd}", *TINY, "trainer.max_steps=4",
          "trainer.checkpoint_every=2"], cwd=tmp_path, env=env)
     steps = sorted(int(p.stem[5:]) for p in (rd / "diagnostics").glob("step_*.json"))
     assert steps == [0, 2, 4]
@@ -289,8 +287,7 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
 
 def test_sweep_summary_goes_to_a_wandb_table_offline(tmp_path, env):
     sweep = tmp_path / "sweep"
-    tiny = [a for a in TINY if not a.startswith("eval.tokens")]
-    run(["logger=wandb", "callbacks=none", "eval.tokens=4", f"hydra.sweep.dir={sweep}", *tiny, "--multirun",
+    run(["logger=wandb", "callbacks=none", "eval.tokens=4", f"hydra.sweep.dir={sweep}", *TINY, "--multirun",
          "exit=accel", "exit.tau=1e-3,1e-2"], cwd=tmp_path, env=env)
     (table,) = sweep.glob("wandb/offline-run-*/files/media/table/sweep/results_*.table.json")
     t = json.loads(table.read_text())

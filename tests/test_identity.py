@@ -3,6 +3,7 @@
 
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from recdepth.config import conf_dir
 from recdepth.runs import training_identity, what_trains
@@ -45,3 +46,25 @@ def test_what_trains_normalises_an_older_checkpoints_config():
            "sampler": {"name": "fixed", "mean": 4, "backprop_depth": 2}, "trainer": {"max_steps": 10}}
     assert what_trains(old) == new
     assert old["model"]["name"] == "grouped"  # a copy: the input is left as it was
+
+
+def compose_cfg(*overrides: str):
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return compose("config", overrides=list(overrides))
+
+
+def test_experiment_and_debug_groups():
+    """experiment=cpu is the default run (same training identity); experiment=paper is
+    the paper's (docs/spec.md §1: 12L/12H/d=768, block 512, groups 4, 5-6, 7, r = 12,
+    k = 8, FineWeb, 60k steps of 10 x 512 = 307M tokens, bf16 on a GPU); debug=tiny's
+    values yield to overrides given beside it."""
+    assert identity("experiment=cpu") == DEFAULT
+    p = compose_cfg("experiment=paper")
+    assert (p.model.size, OmegaConf.to_object(p.model.groups)) == ("paper", [[4], [5, 6], [7]])
+    assert (p.sampler.name, p.sampler.mean, p.sampler.backprop_depth) == ("lognormal_poisson", 12, 8)
+    assert (p.data.source, p.data.max_tokens, p.trainer.precision) == ("fineweb", 300_000_000, "bf16-mixed")
+    assert p.batch_size * 512 * p.trainer.max_steps == pytest.approx(300e6, rel=0.05)
+    t = compose_cfg("debug=tiny", "trainer.max_steps=4")
+    assert (t.trainer.max_steps, t.trainer.checkpoint_every, t.batch_size) == (4, 3, 2)
+    t = compose_cfg("trainer.max_steps=4", "debug=tiny")  # the order on the command line does not matter
+    assert t.trainer.max_steps == 4

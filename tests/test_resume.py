@@ -16,9 +16,7 @@ from tests.test_cli import run
 
 # Long enough that a kill after the first checkpoint lands mid-run; every 4 steps a
 # checkpoint, validations in between (a resumed run skips the one its checkpoint preceded).
-ARGS = ["batch_size=2", "sampler.mean=2", "sampler.backprop_depth=1", "trainer.max_steps=16",
-        "trainer.val_check_interval=3", "trainer.checkpoint_every=4", "data.val_tokens=512",
-        "eval.tokens=6", "eval.warmup_tokens=1", "trainer.enable_progress_bar=false"]
+ARGS = ["debug=tiny", "trainer.max_steps=16", "trainer.checkpoint_every=4"]
 
 # Fault injection from outside: the 2nd write of a .ckpt file writes half of its bytes,
 # then the process SIGKILLs itself, as a node that dies mid-write would.

@@ -17,9 +17,7 @@ from tests.test_resume import steps_of
 def test_ddp_on_two_cpu_processes_trains_as_one_process_with_the_whole_batch(tmp_path, env):
     """trainer=ddp, 2 ranks (gloo) at batch 2 == 1 process at batch 4: the same windows,
     averaged gradients; noise-free initial state so the two runs draw nothing different."""
-    common = ["sampler.mean=2", "sampler.backprop_depth=1", "trainer.max_steps=6", "trainer.val_check_interval=3",
-              "trainer.checkpoint_every=3", "data.val_tokens=512", "eval.tokens=6", "eval.warmup_tokens=1",
-              "trainer.enable_progress_bar=false", "model.state_init=zero"]
+    common = ["debug=tiny", "trainer.max_steps=6", "model.state_init=zero"]
     ddp_cwd = tmp_path / "ddp"
     ddp_cwd.mkdir()
     p = run(["trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", "batch_size=2", *common],
