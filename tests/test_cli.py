@@ -193,7 +193,6 @@ def test_groups_override_on_the_command_line(tmp_path, env):
 @pytest.mark.parametrize("override, message", [
     ("model.groups=[[4],[4,5]]", "model.groups"),
     ("exit.tau=-1", "exit.tau"),
-    ("exit=nonsense", "exit"),
     ("model.n_head=3", "model.n_embd"),
     ("data=files", "data.paths: required"),
     ("sampler.backprop_depth=0", "sampler.backprop_depth"),
@@ -210,16 +209,39 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("model.block_size=100000", "longer than the val split"),
     ("model.size=huge", "model.size: unknown size 'huge'"),
     ("data=files data.paths=/nonexistent/*.txt", "data.paths: no file matches '/nonexistent/*.txt'"),
-    ("foo=1", "Could not override 'foo'"),
     ("trainer.precision=bf16", "trainer.precision: expected one of 32-true, bf16-mixed"),
     ("trainer.strategy=fsdp", "trainer.strategy: expected one of auto, ddp, got 'fsdp'"),
     ("trainer.devices=2", "trainer.devices: 2 processes need trainer.strategy=ddp (trainer=ddp)"),
     ("trainer=ddp trainer.num_nodes=2", "trainer.num_nodes: recdepth runs on one node (got 2)"),
     ("ckpt_path=/nonexistent/last.ckpt", "ckpt_path: no checkpoint file at /nonexistent/last.ckpt"),
 ])
-def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, override, message):
+def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, monkeypatch, override, message):
+    """The bad-input matrix, in-process: compose the config as the CLI does (Hydra's
+    compose API), call train(cfg); one line naming the field, before any work."""
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.config import conf_dir
+    from recdepth.train import train
+
+    monkeypatch.chdir(tmp_path)
+    for k in ("RECDEPTH_CACHE", "WANDB_MODE"):
+        monkeypatch.setenv(k, env[k])
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()])
+    with pytest.raises(Exception) as e:
+        train(cfg)
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
+
+
+@pytest.mark.parametrize("override, message", [
+    ("exit=nonsense", "exit"),  # Hydra's own refusals, and one of recdepth's as the CLI prints it
+    ("foo=1", "Could not override 'foo'"),
+    ("optim.betas=[0.9,1.5]", "optim.betas: expected two numbers in [0, 1)"),
+])
+def test_bad_input_on_the_command_line(tmp_path, env, override, message):
     p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()], cwd=tmp_path, env=env,
-            check=False)  # the bad override last, so nothing in TINY overrides it
+            check=False)
     assert p.returncode != 0
     assert message in p.stderr
     assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
