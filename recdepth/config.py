@@ -27,13 +27,13 @@ log = logging.getLogger("recdepth.config")
 
 
 def conf_dir() -> str:
-    """`conf/` ships inside the wheel as recdepth/conf; in a source checkout (editable
-    install) it sits at the top of the repository."""
-    here = Path(__file__).resolve().parent
-    for cand in (here / "conf", here.parent / "conf"):
-        if (cand / "config.yaml").is_file():
-            return str(cand)
-    raise FileNotFoundError(f"recdepth: no conf/config.yaml next to {here} or its parent")
+    """The config groups: always `recdepth/conf` beside this file. In a source checkout
+    that is a symlink to the repository's top-level `conf/` (where the layout keeps it,
+    mirroring the code); a wheel ships the files there (pyproject: package `recdepth.conf`)."""
+    d = Path(__file__).resolve().parent / "conf"
+    if not (d / "config.yaml").is_file():
+        raise FileNotFoundError(f"recdepth: no config.yaml in {d} (a broken install? reinstall recdepth)")
+    return str(d)
 
 
 # ------------------------------------------------------------------- pieces

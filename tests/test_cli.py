@@ -1,6 +1,7 @@
 """The real CLI: `python -m recdepth.train` runs and `--multirun` sweeps into temp dirs."""
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -331,6 +332,17 @@ def test_wheel_ships_the_configs(tmp_path):
               "recdepth/assets/gpt2.tiktoken.xz",
               "recdepth/assets/shakespeare.jsonl.xz", "recdepth/train.py"):
         assert f in names, f
+    # and the installed package finds them where conf_dir() looks, composing the default run
+    site = tmp_path / "site"
+    zipfile.ZipFile(whl).extractall(site)
+    code = ("import recdepth, recdepth.config as c; from hydra import compose, initialize_config_dir; "
+            f"assert recdepth.__file__.startswith({str(site)!r}), recdepth.__file__; "
+            "initialize_config_dir(c.conf_dir(), version_base='1.3'); "
+            "print(c.conf_dir(), compose('config', overrides=['experiment=paper']).model.size)")
+    p = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": str(site)})
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.split() == [str(site / "recdepth" / "conf"), "paper"]
 
 
 @pytest.mark.slow
