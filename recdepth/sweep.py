@@ -369,7 +369,7 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
     """CE − CE(fixed at the largest n) against mean applications (log-x) and against
     ms/token; CE − the fixed frontier at equal applications (the verdict) against mean
     applications. Paired 95% CIs over tokens."""
-    from matplotlib.ticker import ScalarFormatter
+    from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     n_max = max(r["max_steps"] for r in fixed)
 
@@ -399,10 +399,13 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
             base = oracle[0][2]  # ε = 0: the oracle's own N-application NLLs
             ax.plot([p[1] for p in oracle], [p[2] - base for p in oracle], "k--", lw=1, label="oracle (ε from 0 to 1)")
         ax.axhline(0, color="grey", lw=0.8)
-        ax.set_xscale("log")
+        if xkey == "mean_applications":  # depths 1 .. 32: log, labelled at powers of two
+            ax.set_xscale("log")
+            ax.set_xticks([n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= 2 * n_max])
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"CE − CE(fixed {n_max}) (nats)")
-        ax.xaxis.set_major_formatter(ScalarFormatter())
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=7)
     if shown:
@@ -419,10 +422,8 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
             ax.errorbar([r["mean_applications"] for r in rs], d, fmt="o-", color=colors[rule], ms=4, capsize=2,
                         yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d], label=rule)
     ax.axhline(0, color="k", lw=1, label="fixed frontier")
-    ax.set_xscale("log")
     ax.set_xlabel("mean applications per token")
     ax.set_ylabel("CE − fixed frontier at equal applications")
-    ax.xaxis.set_major_formatter(ScalarFormatter())
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     axes[3].axis("off")
