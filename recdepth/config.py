@@ -171,3 +171,9 @@ def loggers(cfg: DictConfig, run_dir: Path) -> list:
             ))
             log.info("wandb: %s mode", mode)
     return out
+
+
+def model_shape(mcfg: GPTConfig) -> dict:
+    """The fields that fix a model's parameter shapes (vocabulary aside)."""
+    return {"n_layer": mcfg.n_layer, "n_head": mcfg.n_head, "n_embd": mcfg.n_embd,
+            "block_size": mcfg.block_size, "groups": [list(g) for g in mcfg.groups]}

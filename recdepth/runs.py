@@ -297,3 +297,18 @@ def earlier_curves(ckpt: Path, step: int) -> list[dict]:
             if row.get("step", "") != "" and int(row["step"]) <= step:
                 rows.append({k: int(v) if k in ("step", "epoch") else float(v) for k, v in row.items() if v != ""})
     return rows
+
+
+def same_training(run_dir: Path, identity: str) -> bool:
+    """Whether run_dir's config.yaml (written by the run that used it) has this training identity."""
+    try:
+        return training_identity(OmegaConf.load(run_dir / "config.yaml"))[0] == identity
+    except Exception:  # no config.yaml, or one from another version of the config
+        return False
+
+
+def registered(finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
+    """Training finished: record it in the index and let the next process of this identity in."""
+    if finished is not None:
+        register_trained(finished, identity, run_dir, metrics)
+    lock.release()

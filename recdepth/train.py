@@ -33,16 +33,13 @@ from recdepth.config import (
     loggers,
     loop_dynamics_callback,
     model_config,
+    model_shape,
     sampler_args,
     validate_run,
 )
-from recdepth.data import TokenDataModule
-from recdepth.evaluate import run_eval
+from recdepth.evaluate import eval_after_training, reuse_trained
 from recdepth.lit import LoopedLM, TrainingDiverged
-from recdepth.model import GPTConfig
-from recdepth.runs import (  # noqa: F401 (re-exported: training_identity and the index are public here)
-    NOT_TRAINING,
-    TRAINING_KEYS,
+from recdepth.runs import (
     FileLock,
     carry_over,
     check_resumable,
@@ -51,43 +48,16 @@ from recdepth.runs import (  # noqa: F401 (re-exported: training_identity and th
     index_files,
     read_entry,
     register_partial,
-    register_trained,
+    registered,
+    same_training,
     training_identity,
     write_json,
 )
 from recdepth.runtime import tune_cpu_allocator
 from recdepth.sampler import LoopSampler
-from recdepth.sweep import guarded, hoist_mode_flags, run_hydra_main  # noqa: F401 (hoist_mode_flags: public)
+from recdepth.sweep import guarded, run_hydra_main
 
 log = logging.getLogger("recdepth.train")
-
-
-# -------------------------------------------------------------- reuse / eval
-def exit_eval(model, dm: TokenDataModule, policy: exits.ExitPolicy, cfg: DictConfig, run_dir: Path) -> dict:
-    """SPEC §4 evaluation of `model` on the first eval.tokens held-out tokens; writes
-    run_dir/eval_tokens.csv and returns the `eval` block."""
-    heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
-    vocab = None if dm.id_map is None else torch.as_tensor(dm.id_map)
-    return run_eval(model, heldout, policy, cfg, run_dir, vocab)
-
-
-def reuse_trained(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy,
-                  identity: str, index: Path, entry: dict) -> dict:
-    """A training run with this identity finished before: evaluate its checkpoint instead."""
-    log.info("reuse: training identity %s was trained by %s; reusing its checkpoint %s (index %s; "
-             "reuse.enabled=false trains again)", identity, entry["run_dir"], entry["checkpoint"], index)
-    metrics = {**entry["training"], "reused": True, "trained_run": entry["run_dir"],
-               "checkpoint": entry["checkpoint"]}
-    if cfg.eval.tokens > 0:
-        dm = data_module(cfg, block_size=model_config(cfg, vocab_size=50257).block_size)
-        dm.prepare_data()
-        dm.setup()
-        device = torch.device("cuda" if cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-                              and torch.cuda.is_available() else "cpu")
-        module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=True)
-        metrics["eval"] = exit_eval(module.model.to(device), dm, policy, cfg, run_dir)
-    write_json(run_dir / "metrics.json", metrics)
-    return metrics
 
 
 # -------------------------------------------------------------------- train
@@ -150,31 +120,10 @@ def train(cfg: DictConfig) -> dict:
             register_partial(partial, identity, run_dir, resumed_from=resume)
         return fit_and_evaluate(cfg, run_dir, policy, identity, training, resume=resume, resumed_step=step,
                                 keep_diagnostics=restart,
-                                on_trained=lambda m: _registered(finished, identity, run_dir, m, lock))
+                                on_trained=lambda m: registered(finished, identity, run_dir, m, lock))
     finally:
         lock.release()
         owner.release()
-
-
-def same_training(run_dir: Path, identity: str) -> bool:
-    """Whether run_dir's config.yaml (written by the run that used it) has this training identity."""
-    try:
-        return training_identity(OmegaConf.load(run_dir / "config.yaml"))[0] == identity
-    except Exception:  # no config.yaml, or one from another version of the config
-        return False
-
-
-def _registered(finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
-    """Training finished: record it in the index and let the next process of this identity in."""
-    if finished is not None:
-        register_trained(finished, identity, run_dir, metrics)
-    lock.release()
-
-
-def model_shape(mcfg: GPTConfig) -> dict:
-    """The fields that fix a model's parameter shapes (vocabulary aside)."""
-    return {"n_layer": mcfg.n_layer, "n_head": mcfg.n_head, "n_embd": mcfg.n_embd,
-            "block_size": mcfg.block_size, "groups": [list(g) for g in mcfg.groups]}
 
 
 def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, identity: str, training: dict,
@@ -277,7 +226,7 @@ def fit_and_evaluate(cfg: DictConfig, run_dir: Path, policy: exits.ExitPolicy, i
                 for block in module.model.h:
                     block._compiled_call_impl = None  # undoes nn.Module.compile (torch keeps it there)
             module.to(trainer.strategy.root_device)
-            metrics["eval"] = exit_eval(module.model, dm, policy, cfg, run_dir)
+            metrics["eval"] = eval_after_training(module.model, dm, policy, cfg, run_dir)
         write_json(run_dir / "metrics.json", metrics)
         for lgr in lg:
             lgr.log_metrics({f"final/{k}": v for k, v in _flat(metrics).items()}, step=trainer.global_step)
