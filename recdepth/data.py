@@ -293,12 +293,12 @@ def resolve_source(
     if max_tokens is not None and int(max_tokens) <= 0:
         raise ValueError(f"data.max_tokens: must be positive, got {max_tokens}")
     try:
-        codecs.lookup(encoding)
+        codec = codecs.lookup(encoding).name
     except (LookupError, TypeError):
         raise ValueError(f"data.encoding: unknown text encoding {encoding!r} (expected e.g. utf-8, latin-1, cp1252)") from None
     # the encoding changes the tokens of .txt/.json files; utf-8 (the default) stays out
     # of the key so caches made before the option existed remain valid
-    enc = {} if codecs.lookup(encoding).name == "utf-8" else {"encoding": codecs.lookup(encoding).name}
+    enc = {} if codec == "utf-8" else {"encoding": codec}
     max_tokens = None if max_tokens is None else int(max_tokens)
     if source == "shakespeare":
         return SourceSpec(

@@ -38,6 +38,13 @@ SIZES: dict[str, dict[str, int]] = {
 STATE_INITS = ("normal", "zero", "input")
 
 
+def shape_of(size: str, **overrides) -> dict:
+    """A size preset's fields with the overrides that are not None on top."""
+    if size not in SIZES:
+        raise ValueError(f"model.size: unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    return {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
+
+
 @dataclass
 class GPTConfig:
     """Architecture of a looped GPT-2. Validated at construction."""
@@ -117,11 +124,7 @@ class GPTConfig:
 
     @classmethod
     def from_size(cls, size: str, **overrides) -> GPTConfig:
-        if size not in SIZES:
-            raise ValueError(f"model.size: unknown size {size!r} (expected one of {', '.join(SIZES)})")
-        fields = dict(SIZES[size])
-        fields.update({k: v for k, v in overrides.items() if v is not None})
-        return cls(**fields)
+        return cls(**shape_of(size, **overrides))
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.model import SIZES
+from recdepth.model import SIZES, shape_of
 
 log = logging.getLogger("recdepth.runs")
 
@@ -73,8 +73,8 @@ def what_trains(training: dict) -> dict:
     if isinstance(m, dict):
         m.pop("name", None)
         if m.get("size") in SIZES:
-            for k, v in SIZES[m.pop("size")].items():
-                m[k] = v if m.get(k) is None else m[k]
+            size = m.pop("size")
+            m.update(shape_of(size, **{k: m.get(k) for k in SIZES[size]}))
     s = sub.get("sampler")
     if isinstance(s, dict) and s.get("name") == "fixed":
         s.pop("sigma", None)

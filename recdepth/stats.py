@@ -14,7 +14,7 @@ the mean of apps over tokens and groups. Each definition below lives in one func
     largest n of the grid, flagged reached=False (the saving is then a lower bound);
   - `saving`: 1 − A / (fixed applications needed for c);
   - `hull_ce`: the fixed frontier at exactly A applications: the lower convex hull of
-    the points (n, CE_n), i.e. the best mix of two fixed depths whose mean cost is A (a
+    the points (n, min_{m<=n} CE_m), i.e. the best mix of two fixed depths whose mean cost is A (a
     coin flip per token between them reaches it, up to the depth of the history). This
     is the equal-compute baseline the verdict uses: on a grid, "best fixed n <= A" for a
     rule at A = 7.96 is fixed-6, which costs 25% less;
@@ -24,8 +24,8 @@ the mean of apps over tokens and groups. Each definition below lives in one func
   nll_by_n[i, N−1]| <= ε (two-sided: "within ε" of the max-depth prediction, so the
   oracle keeps the quality of N; a one-sided "<= + ε" would also pick depths where the
   target happens to score better, a best-of-N selection on the target that lowers CE
-  below every fixed depth and measures luck, not saved compute); `oracle_point`: its CE (mean NLL at those n) and A (mean n);
-  `oracle_saving`: at a CE c, the oracle point over an ε grid with the smallest A whose
+  below every fixed depth and measures luck, not saved compute); `oracle_point`: its CE
+  (mean NLL at those n) and A (mean n); `oracle_saving`: at a CE c, the oracle point over an ε grid with the smallest A whose
   CE <= c, and 1 − A_oracle / fixed_needed(c).
 - intervals: 95% paired percentile bootstrap over tokens. `bootstrap_indices` draws R
   resamples of the token indices (fixed seed); every job of a quantity is evaluated on

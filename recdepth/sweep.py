@@ -205,6 +205,7 @@ FRONTIER_COLUMNS = ["job", "exit", "tau", "ce", "ce_lo", "ce_hi", "mean_applicat
                     "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
                     "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
                     "oracle_saving_lo", "oracle_saving_hi", "verdict"]
+RESAMPLES = 1000  # bootstrap resamples of the tokens (docs/spec.md §4b: at least 1000)
 ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
 
 
@@ -240,16 +241,12 @@ def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.n
     return tokens, fixed, by_n
 
 
-def frontier_rows(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000) -> list[dict]:
+def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict], idx: np.ndarray) -> list[dict]:
     """SPEC §4b, for every job that is not fixed: `stats.compare` against the fixed jobs,
     and the oracle's saving at the job's CE (from the oracle job's NLLs, over ORACLE_EPS).
-    Intervals: one set of bootstrap resamples of the token indices, shared by every job."""
-    inputs = frontier_inputs(Path(sweep_dir), rows)
-    if inputs is None:
-        return []
+    `inputs` from `frontier_inputs`; `idx`: the bootstrap resamples of the token indices,
+    one set shared by every job."""
     tokens, fixed, by_n = inputs
-    n_tok = len(next(iter(fixed.values()))["nll"])
-    idx = stats.bootstrap_indices(n_tok, resamples)
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
     fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if r["exit"] == "fixed" and r["ce"] != ""}
     fixed_by_ms = {fixed_ms[n]: t["nll"] for n, t in fixed.items() if _num(fixed_ms.get(n))}
@@ -351,16 +348,12 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     return fig
 
 
-def paired_vs_max(sweep_dir: str | Path, rows: list[dict], resamples: int = 1000) -> dict:
+def paired_vs_max(inputs: tuple[dict, dict, np.ndarray | None], idx: np.ndarray) -> dict:
     """{job: (d, lo, hi)}: every ok job's CE minus the CE of the fixed job at the largest n,
     paired over tokens with a 95% bootstrap CI (the absolute CE's CI, about ±0.1 nats
     over 4096 tokens, hides differences of 1e-3 that the paired one resolves)."""
-    inputs = frontier_inputs(Path(sweep_dir), rows)
-    if inputs is None:
-        return {}
     tokens, fixed, _ = inputs
     ref = fixed[max(fixed)]["nll"]
-    idx = stats.bootstrap_indices(len(ref), resamples)
     return {job: stats.diff_ci(t["nll"], ref, idx) for job, t in tokens.items()}
 
 
@@ -446,13 +439,15 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
     _write_csv(sweep_dir / "sweep_results.csv", COLUMNS, [
         {**r, "applications_per_token": " ".join(map(str, r["applications_per_token"] or []))} for r in rows])
     (sweep_dir / "sweep_results.md").write_text(markdown(rows))
-    oracle, paired = None, {}
+    oracle, paired, front = None, {}, []
     try:
-        front = frontier_rows(sweep_dir, rows)
-        paired = paired_vs_max(sweep_dir, rows) if front else {}
-        inputs = frontier_inputs(sweep_dir, rows) if front else None
-        if inputs is not None and inputs[2] is not None:
-            oracle = oracle_curve(inputs[2])
+        inputs = frontier_inputs(sweep_dir, rows)  # every job's eval_tokens.csv, read once
+        if inputs is not None:
+            idx = stats.bootstrap_indices(len(next(iter(inputs[1].values()))["nll"]), RESAMPLES)
+            front = frontier_rows(inputs, rows, idx)
+            if front:
+                paired = paired_vs_max(inputs, idx)
+                oracle = None if inputs[2] is None else oracle_curve(inputs[2])
     except ValueError as e:
         log.warning("%s", e)
         front = []
