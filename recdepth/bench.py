@@ -111,8 +111,7 @@ def bench_callbacks(args) -> dict:
     from recdepth.config import conf_dir
     from recdepth.train import train
 
-    base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", "reuse.enabled=false",
-            *args.overrides]
+    base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", *args.overrides]
     if args.train_steps is not None:
         base.append(f"trainer.max_steps={args.train_steps}")
     print(f"# recdepth bench callbacks: overrides {base}, threads={torch.get_num_threads()}")
@@ -120,9 +119,9 @@ def bench_callbacks(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         for name, extra in (("without", ["callbacks=none"]), ("with", [])):
             with initialize_config_dir(conf_dir(), version_base="1.3"):
-                cfg = compose("config", overrides=[*base, *extra, f"run_dir={tmp}/{name}"])
+                cfg = compose("config", overrides=[*base, *extra, f"run_dir={tmp}/{name}", f"runs_dir={tmp}/runs"])
             m = train(cfg)
-            n_diag = len(list((Path(tmp) / name).glob("diagnostics/step_*.json")))
+            n_diag = len(list(Path(m["train_dir"]).glob("diagnostics/step_*.json")))
             out[name] = dict(train_seconds=m["train_seconds"], steps=m["steps"], val_ce=m["val_ce"],
                              callback_seconds=m.get("diagnostics_seconds", 0.0), diagnostics=n_diag)
     w, wo = out["with"], out["without"]

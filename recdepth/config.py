@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth import exits
+from recdepth import distributed, exits
 from recdepth.data import TokenDataModule
 from recdepth.decoding import validate_eval
 from recdepth.model import GPTConfig
@@ -129,47 +128,84 @@ def loop_dynamics_callback(cfg: DictConfig, run_dir: Path, dm: TokenDataModule, 
                         decode=dm.decode)
 
 
-def wandb_mode(requested: str, timeout: float = 2.0) -> str:
-    """Resolve `auto`: online only if an API key is configured and the server accepts a
-    TCP connection within `timeout` seconds; otherwise offline. Never blocks longer."""
-    if requested != "auto":
-        return requested
-    if os.environ.get("WANDB_MODE") in ("offline", "disabled", "online"):
-        return os.environ["WANDB_MODE"]
-    has_key = bool(os.environ.get("WANDB_API_KEY"))
-    if not has_key:
-        try:
-            import netrc
+def wandb_init(w: DictConfig, save_dir: Path, name: str, **kw):
+    """A W&B run for `logger.wandb` w, or None with mode=disabled. `auto` tries online when
+    an API key is configured, bounded by w.init_timeout seconds (W&B's own `init_timeout`),
+    and falls back to offline (sync later with `wandb sync`) when the server cannot be
+    reached; without a key it is offline at once. Never blocks longer, never fails a run
+    for want of a network."""
+    import wandb
 
-            has_key = netrc.netrc().authenticators("api.wandb.ai") is not None
-        except (OSError, netrc.NetrcParseError):
-            has_key = False
-    if not has_key:
-        return "offline"
-    url = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+    mode = os.environ.get("WANDB_MODE") if w.mode == "auto" and os.environ.get("WANDB_MODE") else w.mode
+    if mode == "disabled":
+        return None
+    if mode == "auto":
+        mode = "online" if _has_wandb_key() else "offline"
+    os.environ.setdefault("WANDB_SILENT", "true")
+    settings = wandb.Settings(init_timeout=float(w.get("init_timeout", 15)), silent=True)
+    args = dict(project=w.project, entity=w.entity, dir=str(save_dir), name=name, settings=settings,
+                reinit="create_new", **kw)
     try:
-        socket.create_connection((url.hostname, url.port or 443), timeout=timeout).close()
-        return "online"
-    except OSError:
-        return "offline"
+        run = wandb.init(mode=mode, **args)
+    except (wandb.errors.CommError, wandb.errors.AuthenticationError, wandb.errors.UsageError) as e:
+        if w.mode != "auto":
+            raise
+        log.warning("wandb: no answer from the server (%s); logging offline",
+                    (str(e).splitlines() or [type(e).__name__])[0][:120])
+        mode, run = "offline", wandb.init(mode="offline", **args)
+    log.info("wandb: %s mode", mode)
+    return run
 
 
-def loggers(cfg: DictConfig, run_dir: Path) -> list:
+def _has_wandb_key() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        import netrc
+
+        return netrc.netrc().authenticators(urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai"))
+                                             .hostname) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def loggers(cfg: DictConfig, run_dir: Path, name: str) -> list:
+    """The CSV logger (always first) and, with `logger.wandb`, W&B (rank 0 only), both
+    writing into run_dir."""
     from lightning.pytorch.loggers import CSVLogger
 
     out = [CSVLogger(save_dir=str(run_dir), name="csv", version="")]
-    w = cfg.logger.get("wandb")
-    if w is not None:
-        mode = wandb_mode(w.mode)
-        if mode != "disabled":
-            from lightning.pytorch.loggers import WandbLogger
+    w = None if distributed.is_worker() else cfg.logger.get("wandb")  # rank 0 reports for all ranks
+    run = None if w is None else wandb_init(w, run_dir, name, tags=list(w.tags),
+                                            config=OmegaConf.to_container(cfg, resolve=True))
+    if run is not None:
+        from lightning.pytorch.loggers import WandbLogger
 
-            os.environ.setdefault("WANDB_SILENT", "true")
-            out.append(WandbLogger(
-                project=w.project, entity=w.entity, save_dir=str(run_dir), offline=mode == "offline",
-                name=run_dir.name, tags=list(w.tags), config=OmegaConf.to_container(cfg, resolve=True),
-            ))
-            log.info("wandb: %s mode", mode)
+        out.append(WandbLogger(experiment=run, save_dir=str(run_dir)))
+    return out
+
+
+def finish_loggers(lg: list, metrics: dict | None = None, step: int = 0) -> None:
+    """Log `metrics` (flattened, as final/<key>) to every logger; without metrics, close
+    them (the W&B run is finished: a sweep's next job starts its own)."""
+    if metrics is not None:
+        for lgr in lg:
+            lgr.log_metrics({f"final/{k}": v for k, v in _numbers(metrics).items()}, step=step)
+        return
+    for lgr in lg:
+        if type(lgr).__name__ == "WandbLogger":
+            lgr.experiment.finish()
+
+
+def _numbers(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_numbers(v, f"{prefix}{k}/"))
+        elif isinstance(v, int | float) and not isinstance(v, bool):
+            out[f"{prefix}{k}"] = v
+        elif isinstance(v, list) and all(isinstance(x, int | float) for x in v) and k != "groups":
+            out.update({f"{prefix}{k}_{i}": x for i, x in enumerate(v)})
     return out
 
 

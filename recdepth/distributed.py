@@ -5,9 +5,10 @@ launcher re-runs the command line for every extra rank, and under Hydra that mak
 rank compose its config again and write Hydra files of its own (a multirun would even
 start the whole sweep again per rank). recdepth launches rank r > 0 instead as
 
-    python -m recdepth.train --ddp-rank <run_dir>/config.yaml <checkpoint to resume | null>
+    python -m recdepth.train --ddp-rank <run_dir>/config.yaml
 
-on the resolved config rank 0 already wrote, with the resume decision rank 0 already took:
+on the resolved config rank 0 already wrote (so it trains, or resumes, the same training
+directory; recdepth/runs.py):
 every rank trains exactly the same run, no rank but 0 writes anything (Lightning writes
 checkpoints and logs from rank 0; recdepth's metrics, diagnostics and figures are rank-0
 only), and Hydra never sees the other ranks.
@@ -132,9 +133,9 @@ def teardown(trainer, failed: bool = False) -> None:
     launcher.saved_env = {}
 
 
-def strategy(trainer_cfg, run_dir: Path | None = None, resume=None):
-    """The Lightning strategy of `trainer.strategy` (validated). With run_dir, the DDP
-    strategy is ready to launch: ranks > 0 get rank 0's config and resume decision."""
+def strategy(trainer_cfg, run_dir: Path | None = None):
+    """The Lightning strategy of `trainer.strategy` (validated). With run_dir (the job
+    directory, where rank 0 wrote config.yaml), the DDP strategy is ready to launch."""
     name = trainer_cfg.get("strategy", "auto")
     if name not in STRATEGIES:
         raise ValueError(f"trainer.strategy: expected one of {', '.join(STRATEGIES)}, got {name!r}")
@@ -153,8 +154,7 @@ def strategy(trainer_cfg, run_dir: Path | None = None, resume=None):
                          "(hydra.launcher.tasks_per_node=1), not several, and not under torchrun")
     command = None
     if run_dir is not None and not is_worker():
-        command = [sys.executable, "-m", "recdepth.train", RANK_FLAG, str(Path(run_dir).resolve() / "config.yaml"),
-                   "null" if resume is None else str(Path(resume).resolve())]
+        command = [sys.executable, "-m", "recdepth.train", RANK_FLAG, str(Path(run_dir).resolve() / "config.yaml")]
     # recdepth starts the ranks itself, also inside a SLURM job (Lightning would otherwise
     # see SLURM and wait for srun to have started them).
     from lightning.fabric.plugins.environments import LightningEnvironment

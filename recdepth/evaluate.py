@@ -24,7 +24,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
-from recdepth.config import conf_dir, data_module, exit_policy, model_config
+from recdepth.config import conf_dir, exit_policy
 from recdepth.decoding import evaluate_exit, validate_eval
 from recdepth.exits import ExitPolicy
 from recdepth.lit import LoopedLM
@@ -153,32 +153,16 @@ def log_eval(ev: dict) -> None:
              [round(a, 2) for a in ev["applications_per_token"]], ev["tokens_per_s"], ev["batch_size"])
 
 
-# ---------------------------------------------- after (or instead of) training
-def eval_after_training(model, dm, policy: ExitPolicy, cfg: DictConfig, run_dir: Path) -> dict:
-    """SPEC §4 evaluation of `model` on the first eval.tokens held-out tokens; writes
-    run_dir/eval_tokens.csv and returns the `eval` block."""
-    heldout = torch.as_tensor(dm.heldout_tokens(cfg.eval.tokens + 1))
-    vocab = None if dm.id_map is None else torch.as_tensor(dm.id_map)
-    return run_eval(model, heldout, policy, cfg, run_dir, vocab)
-
-
-def reuse_trained(cfg: DictConfig, run_dir: Path, policy: ExitPolicy,
-                  identity: str, index: Path, entry: dict) -> dict:
-    """A training run with this identity finished before: evaluate its checkpoint instead."""
-    log.info("reuse: training identity %s was trained by %s; reusing its checkpoint %s (index %s; "
-             "reuse.enabled=false trains again)", identity, entry["run_dir"], entry["checkpoint"], index)
-    metrics = {**entry["training"], "reused": True, "trained_run": entry["run_dir"],
-               "checkpoint": entry["checkpoint"]}
-    if cfg.eval.tokens > 0:
-        dm = data_module(cfg, block_size=model_config(cfg, vocab_size=50257).block_size)
-        dm.prepare_data()
-        dm.setup()
-        device = torch.device("cuda" if cfg.trainer.accelerator in ("auto", "gpu", "cuda")
-                              and torch.cuda.is_available() else "cpu")
-        module = LoopedLM.load_from_checkpoint(entry["checkpoint"], map_location=device, weights_only=True)
-        metrics["eval"] = eval_after_training(module.model.to(device), dm, policy, cfg, run_dir)
-    write_json(run_dir / "metrics.json", metrics)
-    return metrics
+# -------------------------------------------------------- after training
+def evaluate_trained(ckpt: Path, cfg: DictConfig, policy: ExitPolicy, run_dir: Path) -> dict:
+    """The `eval` block of `recdepth.train`: its checkpoint scored exactly as `evaluate`
+    scores one, on a GPU when trainer.accelerator allows one and there is one. Eagerly,
+    also after trainer.compile: token-by-token decoding changes the cache position on
+    every call, which a compiled block would recompile for."""
+    device = resolve_device("auto" if cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
+    module, data = load_checkpoint(ckpt, device)
+    tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
+    return run_eval(module.model, tokens, policy, cfg, run_dir, module.vocab_to_gpt2)
 
 
 @hydra.main(config_path=conf_dir(), config_name="evaluate", version_base="1.3")

@@ -1,19 +1,25 @@
-"""Run bookkeeping: what a training run is, where it lives, and how it is picked up again.
+"""Run bookkeeping: a training run's directory is its identity.
 
-- **Training identity**: a hash of every config key that decides what training produces.
-  Two runs with the same identity train the same model, so a sweep over exit settings
-  trains once (`reuse`), and a killed run can be found again by the same command
-  (`resume`).
-- **Index** (`reuse.index`, default `outputs/trained`): `<identity>.json` for a finished
-  run (its run dir, checkpoint and training metrics), `<identity>.partial.json` for one
-  that started and has not finished, and `<identity>.lock`, held (flock) for as long as a
-  process trains that identity: a second process with the same identity (a parallel sweep
-  launcher) waits for it, then reuses its result instead of training it twice. The kernel
-  drops the lock when its holder dies, SIGKILL included.
-- **Resume** (`ckpt_path`): `auto` (default) continues this run dir's `last.ckpt`, or the
-  interrupted run of the same identity; `last` insists on one of them; a path resumes
-  that file; `null` always starts fresh. A checkpoint saved under another training
-  config is refused with the keys that differ.
+- **Training identity**: a hash of what changes the trained weights (`what_trains`), and
+  only that. Exit and eval settings, where a run reports to, and labels like `model.name`
+  are not part of it.
+- **Training directory** `<runs_dir>/<identity>/` (default `outputs/runs/`) holds the one
+  training run of that identity: `checkpoints/last.ckpt`, `csv/metrics.csv`,
+  `diagnostics/`, `figures/`, `wandb/`, and `trained.json` (the training metrics), written
+  when training finished.
+- **Reuse** is "that directory holds trained.json and its checkpoint": the run is
+  evaluated, not trained again. A sweep over exit settings trains once.
+- **Resume** is Lightning's `ckpt_path="last"` in that directory: the same command after a
+  kill, a crash or a SLURM requeue continues from `checkpoints/last.ckpt`. Curves and
+  diagnostics written after that checkpoint are dropped first (`TrainingRun.rewind`);
+  training is deterministic, so they come back identical.
+- **Locks** (the `filelock` package): `<runs_dir>/<identity>.lock` is held while a process
+  trains an identity, so concurrent launches of it (a parallel sweep) wait for the first
+  and then reuse its result; `<job dir>/.lock` refuses a second process writing the same
+  job directory. The kernel drops both when their holder dies, SIGKILL included.
+
+A job directory (Hydra's run dir, `run_dir`) holds what one launch produced: config.yaml,
+metrics.json, the exit evaluation, and `train`, a link to its training directory.
 """
 
 from __future__ import annotations
@@ -24,10 +30,9 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import socket
 from pathlib import Path
 
+import filelock
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -35,9 +40,9 @@ from recdepth.model import SIZES, shape_of
 
 log = logging.getLogger("recdepth.runs")
 
-# Config keys that decide what training produces; exit, eval, logger, callbacks, run_dir,
-# ckpt_path and reuse do not (a sweep over exit settings trains once). Within them,
-# settings that only change how a run reports itself, or where it runs, are dropped too.
+# Config keys that decide what training produces; exit, eval, logger, callbacks, run_dir
+# and runs_dir do not (a sweep over exit settings trains once). Within them, settings
+# that only change how a run reports itself, or where it runs, are dropped too.
 TRAINING_KEYS = ("seed", "batch_size", "optim", "model", "sampler", "data", "trainer")
 # Validation, checkpoints and diagnostics draw from generators of their own, so their
 # cadence changes nothing trained; nor does the accelerator or compiling (numerics aside).
@@ -63,8 +68,7 @@ def what_trains(training: dict) -> dict:
     the shape it stands for (n_layer, n_head, n_embd, block_size, each explicit override
     kept), so `model.n_embd=128` on the cpu preset is the cpu preset; and `sampler.sigma`
     dropped under `sampler=fixed`, which never reads it. Also applied to the training
-    config a checkpoint was saved with, so checkpoints from before a key was dropped
-    still resume."""
+    config a checkpoint was saved with."""
     sub = json.loads(json.dumps(training, default=str))
     for group, keys in NOT_TRAINING.items():
         for k in keys:
@@ -109,206 +113,107 @@ def config_diff(saved: dict, now: dict, limit: int = 4) -> list[str]:
     return diff[:limit] + ([f"... {len(diff) - limit} more"] if len(diff) > limit else [])
 
 
-# --------------------------------------------------------------------- index
-def index_files(cfg: DictConfig, identity: str) -> tuple[Path, Path, Path]:
-    """(finished entry, partial entry, lock) of an identity in the reuse index."""
-    root = Path(cfg.reuse.index)
-    return root / f"{identity}.json", root / f"{identity}.partial.json", root / f"{identity}.lock"
+# ------------------------------------------------------------- the training run
+class TrainingRun:
+    """The training directory of cfg's identity, `<runs_dir>/<identity>/`."""
 
+    def __init__(self, cfg: DictConfig):
+        self.identity, self.training = training_identity(cfg)
+        self.dir = Path(cfg.runs_dir).resolve() / self.identity
+        self.ckpt = self.dir / "checkpoints" / "last.ckpt"
+        self._lock = filelock.FileLock(self.dir.parent / f"{self.identity}.lock")
 
-def read_entry(path: Path) -> dict | None:
-    """An index entry, if it is valid JSON and its checkpoint still exists."""
-    if not path.is_file():
-        return None
-    try:
-        entry = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        log.warning("index: %s is not valid JSON; ignoring it", path)
-        return None
-    if not Path(entry.get("checkpoint", "")).is_file():
-        if path.name.endswith(".partial.json"):
-            # Killed before its first checkpoint: the checkpoint it had resumed from, if any.
-            fallback = entry.get("resumed_from")
-            return {**entry, "checkpoint": fallback} if fallback and Path(fallback).is_file() else None
-        log.warning("reuse: %s points at a missing checkpoint %s; training again", path, entry.get("checkpoint"))
-        return None
-    return entry
-
-
-def _entry(identity: str, run_dir: Path) -> dict:
-    """What every index entry holds: the identity, its run dir and that dir's checkpoint."""
-    return {"identity": identity, "run_dir": str(run_dir.resolve()),
-            "checkpoint": str((run_dir / "checkpoints" / "last.ckpt").resolve())}
-
-
-def register_partial(path: Path, identity: str, run_dir: Path, resumed_from: Path | None = None) -> None:
-    """Record that run_dir has started training this identity. Its own checkpoint comes
-    later; until then the checkpoint it resumed from stands in, so a run killed before
-    its first checkpoint loses nothing an earlier run had saved."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, {**_entry(identity, run_dir),
-                      "resumed_from": None if resumed_from is None else str(Path(resumed_from).resolve()),
-                      "pid": os.getpid(), "host": socket.gethostname()})
-
-
-def register_trained(index: Path, identity: str, run_dir: Path, metrics: dict) -> None:
-    """Record a finished training run (`reuse.index/<identity>.json`); drop its partial entry."""
-    index.parent.mkdir(parents=True, exist_ok=True)
-    write_json(index, {**_entry(identity, run_dir),
-                       "training": {k: metrics[k] for k in TRAINING_METRICS if k in metrics}})
-    with contextlib.suppress(FileNotFoundError):
-        (index.parent / f"{identity}.partial.json").unlink()
-
-
-class FileLock:
-    """An exclusive flock on a file: `<index>/<identity>.lock` (one process at a time
-    trains an identity) or `<run_dir>/.lock` (one process at a time writes a run dir).
-    `acquire()` blocks, with a log line naming the holder, while another process has it;
-    `acquire(wait=False)` raises BlockingIOError naming the holder instead. `release` is
-    idempotent. path None: a no-op lock."""
-
-    def __init__(self, path: Path | None):
-        self.path, self._f = path, None
-
-    def acquire(self, wait: bool = True) -> None:
-        if self.path is None:
-            return
+    @contextlib.contextmanager
+    def locked(self):
+        """Hold the identity lock; a second process of this identity waits here, with a
+        log line, and afterwards finds the run finished (reuse) or resumable."""
+        self.dir.parent.mkdir(parents=True, exist_ok=True)
         try:
-            import fcntl
-        except ImportError:  # not POSIX: no cross-process lock; reuse still works sequentially
-            return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        f = open(self.path, "a+")  # noqa: SIM115 (held open for as long as the lock)
+            self._lock.acquire(timeout=0)
+        except filelock.Timeout:
+            log.info("identity lock: %s is held by another process; waiting for it (then its result is reused)",
+                     self._lock.lock_file)
+            self._lock.acquire()
         try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            f.seek(0)
-            holder = f.read().strip() or "another process"
-            if not wait:
-                f.close()
-                raise BlockingIOError(f"{self.path} is held by {holder}") from None
-            log.info("identity lock: %s is held by %s; waiting for it (then its result is reused)", self.path, holder)
-            fcntl.flock(f, fcntl.LOCK_EX)
-        except OSError as e:  # a filesystem without flock (Lustre without -o flock, some NFS)
-            f.close()
-            log.warning("lock: cannot lock %s (%s); going on without it", self.path, e)
+            yield self
+        finally:
+            self._lock.release()
+
+    def trained(self) -> dict | None:
+        """The training metrics of a finished run (trained.json, and its checkpoint), else None."""
+        f = self.dir / "trained.json"
+        if not f.is_file():
+            return None
+        if not self.ckpt.is_file():
+            raise FileNotFoundError(f"runs_dir: {self.dir} holds trained.json but no checkpoints/last.ckpt; "
+                                    "delete the directory to train it again")
+        return json.loads(f.read_text())
+
+    def finish(self, metrics: dict) -> None:
+        """Training finished: from now on this identity is reused."""
+        write_json(self.dir / "trained.json", {k: metrics[k] for k in TRAINING_METRICS if k in metrics})
+
+    def resume_step(self, max_steps: int) -> int | None:
+        """The step of the checkpoint a run continues from, None to start fresh. The
+        checkpoint is refused (one line) if it is unreadable, past trainer.max_steps, or
+        was saved under a different training config. One at max_steps is accepted: its run
+        was killed after training and before it finished (validation, evaluation)."""
+        if not self.ckpt.is_file():
+            return None
+        where = f"runs_dir: {self.ckpt}"
+        try:
+            c = torch.load(self.ckpt, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # truncated, not a checkpoint, or carries objects weights_only refuses
+            raise ValueError(f"{where} is not a readable recdepth checkpoint ({type(e).__name__}: "
+                             f"{(str(e).splitlines() or [''])[0][:160]}); move it away to train again") from e
+        if not isinstance(c, dict) or "global_step" not in c or "training_config" not in c:
+            raise ValueError(f"{where} is not a recdepth training checkpoint; move it away to train again")
+        diff = config_diff(what_trains(c["training_config"]), self.training)
+        if diff:
+            raise ValueError(f"{where} was saved under a different training config ({'; '.join(diff)}); "
+                             "move it away to train again")
+        step = int(c["global_step"])
+        if step > max_steps:
+            raise ValueError(f"{where} is at step {step}, past trainer.max_steps={max_steps}")
+        return step
+
+    def rewind(self, step: int | None) -> list[dict]:
+        """Before (re)starting at `step` (None: from scratch): drop the diagnostics written
+        after it, and return the curves up to it (csv/metrics.csv, which the CSV logger
+        starts afresh; they are logged again first). Training is deterministic, so what a
+        killed run wrote past its checkpoint comes back identical."""
+        last = -1 if step is None else step
+        for f in self.dir.glob("diagnostics/step_*.json"):
+            if int(f.stem.split("_")[1]) > last:
+                f.unlink()
+        f = self.dir / "csv" / "metrics.csv"
+        if step is None or not f.is_file():
+            return []
+        with open(f, newline="") as fh:
+            return [{k: int(v) if k in ("step", "epoch") else float(v) for k, v in row.items() if v != ""}
+                    for row in csv.DictReader(fh) if row.get("step", "") != "" and int(row["step"]) <= step]
+
+    def link(self, job_dir: Path) -> None:
+        """`<job_dir>/train` -> this training directory (where its checkpoint, curves and
+        diagnostics are). Best effort: a filesystem without symlinks still has metrics.json's
+        `train_dir`."""
+        link = job_dir / "train"
+        if link.is_symlink() or link.exists():
             return
-        f.seek(0)
-        f.truncate()
-        f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
-        f.flush()
-        self._f = f
-
-    def release(self) -> None:
-        if self._f is not None:
-            import fcntl
-
-            fcntl.flock(self._f, fcntl.LOCK_UN)
-            self._f.close()
-            self._f = None
+        with contextlib.suppress(OSError):
+            link.symlink_to(self.dir, target_is_directory=True)
 
 
-# -------------------------------------------------------------------- resume
-def find_resume(cfg: DictConfig, run_dir: Path, partial: Path | None) -> Path | None:
-    """The checkpoint this run continues from, per `ckpt_path` (see the module docstring)."""
-    want = cfg.get("ckpt_path", "auto")
-    if want is None or str(want).lower() in ("null", "none"):
-        return None
-    if str(want) not in ("auto", "last"):
-        p = Path(str(want))
-        if not p.is_file():
-            raise FileNotFoundError(f"ckpt_path: no checkpoint file at {p}")
-        return p
-    here = run_dir / "checkpoints" / "last.ckpt"
-    if here.is_file():
-        return here
-    entry = read_entry(partial) if partial is not None else None
-    if entry is not None:
-        return Path(entry["checkpoint"])
-    if want == "last":
-        where = f" and no interrupted run of this training identity in {partial.parent}" if partial else ""
-        raise FileNotFoundError(f"ckpt_path=last: no checkpoint at {here}{where}")
-    return None
-
-
-def check_resumable(ckpt: Path, training: dict, max_steps: int) -> int:
-    """Refuse (one line) a checkpoint that is unreadable, past trainer.max_steps, or was
-    saved under a different training config; return its global step. A checkpoint at
-    max_steps is accepted: its run was killed after training and before it finished
-    (validation, evaluation), and resuming it does just that."""
+@contextlib.contextmanager
+def job_dir_lock(job_dir: Path):
+    """Hold `<job_dir>/.lock`: two launches in the same second share Hydra's timestamped
+    run dir; the second is refused rather than writing over the first."""
+    lock = filelock.FileLock(job_dir / ".lock")
     try:
-        c = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)
-    except Exception as e:  # truncated, not a checkpoint, or carries objects weights_only refuses
-        raise ValueError(f"ckpt_path: {ckpt} is not a readable recdepth checkpoint "
-                         f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})") from e
-    if not isinstance(c, dict) or "global_step" not in c or "state_dict" not in c:
-        raise ValueError(f"ckpt_path: {ckpt} is not a Lightning checkpoint (no global_step / state_dict)")
-    saved, now = c.get("training_config"), training
-    if saved is not None:
-        saved = what_trains(saved)
-    if saved is None:  # not written by recdepth.train: at least the model's shape must match
-        shape = training["model_shape"]
-        hp = (c.get("hyper_parameters") or {}).get("model") or {}
-        saved = {"model": {k: hp.get(k) for k in shape}}
-        now = {"model": shape}
-    diff = config_diff(saved, now)
-    if diff:
-        raise ValueError(f"ckpt_path: {ckpt} was saved under a different training config ({'; '.join(diff)}); "
-                         "resume with the config it was saved with, or set ckpt_path=null to start fresh")
-    step = int(c["global_step"])
-    if step > max_steps:
-        raise ValueError(f"ckpt_path: {ckpt} is at step {step}, past trainer.max_steps={max_steps}; "
-                         "nothing to resume (set ckpt_path=null to train again)")
-    return step
-
-
-def run_dir_of(ckpt: Path) -> Path | None:
-    """The run dir a checkpoint was saved in (`<run_dir>/checkpoints/x.ckpt`), if any."""
-    ckpt = ckpt.resolve()
-    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
-
-
-def carry_over(ckpt: Path, step: int, run_dir: Path) -> None:
-    """Continuing another directory's run here: bring its loop diagnostics and training
-    curves up to the checkpoint's step, so this run dir reads as one uninterrupted run.
-    The old directory is left as it was."""
-    old = run_dir_of(ckpt)
-    if old is None or old == run_dir.resolve():
-        return  # a checkpoint file outside any run dir, or in place: nothing to bring
-    n = 0
-    for f in sorted(old.glob("diagnostics/step_*.json")):
-        if int(f.stem.split("_")[1]) <= step:
-            (run_dir / "diagnostics").mkdir(parents=True, exist_ok=True)
-            shutil.copy2(f, run_dir / "diagnostics" / f.name)
-            n += 1
-    log.info("resume: continuing %s (step %d) in %s; carried over %d diagnostics files", old, step, run_dir, n)
-
-
-def earlier_curves(ckpt: Path, step: int) -> list[dict]:
-    """The rows of the resumed run's csv/metrics.csv up to the checkpoint's step (the CSV
-    logger starts its file afresh; these are written back into it first)."""
-    old = run_dir_of(ckpt)
-    f = None if old is None else old / "csv" / "metrics.csv"
-    if f is None or not f.is_file():
-        return []
-    rows = []
-    with open(f, newline="") as fh:
-        for row in csv.DictReader(fh):
-            if row.get("step", "") != "" and int(row["step"]) <= step:
-                rows.append({k: int(v) if k in ("step", "epoch") else float(v) for k, v in row.items() if v != ""})
-    return rows
-
-
-def same_training(run_dir: Path, identity: str) -> bool:
-    """Whether run_dir's config.yaml (written by the run that used it) has this training identity."""
+        lock.acquire(timeout=0)
+    except filelock.Timeout:
+        raise FileExistsError(f"run_dir: {job_dir} is in use by another recdepth run; choose a new run_dir") from None
     try:
-        return training_identity(OmegaConf.load(run_dir / "config.yaml"))[0] == identity
-    except Exception:  # no config.yaml, or one from another version of the config
-        return False
-
-
-def registered(finished: Path | None, identity: str, run_dir: Path, metrics: dict, lock: FileLock) -> None:
-    """Training finished: record it in the index and let the next process of this identity in."""
-    if finished is not None:
-        register_trained(finished, identity, run_dir, metrics)
-    lock.release()
+        yield
+    finally:
+        lock.release()

@@ -476,15 +476,13 @@ def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:
     w = OmegaConf.select(config, "logger.wandb")
     if w is None:
         return
-    from recdepth.config import wandb_mode
+    from recdepth.config import wandb_init
 
-    mode = wandb_mode(w.mode)
-    if mode == "disabled":
+    run = wandb_init(w, sweep_dir, f"sweep-{sweep_dir.name}", job_type="sweep-summary")
+    if run is None:
         return
     import wandb
 
-    run = wandb.init(project=w.project, entity=w.entity, dir=str(sweep_dir), mode=mode,
-                     name=f"sweep-{sweep_dir.name}", job_type="sweep-summary", reinit=True)
     try:  # the run is finished whatever happens while logging
         cols = [c for c in COLUMNS if c != "applications_per_token"]
         table = wandb.Table(columns=cols + ["applications_per_token"],

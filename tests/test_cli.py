@@ -27,8 +27,12 @@ def run(args, cwd, env, check=True):
 def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     # Run from an unrelated working directory: conf/ must be found from the package.
     run(["model=grouped", "exit=accel", "exit.tau=1e-2", *TINY], cwd=tmp_path, env=env)
-    (run_dir,) = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.json")]
-    m = json.loads((run_dir / "metrics.json").read_text())
+    (job_dir,) = [p.parent for p in (tmp_path / "outputs").glob("*/*/metrics.json")]
+    m = json.loads((job_dir / "metrics.json").read_text())
+    # The training run lives in outputs/runs/<identity>, linked from the job dir as train/.
+    run_dir = Path(m["train_dir"])
+    assert run_dir == tmp_path / "outputs" / "runs" / m["identity"] and (job_dir / "train").resolve() == run_dir
+    assert json.loads((run_dir / "trained.json").read_text())["val_ce"] == m["val_ce"]
     for key in ("val_ce", "val_ppl", "unigram_ce", "train_seconds", "tokens_seen"):
         assert isinstance(m[key], float | int), key
     assert m["tokens_seen"] == 3 * 2 * 128
@@ -38,8 +42,9 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     assert len(ev["applications_per_token"]) == 3
     assert all(3 <= a <= 32 for a in ev["applications_per_token"])  # accel exits at n >= 3
     assert (run_dir / "checkpoints" / "last.ckpt").is_file()
-    cfg = (run_dir / "config.yaml").read_text()
+    cfg = (job_dir / "config.yaml").read_text()
     assert "groups:" in cfg and "${" not in cfg  # resolved
+    assert (job_dir / "eval_tokens.csv").is_file()
     assert (run_dir / "csv" / "metrics.csv").is_file()
     # The checkpoint loads back, with the map from the compact vocabulary to GPT-2 ids.
     from recdepth.lit import LoopedLM
@@ -58,9 +63,10 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
 def test_run_writes_loop_diagnostics_and_figures(tmp_path, env):
     """Diagnostics at step 0, at every checkpoint and at the end; the four figures; and
     `python -m recdepth.figures` redraws them from the JSON alone."""
-    rd = tmp_path / "run"
-    run(["model=grouped", "exit=accel", f"run_dir={rd}", *TINY, "trainer.max_steps=4",
+    run(["model=grouped", "exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, "trainer.max_steps=4",
          "trainer.checkpoint_every=2"], cwd=tmp_path, env=env)
+    m = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    rd = Path(m["train_dir"])
     steps = sorted(int(p.stem[5:]) for p in (rd / "diagnostics").glob("step_*.json"))
     assert steps == [0, 2, 4]
     d = json.loads((rd / "diagnostics" / "step_4.json").read_text())
@@ -70,7 +76,6 @@ def test_run_writes_loop_diagnostics_and_figures(tmp_path, env):
     figs = {p.name for p in (rd / "figures").iterdir()}
     assert figs == {f"{f}.{x}" for f in ("fig1_pca", "fig2_dlr", "fig3_loop_dynamics", "fig5_cosines")
                     for x in ("png", "pdf")}
-    m = json.loads((rd / "metrics.json").read_text())
     assert 0 < m["diagnostics_seconds"] < m["train_seconds"]
     only = tmp_path / "only_json"
     (only / "diagnostics").mkdir(parents=True)
@@ -93,8 +98,9 @@ def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
         taus[job] = m["eval"]["tau"]
     assert taus == {"0": 1e-4, "1": 1e-2}
     # Trained once (job 0), evaluated twice.
-    assert (sweep / "0" / "checkpoints" / "last.ckpt").is_file()
-    assert json.loads((sweep / "1" / "metrics.json").read_text())["trained_run"] == str(sweep / "0")
+    a, b = (json.loads((sweep / j / "metrics.json").read_text()) for j in ("0", "1"))
+    assert a["train_dir"] == b["train_dir"] and (Path(a["train_dir"]) / "checkpoints" / "last.ckpt").is_file()
+    assert "reused" not in a and b["reused"] is True
 
 
 def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
@@ -114,17 +120,16 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
     assert (sweep / "fig4_exits.png").is_file() and (sweep / "fig4_exits.pdf").is_file()
     md = (sweep / "sweep_results.md").read_text()
     assert md.count("\n") == 2 + 4 and "failed: " in md
-    # Trained once: one index entry, pointing at job 0; job 2 says it reused it.
-    (entry,) = (tmp_path / "outputs" / "trained").glob("*.json")
-    e = json.loads(entry.read_text())
-    assert e["run_dir"] == str(sweep / "0") and not (sweep / "2" / "checkpoints").exists()
+    # Trained once: one training dir; job 2 says it reused it.
+    (train_dir,) = [d for d in (tmp_path / "outputs" / "runs").iterdir() if d.is_dir()]
+    e = json.loads((train_dir / "trained.json").read_text())
     m2 = json.loads((sweep / "2" / "metrics.json").read_text())
-    assert m2["reused"] is True and m2["trained_run"] == str(sweep / "0") and m2["val_ce"] == e["training"]["val_ce"]
+    assert m2["reused"] is True and m2["train_dir"] == str(train_dir) and m2["val_ce"] == e["val_ce"]
     assert "reuse: training identity" in p.stderr + p.stdout
 
     # `recdepth.evaluate` on that checkpoint reproduces the training run's eval block.
     ev_sweep = tmp_path / "ev"
-    run_eval = [sys.executable, "-m", "recdepth.evaluate", f"ckpt={sweep / '0' / 'checkpoints' / 'last.ckpt'}",
+    run_eval = [sys.executable, "-m", "recdepth.evaluate", f"ckpt={sweep / '0' / 'train' / 'checkpoints' / 'last.ckpt'}",
                 "eval.tokens=6", "eval.warmup_tokens=1", f"hydra.sweep.dir={ev_sweep}", "--multirun",
                 "exit=accel,stepnorm", "exit.tau=1e-2"]
     q = subprocess.run(run_eval, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -182,7 +187,7 @@ def test_other_models_train(tmp_path, env, model, n_groups):
     # Loop diagnostics: on for recurrent models, absent for the baseline.
     cfg = (tmp_path / "run" / "config.yaml").read_text()
     assert ("loop_dynamics:" in cfg) == (n_groups > 0)
-    assert (tmp_path / "run" / "diagnostics").is_dir() == (n_groups > 0)
+    assert (tmp_path / "run" / "train" / "diagnostics").is_dir() == (n_groups > 0)
 
 
 def test_groups_override_on_the_command_line(tmp_path, env):
@@ -214,7 +219,6 @@ def test_groups_override_on_the_command_line(tmp_path, env):
     ("trainer.strategy=fsdp", "trainer.strategy: expected one of auto, ddp, got 'fsdp'"),
     ("trainer.devices=2", "trainer.devices: 2 processes need trainer.strategy=ddp (trainer=ddp)"),
     ("trainer=ddp trainer.num_nodes=2", "trainer.num_nodes: recdepth runs on one node (got 2)"),
-    ("ckpt_path=/nonexistent/last.ckpt", "ckpt_path: no checkpoint file at /nonexistent/last.ckpt"),
 ])
 def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, monkeypatch, override, message):
     """The bad-input matrix, in-process: compose the config as the CLI does (Hydra's
@@ -232,7 +236,7 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, monkeypatch, o
     with pytest.raises(Exception) as e:
         train(cfg)
     assert message in str(e.value) and "\n" not in str(e.value)
-    assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
+    assert not list(tmp_path.glob("outputs/runs/*/checkpoints"))  # failed before any training
 
 
 @pytest.mark.parametrize("override, message", [
@@ -245,7 +249,7 @@ def test_bad_input_on_the_command_line(tmp_path, env, override, message):
             check=False)
     assert p.returncode != 0
     assert message in p.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()  # failed before any work
+    assert not list(tmp_path.glob("outputs/runs/*/checkpoints"))  # failed before any training
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: trainer=gpu is valid")
@@ -253,7 +257,7 @@ def test_trainer_gpu_without_a_gpu_fails_fast(tmp_path, env):
     p = run(["trainer=gpu", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env, check=False)
     assert p.returncode != 0
     assert "trainer.accelerator: gpu asked for, but torch" in p.stderr and "sees no CUDA device" in p.stderr
-    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert not list(tmp_path.glob("outputs/runs/*/checkpoints"))
 
 
 def test_a_diverging_run_stops_with_a_clear_message(tmp_path, env):
@@ -276,16 +280,12 @@ def test_existing_results_are_not_overwritten(tmp_path, env):
 
 def test_a_run_dir_in_use_is_refused(tmp_path, env):
     """Two runs started in the same second share a Hydra run dir: the second is refused."""
-    from recdepth.runs import FileLock
+    from filelock import FileLock
 
     rd = tmp_path / "run"
     rd.mkdir()
-    held = FileLock(rd / ".lock")
-    held.acquire()
-    try:
+    with FileLock(rd / ".lock"):
         p = run([f"run_dir={rd}", *TINY], cwd=tmp_path, env=env, check=False)
-    finally:
-        held.release()
     assert p.returncode != 0 and f"run_dir: {rd} is in use by another recdepth run" in p.stderr
     assert not (rd / "config.yaml").exists()
 
@@ -295,8 +295,9 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     e.pop("WANDB_MODE")
     e["WANDB_API_KEY"] = "x" * 40
     e["WANDB_BASE_URL"] = "http://127.0.0.1:9"  # nothing listens: `auto` must go offline
-    run(["logger=wandb", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=e)
-    (wb,) = (tmp_path / "run" / "wandb").glob("offline-run-*")
+    p = run(["logger=wandb", "logger.wandb.init_timeout=2", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=e)
+    assert "wandb: no answer from the server" in p.stdout + p.stderr and "wandb: offline mode" in p.stdout + p.stderr
+    (wb,) = (tmp_path / "run" / "train" / "wandb").glob("offline-run-*")
     assert (tmp_path / "run" / "metrics.json").is_file()
     # Loop dynamics on the dashboard: the PCA image and per-k / DLR curves at steps 0 and 3.
     media = wb / "files" / "media"
@@ -304,7 +305,7 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     assert len(list(media.glob("table/loop_dynamics/step_norm_g5-6_table_*.table.json"))) == 2
     *_, last = sorted(media.glob("table/loop_dynamics/dlr_table_*.table.json"), key=lambda p: int(p.name.split("_")[2]))
     t = json.loads(last.read_text())
-    d0 = json.loads((tmp_path / "run" / "diagnostics" / "step_0.json").read_text())
+    d0 = json.loads((tmp_path / "run" / "train" / "diagnostics" / "step_0.json").read_text())
     assert [0, "4→5-6", d0["dlr"][0]["mean"]] in t["data"] and {r[0] for r in t["data"]} == {0, 3}
 
 
@@ -358,7 +359,7 @@ def test_paper_size_runs_on_cpu(tmp_path, env):
     cfg = (rd / "config.yaml").read_text()
     assert "size: paper" in cfg
     # Loop diagnostics at 30 loops on 4 x 512 tokens, one row per capture (the memory bound).
-    d = json.loads((rd / "diagnostics" / "step_2.json").read_text())
+    d = json.loads((rd / "train" / "diagnostics" / "step_2.json").read_text())
     assert d["batch"] == {"sequences": 4, "seq_len": 512, "tokens": 2048, "rows_per_pass": 1}
 
 
@@ -370,12 +371,12 @@ def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle
 
     import numpy as np
 
-    rd = tmp_path / "train"
+    rd = tmp_path / "job"
     run([f"run_dir={rd}", "callbacks=none", *TINY], cwd=tmp_path, env=env)
     sweep = tmp_path / "frontier"
     q = subprocess.run(
         [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier",
-         f"ckpt={rd / 'checkpoints' / 'last.ckpt'}", f"hydra.sweep.dir={sweep}", "eval.tokens=40",
+         f"ckpt={rd / 'train' / 'checkpoints' / 'last.ckpt'}", f"hydra.sweep.dir={sweep}", "eval.tokens=40",
          "eval.latency_tokens=4", "eval.repeats=2", "eval.warmup_tokens=1", "hydra.sweeper.fixed=[1,2,4]",
          "hydra.sweeper.rules.accel=[0.5]",
          "hydra.sweeper.rules.stepnorm=[1.0]", "hydra.sweeper.rules.kl=[]", "hydra.sweeper.oracle=[0.01]",

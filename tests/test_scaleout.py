@@ -25,7 +25,7 @@ def test_ddp_on_two_cpu_processes_trains_as_one_process_with_the_whole_batch(tmp
     assert "Starting with 2 processes" in p.stdout + p.stderr
     run(["batch_size=4", *common, f"run_dir={tmp_path / 'one'}"], cwd=tmp_path, env=env)
     # One set of outputs: one Hydra run dir, no per-rank directory or Hydra files.
-    runs = [d for d in ddp_cwd.glob("outputs/*/*") if d.parent.name != "trained"]
+    runs = [d for d in ddp_cwd.glob("outputs/*/*") if d.parent.name != "runs"]
     assert len(runs) == 1, runs
     rd = runs[0]
     assert not [f for f in rd.rglob("*") if "rank" in f.name]
@@ -35,7 +35,7 @@ def test_ddp_on_two_cpu_processes_trains_as_one_process_with_the_whole_batch(tmp
     b = json.loads((tmp_path / "one" / "metrics.json").read_text())
     assert a["tokens_seen"] == b["tokens_seen"] == 6 * 4 * 128
     assert a["val_ce"] == pytest.approx(b["val_ce"], abs=1e-5)
-    assert steps_of(rd) == [0, 3, 6] and len(list(rd.glob("checkpoints/*.ckpt"))) == 1
+    assert steps_of(rd / "train") == [0, 3, 6] and len(list(rd.glob("train/checkpoints/*.ckpt"))) == 1
 
 
 
@@ -61,7 +61,7 @@ def test_parallel_sweep_jobs_of_one_identity_train_once(tmp_path, env):
     assert sorted(r["reused"] for r in rows) == ["False", "True"]
     waited = [j for j in ("0", "1") if "identity lock" in (sweep / j / "train.log").read_text()]
     assert waited and all(json.loads((sweep / j / "metrics.json").read_text())["reused"] for j in waited)
-    assert len(list(tmp_path.glob("outputs/trained/*.json"))) == 1
+    assert len(list(tmp_path.glob("outputs/runs/*/trained.json"))) == 1
 
 
 @pytest.mark.parametrize("launcher", ["slurm", "submitit_slurm"])
@@ -107,12 +107,13 @@ def test_compiled_blocks_train_like_eager_ones(tmp_path, env):
     their parameter names, the exit evaluation runs."""
     import torch
 
-    args = [*TINY, "callbacks=none", "reuse.enabled=false"]
-    run([*args, f"run_dir={tmp_path / 'eager'}"], cwd=tmp_path, env=env)
-    run([*args, "trainer.compile=true", f"run_dir={tmp_path / 'compiled'}"], cwd=tmp_path, env=env)
+    args = [*TINY, "callbacks=none"]  # compile is not part of the identity: two runs_dirs train twice
+    run([*args, f"run_dir={tmp_path / 'eager'}", f"runs_dir={tmp_path / 'runs_eager'}"], cwd=tmp_path, env=env)
+    run([*args, "trainer.compile=true", f"run_dir={tmp_path / 'compiled'}", f"runs_dir={tmp_path / 'runs_compiled'}"],
+        cwd=tmp_path, env=env)
     a = json.loads((tmp_path / "eager" / "metrics.json").read_text())
     b = json.loads((tmp_path / "compiled" / "metrics.json").read_text())
     assert b["val_ce"] == pytest.approx(a["val_ce"], abs=1e-4)
     assert b["eval"]["ce"] == pytest.approx(a["eval"]["ce"], abs=1e-4)
-    keys = lambda d: set(torch.load(tmp_path / d / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])  # noqa: E731
+    keys = lambda d: set(torch.load(tmp_path / d / "train" / "checkpoints" / "last.ckpt", weights_only=True)["state_dict"])  # noqa: E731
     assert keys("compiled") == keys("eager")
