@@ -22,7 +22,7 @@ Glue: Lightning, Hydra config, data, files, figures
   callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
   plots.py        the paper's Figs. 1, 2, 3, 5 drawn from diagnostics records
   config.py       where conf/ is, the run config's checks, the objects built from it
-  runs.py         run bookkeeping: training identity, reuse index, identity lock, resume
+  runs.py         run bookkeeping: training identity, the training dir it names, locks, resume
   distributed.py  DDP ranks started by rank 0 (`python -m recdepth.train --ddp-rank`)
 
 Entry points: what a user runs

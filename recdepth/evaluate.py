@@ -1,7 +1,7 @@
 """`python -m recdepth.evaluate ckpt=<path> exit=accel exit.tau=1e-3`: score a trained checkpoint
 under an exit rule, token by token with a KV cache (SPEC §4), without training anything.
 
-    python -m recdepth.evaluate ckpt=outputs/2026-11-22/10-00-00/checkpoints/last.ckpt exit=kl
+    python -m recdepth.evaluate ckpt=outputs/2026-11-22/10-00-00/train/checkpoints/last.ckpt exit=kl
     python -m recdepth.evaluate ckpt=<path> --multirun exit=fixed,stepnorm,kl,accel exit.tau=1e-5,1e-4,1e-3,1e-2
 
 The held-out text is the checkpoint's own val split: the data config and the compact
@@ -101,7 +101,7 @@ def evaluate(cfg: DictConfig) -> dict:
     except Exception:
         raise ValueError("run_dir: set run_dir=<directory> when calling evaluate(cfg) outside Hydra") from None
     if OmegaConf.is_missing(cfg, "ckpt"):
-        raise ValueError("ckpt: required, the path of a training checkpoint (e.g. <run_dir>/checkpoints/last.ckpt)")
+        raise ValueError("ckpt: required, the path of a training checkpoint (e.g. <run_dir>/train/checkpoints/last.ckpt)")
     policy = exit_policy(cfg)
     validate_eval(cfg.eval)
     if cfg.eval.tokens < 1:
