@@ -84,14 +84,13 @@ class LoopDynamics(L.Callback):
         self.history: list[dict] = []  # every diagnostics dict of this fit, oldest first
         self.seconds = 0.0  # wall time spent in this callback (diagnostics, logging, figures)
         self._last_step: int | None = None
-        # True when train() restarts this very run from step 0 (stopped before its first
-        # checkpoint): the files it wrote are the ones it would write again.
-        self.keep_existing = False
 
     # ------------------------------------------------------------------ hooks
     def on_train_start(self, trainer, pl_module):
         existing = diagnostics.diagnostics_files(self.run_dir)
-        if existing and trainer.global_step == 0 and not self.keep_existing:  # a fresh run must not mix with an old one
+        # A fresh run must not mix with an old one (recdepth.train clears what a restarted
+        # run wrote itself: runs.TrainingRun.rewind).
+        if existing and trainer.global_step == 0:
             raise FileExistsError(f"run_dir: {self.run_dir} already holds diagnostics/step_*.json "
                                   "from another run; choose a new run_dir")
         self.history = diagnostics.load_diagnostics(self.run_dir) if existing else []
