@@ -21,9 +21,11 @@ Glue: Lightning, Hydra config, data, files, figures
   lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
   callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
   plots.py        the paper's Figs. 1, 2, 3, 5 drawn from diagnostics records
-  config.py       where conf/ is, the run config's checks, the objects built from it
-  runs.py         run bookkeeping: training identity, the training dir it names, locks, resume
   distributed.py  DDP ranks started by rank 0 (`python -m recdepth.train --ddp-rank`)
+  schema.py       the config schema: one dataclass per conf/ group, every key typed,
+                  documented and range-checked; `validated(cfg)` checks a run's config
+  runs.py         run bookkeeping: training identity, the training dir it names, locks, resume
+  config.py       where conf/ is, and the objects built from the validated config
 
 Entry points: what a user runs
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)

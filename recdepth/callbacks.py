@@ -36,6 +36,23 @@ from recdepth import diagnostics
 log = logging.getLogger("recdepth.callbacks")
 
 
+def check_args(every_n_steps: int, loops: int, pca_sequence: int, rows: int, pca_tokens: int,
+               max_state_bytes: int) -> None:
+    """LoopDynamics' settings for a batch of `rows` sequences, checked with one line naming
+    the field each (the run config's schema, recdepth/schema.py, checks
+    `callbacks.loop_dynamics` with it)."""
+    checks = [
+        (every_n_steps >= 1, "every_n_steps", f">= 1, got {every_n_steps}"),
+        (loops >= 3, "loops", f">= 3 (two steps make one cosine), got {loops}"),
+        (0 <= pca_sequence < rows, "pca_sequence", f"a row of the batch (0..{rows - 1}), got {pca_sequence}"),
+        (pca_tokens >= 1, "pca_tokens", f">= 1, got {pca_tokens}"),
+        (max_state_bytes >= 1, "max_state_bytes", f">= 1, got {max_state_bytes}"),
+    ]
+    for ok, field, expected in checks:
+        if not ok:
+            raise ValueError(f"callbacks.loop_dynamics.{field}: expected {expected}")
+
+
 class LoopDynamics(L.Callback):
     """Loop-geometry diagnostics at step 0, every `every_n_steps` steps and at the end.
 
@@ -58,19 +75,10 @@ class LoopDynamics(L.Callback):
                  max_state_bytes: int = diagnostics.DEFAULT_MAX_STATE_BYTES, seed: int = 0,
                  figures: bool = True, decode: Callable[[list[int]], str] | None = None):
         batch = torch.as_tensor(batch)
-        checks = [
-            (batch.dim() == 2 and batch.numel() > 0 and not batch.is_floating_point(), "batch",
-             f"token ids shaped [B, T], got {tuple(batch.shape)} {batch.dtype}"),
-            (every_n_steps >= 1, "every_n_steps", f">= 1, got {every_n_steps}"),
-            (loops >= 3, "loops", f">= 3 (two steps make one cosine), got {loops}"),
-            (batch.dim() == 2 and 0 <= pca_sequence < batch.shape[0], "pca_sequence",
-             f"a row of the batch (0..{batch.shape[0] - 1 if batch.dim() == 2 else '?'}), got {pca_sequence}"),
-            (pca_tokens >= 1, "pca_tokens", f">= 1, got {pca_tokens}"),
-            (max_state_bytes >= 1, "max_state_bytes", f">= 1, got {max_state_bytes}"),
-        ]
-        for ok, field, expected in checks:
-            if not ok:
-                raise ValueError(f"callbacks.loop_dynamics.{field}: expected {expected}")
+        if not (batch.dim() == 2 and batch.numel() > 0 and not batch.is_floating_point()):
+            raise ValueError(f"callbacks.loop_dynamics.batch: expected token ids shaped [B, T], "
+                             f"got {tuple(batch.shape)} {batch.dtype}")
+        check_args(every_n_steps, loops, pca_sequence, batch.shape[0], pca_tokens, max_state_bytes)
         self.batch = batch.long()
         self.run_dir = Path(run_dir)
         self.every_n_steps = int(every_n_steps)

@@ -47,8 +47,7 @@ def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "lates
     "latest" (SPEC §4, default): one entry, overwritten by every application;
     "per_step": one entry per application (at most `max_steps`), read at the same depth
     of the loop (Huginn's per-step cache; with a fixed n it equals the parallel pass)."""
-    if sharing not in SHARING:
-        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {sharing!r}")
+    check_cache(sharing)
     cfg, p = model.cfg, next(model.parameters())
     looped = {layer for g in cfg.groups for layer in g}
     shape = (batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, p.device, p.dtype)
@@ -56,15 +55,22 @@ def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "lates
             else KVCache(*shape) for layer in range(cfg.n_layer)]
 
 
-def validate_eval(e) -> None:
-    """The `eval` config block's fields (a mapping), checked before any work (one line each)."""
-    for field, lo in (("tokens", 0), ("warmup_tokens", 0), ("batch_size", 1), ("latency_tokens", 0),
-                      ("repeats", 1)):
-        v = e.get(field)
+def check_cache(sharing: str) -> None:
+    if sharing not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {sharing!r}")
+
+
+def check_settings(n_tokens: int, warmup_tokens: int = 8, batch_size: int = 1, latency_tokens: int | None = None,
+                   repeats: int = 1, cache: str = "latest") -> None:
+    """`evaluate_exit`'s settings (the run config's `eval` block), checked with one line
+    naming the field each; the run config's schema (recdepth/schema.py) checks `eval` with it."""
+    for field, v, lo in (("tokens", n_tokens, 0), ("warmup_tokens", warmup_tokens, 0), ("batch_size", batch_size, 1),
+                         ("latency_tokens", latency_tokens, 0), ("repeats", repeats, 1)):
+        if field == "latency_tokens" and v is None:
+            continue
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"eval.{field}: expected an integer >= {lo}, got {v!r}")
-    if e.get("cache") not in SHARING:
-        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {e.get('cache')!r}")
+    check_cache(cache)
 
 
 def noise_seed(seed: int, sequence: int, position: int, group: int) -> int:
@@ -258,11 +264,9 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     against the batched one: `batch_check` counts timed tokens whose applications differ
     (a criterion within rounding of τ) and the largest NLL difference.
     """
+    check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache)
     if policy.name == ORACLE:
         return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size)
-    for field, v, lo in (("eval.batch_size", batch_size, 1), ("eval.repeats", repeats, 1)):
-        if v < lo:
-            raise ValueError(f"{field}: expected an integer >= {lo}, got {v!r}")
     was_training = model.training
     model.eval()
     T = model.cfg.block_size

@@ -133,25 +133,23 @@ def teardown(trainer, failed: bool = False) -> None:
     launcher.saved_env = {}
 
 
-def strategy(trainer_cfg, run_dir: Path | None = None):
-    """The Lightning strategy of `trainer.strategy` (validated). With run_dir (the job
-    directory, where rank 0 wrote config.yaml), the DDP strategy is ready to launch."""
-    name = trainer_cfg.get("strategy", "auto")
-    if name not in STRATEGIES:
-        raise ValueError(f"trainer.strategy: expected one of {', '.join(STRATEGIES)}, got {name!r}")
-    devices = trainer_cfg.devices
-    if devices != "auto" and (isinstance(devices, bool) or not isinstance(devices, int) or devices < 1):
-        raise ValueError(f"trainer.devices: expected an integer >= 1 or auto, got {devices!r}")
-    if trainer_cfg.get("num_nodes", 1) != 1:
-        raise ValueError(f"trainer.num_nodes: recdepth runs on one node (got {trainer_cfg.num_nodes}); "
-                         "use trainer=ddp with trainer.devices=<GPUs of the node>")
-    if name == "auto":
-        if devices not in (1, "auto"):
-            raise ValueError(f"trainer.devices: {devices} processes need trainer.strategy=ddp (trainer=ddp)")
-        return "auto"
-    if os.environ.get("SLURM_NTASKS", "1") != "1" or os.environ.get("RANK", "0") != "0" and not is_worker():
+def check_launch(name: str) -> None:
+    """Whether this process may start `trainer.strategy=<name>` (the run config's schema,
+    recdepth/schema.py, checks the trainer's values; this checks how it was started)."""
+    if name == "ddp" and (os.environ.get("SLURM_NTASKS", "1") != "1"
+                          or os.environ.get("RANK", "0") != "0" and not is_worker()):
         raise ValueError("trainer.strategy: ddp starts its ranks itself; run one task per SLURM job "
                          "(hydra.launcher.tasks_per_node=1), not several, and not under torchrun")
+
+
+def strategy(trainer_cfg, run_dir: Path | None = None):
+    """The Lightning strategy of a validated `trainer` config (recdepth/schema.py). With
+    run_dir (the job directory, where rank 0 wrote config.yaml), the DDP strategy is ready
+    to launch."""
+    name = trainer_cfg.strategy
+    check_launch(name)
+    if name == "auto":
+        return "auto"
     command = None
     if run_dir is not None and not is_worker():
         command = [sys.executable, "-m", "recdepth.train", RANK_FLAG, str(Path(run_dir).resolve() / "config.yaml")]

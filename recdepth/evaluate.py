@@ -25,20 +25,20 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
 from recdepth.config import conf_dir, exit_policy
-from recdepth.decoding import evaluate_exit, validate_eval
+from recdepth.decoding import evaluate_exit
 from recdepth.exits import ExitPolicy
 from recdepth.lit import LoopedLM
 from recdepth.runs import write_json
+from recdepth.schema import validated
 from recdepth.sweep import guarded, run_hydra_main
 
 log = logging.getLogger("recdepth.evaluate")
 
 
 def resolve_device(name: str) -> torch.device:
+    """The torch device of a validated `device` (auto | cpu | cuda | cuda:<n>)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name not in ("cpu", "cuda") and not name.startswith("cuda:"):
-        raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {name!r}")
     return torch.device(name)
 
 
@@ -100,12 +100,8 @@ def evaluate(cfg: DictConfig) -> dict:
         run_dir = Path(cfg.run_dir)
     except Exception:
         raise ValueError("run_dir: set run_dir=<directory> when calling evaluate(cfg) outside Hydra") from None
-    if OmegaConf.is_missing(cfg, "ckpt"):
-        raise ValueError("ckpt: required, the path of a training checkpoint (e.g. <run_dir>/train/checkpoints/last.ckpt)")
+    validated(cfg)  # every field, before any work (recdepth/schema.py)
     policy = exit_policy(cfg)
-    validate_eval(cfg.eval)
-    if cfg.eval.tokens < 1:
-        raise ValueError(f"eval.tokens: expected >= 1, got {cfg.eval.tokens}")
     if (run_dir / "metrics.json").exists():
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
     device = resolve_device(cfg.device)

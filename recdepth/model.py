@@ -88,23 +88,14 @@ class GPTConfig:
     logits are masked to -inf so they never take probability mass."""
 
     def __post_init__(self):
-        for name in ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "pad_vocab_multiple"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"model.{name}: expected a positive integer, got {v!r}")
+        self.groups = check_architecture(self.n_layer, self.n_head, self.n_embd, self.block_size, self.groups,
+                                         self.state_init)
+        for name in ("vocab_size", "pad_vocab_multiple"):
+            _check_positive(name, getattr(self, name))
         if isinstance(self.n_other, bool) or not isinstance(self.n_other, int) or self.n_other < 0:
             raise ValueError(f"model.n_other: expected an integer >= 0, got {self.n_other!r}")
-        if self.n_embd % self.n_head:
-            raise ValueError(
-                f"model.n_embd: {self.n_embd} is not divisible by model.n_head={self.n_head}"
-            )
-        if self.state_init not in STATE_INITS:
-            raise ValueError(
-                f"model.state_init: unknown {self.state_init!r} (expected one of {', '.join(STATE_INITS)})"
-            )
         if not (isinstance(self.mean_recurrence, (int, float)) and self.mean_recurrence >= 1):
             raise ValueError(f"model.mean_recurrence: expected a number >= 1, got {self.mean_recurrence!r}")
-        self.groups = validate_groups(self.groups, self.n_layer)
 
     @property
     def other_id(self) -> int | None:
@@ -128,6 +119,26 @@ class GPTConfig:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _check_positive(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"model.{name}: expected a positive integer, got {v!r}")
+
+
+def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, groups,
+                       state_init: str) -> list[list[int]]:
+    """The fields of a GPTConfig that do not depend on the data (shape, recurrence groups,
+    initial state), checked with one line naming the field each; returns the groups as
+    lists of ints. GPTConfig checks itself with it, and the run config's schema
+    (recdepth/schema.py) checks `model` with it before any data is read."""
+    for name, v in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
+        _check_positive(name, v)
+    if n_embd % n_head:
+        raise ValueError(f"model.n_embd: {n_embd} is not divisible by model.n_head={n_head}")
+    if state_init not in STATE_INITS:
+        raise ValueError(f"model.state_init: unknown {state_init!r} (expected one of {', '.join(STATE_INITS)})")
+    return validate_groups(groups, n_layer)
 
 
 def validate_groups(groups, n_layer: int) -> list[list[int]]:

@@ -37,6 +37,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth.model import SIZES, shape_of
+from recdepth.schema import DATA_KEYS, DataConfig
 
 log = logging.getLogger("recdepth.runs")
 
@@ -66,10 +67,15 @@ def what_trains(training: dict) -> dict:
     NOT_TRAINING keys dropped; `model.name` dropped (a preset's label: `model=single` and
     `model=grouped 'model.groups=[[4,5,6,7]]'` are one network); `model.size` replaced by
     the shape it stands for (n_layer, n_head, n_embd, block_size, each explicit override
-    kept), so `model.n_embd=128` on the cpu preset is the cpu preset; and `sampler.sigma`
-    dropped under `sampler=fixed`, which never reads it. Also applied to the training
-    config a checkpoint was saved with."""
+    kept), so `model.n_embd=128` on the cpu preset is the cpu preset; `sampler.sigma`
+    dropped under `sampler=fixed`, which never reads it; and `data` reduced to the keys
+    its source reads (recdepth/schema.py: DATA_KEYS), a key missing (a config from before
+    the schema) taking the schema's default. Also applied to the training config a
+    checkpoint was saved with."""
     sub = json.loads(json.dumps(training, default=str))
+    d = sub.get("data")
+    if isinstance(d, dict) and d.get("source") in DATA_KEYS:
+        sub["data"] = {k: d.get(k, DataConfig.defaults()[k]) for k in DATA_KEYS[d["source"]]}
     for group, keys in NOT_TRAINING.items():
         for k in keys:
             (sub.get(group) or {}).pop(k, None)

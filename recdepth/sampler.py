@@ -25,6 +25,22 @@ def lognormal_poisson(mean: float, sigma: float, generator: torch.Generator) -> 
     return int(torch.poisson(tau, generator=generator).item()) + 1
 
 
+def check_args(name: str, mean: float, sigma: float, backprop_depth: int | None) -> None:
+    """A sampler's settings, checked with one line naming the field each (`LoopSampler`
+    checks itself with it; so does the run config's schema, recdepth/schema.py)."""
+    if name not in SAMPLERS:
+        raise ValueError(f"sampler.name: unknown sampler {name!r} (expected one of {', '.join(SAMPLERS)})")
+    if not (isinstance(mean, (int, float)) and math.isfinite(mean) and mean >= 1):
+        raise ValueError(f"sampler.mean: expected a number >= 1, got {mean!r}")
+    if name == "fixed" and float(mean) != int(mean):
+        raise ValueError(f"sampler.mean: the fixed sampler needs an integer loop count, got {mean!r}")
+    if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma >= 0):
+        raise ValueError(f"sampler.sigma: expected a finite number >= 0, got {sigma!r}")
+    if backprop_depth is not None and (isinstance(backprop_depth, bool) or not isinstance(backprop_depth, int)
+                                       or backprop_depth < 1):
+        raise ValueError(f"sampler.backprop_depth: expected an integer >= 1 or null, got {backprop_depth!r}")
+
+
 class LoopSampler:
     """Draws one loop count per recurrence group per forward pass.
 
@@ -36,16 +52,7 @@ class LoopSampler:
 
     def __init__(self, name: str, n_groups: int, mean: float, sigma: float = 0.5,
                  backprop_depth: int | None = 8, seed: int = 0):
-        if name not in SAMPLERS:
-            raise ValueError(f"sampler.name: unknown sampler {name!r} (expected one of {', '.join(SAMPLERS)})")
-        if not (isinstance(mean, (int, float)) and math.isfinite(mean) and mean >= 1):
-            raise ValueError(f"sampler.mean: expected a number >= 1, got {mean!r}")
-        if name == "fixed" and float(mean) != int(mean):
-            raise ValueError(f"sampler.mean: the fixed sampler needs an integer loop count, got {mean!r}")
-        if not (isinstance(sigma, (int, float)) and math.isfinite(sigma) and sigma >= 0):
-            raise ValueError(f"sampler.sigma: expected a finite number >= 0, got {sigma!r}")
-        if backprop_depth is not None and (isinstance(backprop_depth, bool) or not isinstance(backprop_depth, int) or backprop_depth < 1):
-            raise ValueError(f"sampler.backprop_depth: expected an integer >= 1 or null, got {backprop_depth!r}")
+        check_args(name, mean, sigma, backprop_depth)
         self.name, self.n_groups = name, n_groups
         self.mean, self.sigma, self.backprop_depth = float(mean), float(sigma), backprop_depth
         self.generator = torch.Generator().manual_seed(seed)

@@ -46,6 +46,7 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
+from recdepth.schema import config_error
 
 log = logging.getLogger("recdepth.sweep")
 _FAILED: list[str] = []  # jobs of this process that raised (multirun only)
@@ -108,9 +109,31 @@ def hoist_mode_flags(argv: list[str]) -> list[str]:
 
 
 def run_hydra_main(hydra_main) -> None:
-    """Call a @hydra.main function with the documented argv forms; exit 1 if a job failed."""
+    """Call a @hydra.main function with the documented argv forms; exit 1 if a job failed.
+    A config Hydra cannot compose because OmegaConf refused a value (a wrong type, a key
+    the schema does not have) exits with one line naming the field (`schema.config_error`)
+    instead of Hydra's multi-line report (HYDRA_FULL_ERROR=1 keeps Hydra's)."""
     sys.argv[1:] = hoist_mode_flags(sys.argv[1:])
-    hydra_main()
+    import hydra._internal.utils as hydra_utils  # Hydra reports composition errors in run_and_report
+
+    report = hydra_utils.run_and_report
+
+    def one_line_report(func):
+        def condensed():
+            try:
+                return func()
+            except Exception as e:
+                msg = config_error(e)
+                if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
+                    raise
+                raise SystemExit(f"error: {msg}") from None
+        return report(condensed)
+
+    hydra_utils.run_and_report = one_line_report
+    try:
+        hydra_main()
+    finally:
+        hydra_utils.run_and_report = report
     if _FAILED:
         print(f"{len(_FAILED)} job(s) failed: " + ", ".join(_FAILED), file=sys.stderr)
         sys.exit(1)

@@ -18,6 +18,7 @@ evaluate under cfg.exit. The job directory (`run_dir`) gets
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -28,24 +29,12 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth import distributed
-from recdepth.config import (
-    conf_dir,
-    data_module,
-    exit_policy,
-    finish_loggers,
-    loggers,
-    loop_dynamics_callback,
-    model_config,
-    model_shape,
-    sampler_args,
-    validate_run,
-)
+from recdepth import config, distributed
 from recdepth.evaluate import evaluate_trained
 from recdepth.lit import LoopedLM, TrainingDiverged
 from recdepth.runs import TrainingRun, job_dir_lock, write_json
 from recdepth.runtime import tune_cpu_allocator
-from recdepth.sampler import LoopSampler
+from recdepth.schema import TrainConfig, validated
 from recdepth.sweep import guarded, run_hydra_main
 
 log = logging.getLogger("recdepth.train")
@@ -58,15 +47,12 @@ def train(cfg: DictConfig) -> dict:
         job_dir = Path(cfg.run_dir)
     except Exception:  # ${hydra:...} does not resolve outside a Hydra run
         raise ValueError("run_dir: set run_dir=<directory> when calling train(cfg) outside Hydra") from None
-    validate_run(cfg)  # everything that can be checked before any work
-    policy = exit_policy(cfg)
-    shape = model_config(cfg, vocab_size=50257)
-    LoopSampler(n_groups=len(shape.groups), **sampler_args(cfg))
-    distributed.strategy(cfg.trainer)
+    typed = validated(cfg)  # every field, before any work (recdepth/schema.py)
+    policy = config.exit_policy(typed)
     run = TrainingRun(cfg)
-    run.training["model_shape"] = model_shape(shape)  # saved in the checkpoint, checked on resume
     if distributed.is_worker():  # a DDP rank > 0: rank 0 decided everything and writes everything
-        return fit(cfg, run, job_dir, run.resume_step(cfg.trainer.max_steps), loggers(cfg, run.dir, job_dir.name))
+        return fit(typed, run, job_dir, run.resume_step(typed.trainer.max_steps),
+                   config.loggers(cfg, run.dir, job_dir.name))
     if (job_dir / "metrics.json").exists():
         raise FileExistsError(f"run_dir: {job_dir} already holds metrics.json; choose a new run_dir")
     job_dir.mkdir(parents=True, exist_ok=True)
@@ -82,34 +68,33 @@ def train(cfg: DictConfig) -> dict:
                              run.identity, run.dir)
                     metrics = {**metrics, "reused": True, "model": cfg.model.name}
                 else:
-                    lg = loggers(cfg, run.dir, name=job_dir.name)
-                    metrics = fit(cfg, run, job_dir, run.resume_step(cfg.trainer.max_steps), lg)
+                    lg = config.loggers(cfg, run.dir, name=job_dir.name)
+                    metrics = fit(typed, run, job_dir, run.resume_step(typed.trainer.max_steps), lg)
             metrics["train_dir"] = str(run.dir)
             if cfg.eval.tokens > 0:  # outside the identity lock: jobs of one identity evaluate side by side
                 metrics["eval"] = evaluate_trained(run.ckpt, cfg, policy, job_dir)
             write_json(job_dir / "metrics.json", metrics)
-            finish_loggers(lg, metrics, step=metrics["steps"])
+            config.finish_loggers(lg, metrics, step=metrics["steps"])
     finally:
-        finish_loggers(lg)
+        config.finish_loggers(lg)
     log.info("val_ce %.4f (unigram %.4f), run dir %s, training dir %s", metrics["val_ce"], metrics["unigram_ce"],
              job_dir, run.dir)
     return metrics
 
 
-def fit(cfg: DictConfig, run: TrainingRun, job_dir: Path, resume_step: int | None, lg: list) -> dict:
+def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | None, lg: list) -> dict:
     """Fit in run.dir (from its last.ckpt at `resume_step`, or from scratch) with loggers
     `lg` (CSV first), validate, and on rank 0 mark the run finished; return the training
     metrics (rank 0) or {} (other ranks)."""
     tune_cpu_allocator()
     L.seed_everything(cfg.seed, workers=True)
-    shape = model_config(cfg, vocab_size=50257)
-    dm = data_module(cfg, block_size=shape.block_size)
+    dm = config.data_module(cfg, block_size=cfg.model.shape()["block_size"])
     dm.prepare_data()
     dm.setup()
-    mcfg = model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)
-    module = LoopedLM(model=mcfg.to_dict(), sampler=sampler_args(cfg), optim=OmegaConf.to_container(cfg.optim),
+    mcfg = config.model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)  # the vocabulary is the data's
+    module = LoopedLM(model=mcfg.to_dict(), sampler=config.sampler_args(cfg), optim=dataclasses.asdict(cfg.optim),
                       max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops)
-    module.data_config = OmegaConf.to_container(cfg.data, resolve=True)
+    module.data_config = dataclasses.asdict(cfg.data)
     module.training_config = run.training
     if mcfg.logit_bias:
         module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
@@ -124,7 +109,7 @@ def fit(cfg: DictConfig, run: TrainingRun, job_dir: Path, resume_step: int | Non
     callbacks = [ModelCheckpoint(dirpath=str(run.ckpt.parent), save_last=True, save_top_k=0,
                                  every_n_train_steps=t.checkpoint_every, enable_version_counter=False),
                  LearningRateMonitor(logging_interval="step")]
-    dyn = loop_dynamics_callback(cfg, run.dir, dm, mcfg)
+    dyn = config.loop_dynamics_callback(cfg, run.dir, dm, mcfg)
     if dyn is not None:
         callbacks.append(dyn)
     for row in curves:  # the CSV logger starts its file afresh
@@ -132,7 +117,7 @@ def fit(cfg: DictConfig, run: TrainingRun, job_dir: Path, resume_step: int | Non
     trainer = L.Trainer(
         max_steps=t.max_steps, val_check_interval=min(t.val_check_interval, t.max_steps),
         check_val_every_n_epoch=None, gradient_clip_val=t.gradient_clip_val,
-        accelerator=t.accelerator, devices=t.devices, num_nodes=t.get("num_nodes", 1),
+        accelerator=t.accelerator, devices=t.devices, num_nodes=t.num_nodes,
         strategy=distributed.strategy(t, job_dir), precision=t.precision,
         use_distributed_sampler=False,  # TokenDataModule shards by rank itself
         log_every_n_steps=t.log_every_n_steps, enable_progress_bar=t.enable_progress_bar,
@@ -178,7 +163,7 @@ def fit(cfg: DictConfig, run: TrainingRun, job_dir: Path, resume_step: int | Non
         distributed.teardown(trainer, failed=sys.exc_info()[0] is not None)
 
 
-@hydra.main(config_path=conf_dir(), config_name="config", version_base="1.3")
+@hydra.main(config_path=config.conf_dir(), config_name="config", version_base="1.3")
 def _hydra_main(cfg: DictConfig) -> float:
     return guarded(train, cfg, "val_ce")
 

@@ -174,8 +174,8 @@ def test_a_checkpoint_that_does_not_belong_in_a_training_dir_is_refused(tmp_path
         train(cfg)
     assert ckpt.read_bytes() == b"not a checkpoint"
     other = torch.load(ref_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
-    other["training_config"]["model_shape"]["n_embd"] = 64
+    other["training_config"]["model"]["n_embd"] = 64
     torch.save(other, ckpt)
-    with pytest.raises(ValueError, match=r"was saved under a different training config \(model_shape.n_embd: 64 -> 128\)"):
+    with pytest.raises(ValueError, match=r"was saved under a different training config \(model.n_embd: 64 -> 128\)"):
         train(cfg)
     assert not (tmp_path / "job" / "metrics.json").exists()

@@ -1,0 +1,528 @@
+"""The config schema: every key of `conf/`, typed, documented and range-checked, in one place.
+
+One dataclass per config group, and a root for each entry point, registered in Hydra's
+ConfigStore; `conf/config.yaml` and `conf/evaluate.yaml` name their root first in their
+defaults lists, so the YAML groups compose onto it (a group file sets values; the keys
+and their types are the schema's):
+
+    TrainConfig     conf/config.yaml     `python -m recdepth.train`
+    EvaluateConfig  conf/evaluate.yaml   `python -m recdepth.evaluate`
+
+Two steps check a config, and every failure is one line naming the dotted field
+(`trainer.max_steps: expected an integer >= 1, got 0`):
+
+1. types and keys, while Hydra composes (a typo'd key, `seed=abc`): OmegaConf refuses
+   them, and `config_error` condenses its report to one line (recdepth/sweep.py prints
+   that line for the command line);
+2. `validated(cfg)`, which the entry points call before any work: it builds the
+   dataclasses, whose `__post_init__` checks ranges and the fields that depend on one
+   another, then checks that this machine can run the config (a GPU it asks for). It
+   also validates a config that did not come through Hydra: a DDP rank's
+   `<run_dir>/config.yaml` (recdepth/train.py: ddp_rank), a test's dict.
+
+The core classes check their own arguments, and the schema calls the same checks
+(`model.check_architecture`, `sampler.check_args`, `exits.build`,
+`decoding.check_settings`, `callbacks.check_args`), so each message is written once.
+What needs the data or the file system (a glob that matches nothing, a checkpoint that
+is not there, a block longer than the val split) is checked where it is read.
+
+Glue, below the entry points (docs: recdepth/__init__.py, layers).
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import difflib
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import (
+    ConfigAttributeError,
+    ConfigKeyError,
+    MissingMandatoryValue,
+    OmegaConfBaseException,
+    ValidationError,
+)
+
+from recdepth import callbacks, decoding, distributed, exits, sampler
+from recdepth.data import SOURCES
+from recdepth.model import check_architecture, shape_of
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+
+
+# ------------------------------------------------------------------ checks
+def _int(name: str, v, lo: int, null: bool = False) -> None:
+    if v is None and null:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}{' or null' if null else ''}, got {v!r}")
+
+
+def _number(name: str, v, lo: float = 0.0, strict: bool = False, null: bool = False) -> None:
+    """A finite number >= lo (> lo if strict), or null if allowed."""
+    if v is None and null:
+        return
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and (v > lo if strict else v >= lo)
+    if not ok:
+        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {lo:g}"
+                         f"{' or null' if null else ''}, got {v!r}")
+
+
+def _one_of(name: str, v, choices) -> None:
+    if v not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {v!r}")
+
+
+# ------------------------------------------------------------------ groups
+@dataclass
+class ModelConfig:
+    """`model`: the looped GPT-2 (recdepth/model.py). conf/model/: baseline, grouped, single."""
+
+    name: str = "grouped"
+    """A label for the run's records (baseline | grouped | single, or your own); the
+    architecture is the fields below, so it is not part of the training identity."""
+    size: str = "cpu"
+    """Size preset: cpu (12L, 4H, d=128, block 128) or paper (12L, 12H, d=768, block 512)."""
+    groups: list[list[int]] = field(default_factory=lambda: [[4], [5, 6], [7]])
+    """Recurrence groups: disjoint, contiguous, ordered runs of layer indices; [] = no loops."""
+    n_layer: int | None = None
+    """Layers; null takes the size preset's (so do the three below)."""
+    n_head: int | None = None
+    """Attention heads per layer; must divide n_embd."""
+    n_embd: int | None = None
+    """Model width d."""
+    block_size: int | None = None
+    """Context length in tokens."""
+    state_init: str = "normal"
+    """Initial recurrent state: normal (Huginn noise) | zero | input."""
+    logit_bias: bool = True
+    """LM-head bias initialised to the log unigram prior (deviation from SPEC §1; false = SPEC)."""
+
+    def shape(self) -> dict:
+        """n_layer, n_head, n_embd, block_size: the size preset with the fields set here on top."""
+        return shape_of(self.size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                        block_size=self.block_size)
+
+    def __post_init__(self):
+        self.groups = check_architecture(**self.shape(), groups=self.groups, state_init=self.state_init)
+
+
+@dataclass
+class SamplerConfig:
+    """`sampler`: loop counts during training (recdepth/sampler.py). conf/sampler/."""
+
+    name: str = "lognormal_poisson"
+    """lognormal_poisson (Geiping et al.: n = Poisson(LogNormal) + 1 per group per step) | fixed (n = mean)."""
+    mean: float = 12.0
+    """r, the mean recurrence (paper: 12; >= 1, an integer for fixed). Validation uses n = round(mean)."""
+    sigma: float = 0.5
+    """The lognormal's σ (>= 0; fixed ignores it)."""
+    backprop_depth: int | None = 8
+    """k: applications per group that carry gradient (Huginn: 8; >= 1); null = all."""
+
+    def __post_init__(self):
+        sampler.check_args(self.name, self.mean, self.sigma, self.backprop_depth)
+
+
+@dataclass
+class ExitConfig:
+    """`exit`: the exit rule of the evaluation (recdepth/exits.py, SPEC §3). conf/exit/."""
+
+    name: str = "fixed"
+    """fixed | none | stepnorm | stepnorm_rel | kl | accel | accel_rel | oracle (evaluation only)."""
+    tau: float | None = None
+    """Threshold τ (finite, > 0; the oracle's ε >= 0); fixed and none ignore it."""
+    min_steps: int = 0
+    """No exit before this many applications (>= 0)."""
+    max_steps: int = 32
+    """Always exit after this many applications (>= 1, >= min_steps)."""
+
+    def __post_init__(self):
+        exits.build(self.name, self.tau, self.min_steps, self.max_steps)
+
+
+# Which data keys each source reads (recdepth/data.py: resolve_source); the others must
+# keep their defaults, so a key set for another source is refused instead of ignored.
+DATA_COMMON = ("source", "max_tokens", "val_fraction", "val_tokens", "compact_vocab", "cache_dir", "num_workers")
+DATA_KEYS = {
+    "shakespeare": DATA_COMMON,
+    "fineweb": (*DATA_COMMON, "path", "dataset_name", "dataset_config", "text_column"),
+    "files": (*DATA_COMMON, "paths", "text_column", "encoding"),
+}
+
+
+@dataclass
+class DataConfig:
+    """`data`: the token source (recdepth/data.py). conf/data/: shakespeare, fineweb, files.
+    One dataclass for every source; each source reads some keys (`DATA_KEYS`). The
+    defaults are data=shakespeare's (the default run); the other sources' files set theirs."""
+
+    source: str = "shakespeare"
+    """shakespeare (shipped, ~1.57M GPT-2 tokens) | fineweb | files."""
+    path: str | None = None
+    """fineweb only: local parquet files with FineWeb's columns (a file, directory or glob);
+    null streams HuggingFaceFW/fineweb from the hub."""
+    paths: Any = None
+    """files only, required there: a file, directory or glob, or a list of them (.txt = one
+    document per file; .jsonl/.json/.parquet = one document per row)."""
+    text_column: str = "text"
+    """fineweb and files: the column holding a row's text."""
+    encoding: str = "utf-8"
+    """files only: the encoding of .txt/.json/.jsonl files (parquet is always UTF-8)."""
+    max_tokens: int | None = None
+    """Cut the token stream at this many tokens (>= 1); null = all. Required for fineweb from the hub."""
+    dataset_name: str = "HuggingFaceFW/fineweb"
+    """fineweb from the hub: the dataset repository."""
+    dataset_config: str = "sample-10BT"
+    """fineweb from the hub: its config."""
+    val_fraction: float = 0.05
+    """The tail of the token stream held out for validation and evaluation, in (0, 1)."""
+    val_tokens: int | None = 32768
+    """Cap on the val tokens scored at each validation (>= 1); null = all."""
+    compact_vocab: bool | None = True
+    """Vocabulary = the GPT-2 tokens the corpus uses (mapped back to GPT-2 ids); null = on for shakespeare only."""
+    cache_dir: str | None = None
+    """Token caches; null = $RECDEPTH_CACHE or ~/.cache/recdepth."""
+    num_workers: int = 0
+    """DataLoader worker processes (>= 0)."""
+
+    def __post_init__(self):
+        _one_of("data.source", self.source, SOURCES)
+        reads = DATA_KEYS[self.source]
+        defaults = DataConfig.defaults()
+        for k in defaults:
+            if k not in reads and getattr(self, k) != defaults[k]:
+                raise ValueError(f"data.{k}: data={self.source} does not read it (it reads {', '.join(reads[1:])})")
+        _int("data.max_tokens", self.max_tokens, 1, null=True)
+        if not (isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1):
+            raise ValueError(f"data.val_fraction: expected a number in (0, 1), got {self.val_fraction!r}")
+        _int("data.val_tokens", self.val_tokens, 1, null=True)
+        _int("data.num_workers", self.num_workers, 0)
+        if self.source == "files":
+            p = self.paths
+            if isinstance(p, str):
+                p = [p]
+            if not p or not isinstance(p, list | tuple) or not all(isinstance(x, str) and x for x in p):
+                raise ValueError(f"data.paths: required for data=files (a file, directory or glob, or a list of "
+                                 f"them), got {self.paths!r}")
+            self.paths = list(p)
+        if self.source == "fineweb" and self.path is None and self.max_tokens is None:
+            raise ValueError("data.max_tokens: required for data=fineweb from the hub (a token cap, e.g. "
+                             "100000000; or set data.path to local parquet files)")
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"data.encoding: unknown text encoding {self.encoding!r} "
+                             "(expected e.g. utf-8, latin-1, cp1252)") from None
+
+    @staticmethod
+    def defaults() -> dict:
+        return {f.name: f.default for f in dataclasses.fields(DataConfig)}
+
+
+@dataclass
+class TrainerConfig:
+    """`trainer`: the Lightning Trainer (recdepth/train.py). conf/trainer/: default, gpu, ddp."""
+
+    max_steps: int = 800
+    """Optimiser steps (>= 1)."""
+    val_check_interval: int = 200
+    """Validate every this many steps, and at the end (>= 1)."""
+    checkpoint_every: int = 200
+    """Write checkpoints/last.ckpt every this many steps (>= 1; atomically)."""
+    gradient_clip_val: float | None = 1.0
+    """Gradient-norm clip (>= 0); null = none."""
+    accelerator: str = "auto"
+    """auto | cpu | gpu | cuda | mps (gpu and cuda need a CUDA device)."""
+    devices: int | str = 1
+    """Processes (CPU) or GPUs (>= 1, or auto); > 1 needs strategy=ddp (trainer=ddp)."""
+    num_nodes: int = 1
+    """Always 1: recdepth runs on one node."""
+    strategy: str = "auto"
+    """auto | ddp (recdepth/distributed.py)."""
+    precision: str = "32-true"
+    """32-true | bf16-mixed | 16-mixed | bf16-true | 64-true (fp32 is faster than bf16 autocast on CPU)."""
+    compile: bool = False
+    """torch.compile each block (GPU)."""
+    log_every_n_steps: int = 10
+    """Log training metrics every this many steps (>= 1)."""
+    enable_progress_bar: bool = True
+    """Lightning's progress bar."""
+    peak_flops: float | None = None
+    """MFU denominator in FLOP/s (> 0); null = known GPU table or measured CPU matmul peak."""
+
+    def __post_init__(self):
+        for k in ("max_steps", "val_check_interval", "checkpoint_every", "log_every_n_steps"):
+            _int(f"trainer.{k}", getattr(self, k), 1)
+        _number("trainer.gradient_clip_val", self.gradient_clip_val, null=True)
+        _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
+        _one_of("trainer.precision", self.precision, PRECISIONS)
+        _one_of("trainer.strategy", self.strategy, distributed.STRATEGIES)
+        if self.devices != "auto":
+            _int("trainer.devices", self.devices, 1)
+        if self.num_nodes != 1:
+            raise ValueError(f"trainer.num_nodes: recdepth runs on one node (got {self.num_nodes}); "
+                             "use trainer=ddp with trainer.devices=<GPUs of the node>")
+        if self.strategy == "auto" and self.devices not in (1, "auto"):
+            raise ValueError(f"trainer.devices: {self.devices} processes need trainer.strategy=ddp (trainer=ddp)")
+        _number("trainer.peak_flops", self.peak_flops, strict=True, null=True)
+
+
+@dataclass
+class OptimConfig:
+    """`optim`: nanoGPT's AdamW with linear warmup and cosine decay (recdepth/lit.py)."""
+
+    lr: float = 1.0e-3
+    """Peak learning rate (> 0)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (>= 0), on >= 2-D tensors only."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's two betas, each in [0, 1)."""
+    eps: float = 1.0e-8
+    """AdamW's epsilon (>= 0)."""
+    warmup_steps: int = 40
+    """Linear warmup steps (>= 0)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at trainer.max_steps (in [0, 1])."""
+
+    def __post_init__(self):
+        _number("optim.lr", self.lr, strict=True)
+        _number("optim.weight_decay", self.weight_decay)
+        _number("optim.eps", self.eps)
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)!r}")
+        _int("optim.warmup_steps", self.warmup_steps, 0)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
+
+
+@dataclass
+class EvalConfig:
+    """`eval`: the exit evaluation (recdepth/decoding.py, SPEC §4)."""
+
+    tokens: int = 4096
+    """Held-out next-token predictions scored token by token (eval_tokens.csv); after
+    training, 0 skips the evaluation (>= 0; recdepth.evaluate needs >= 1)."""
+    batch_size: int = 16
+    """Held-out windows decoded side by side for quality/cost (>= 1; each row = its batch-1 result)."""
+    latency_tokens: int = 256
+    """The first this many tokens timed again at batch 1 (ms/token; >= 0) ..."""
+    repeats: int = 3
+    """... this many times (>= 1): median and min-max."""
+    warmup_tokens: int = 8
+    """Untimed decode steps before timing starts (>= 0)."""
+    cache: str = "latest"
+    """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application)."""
+
+    def __post_init__(self):
+        decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
+                                self.repeats, self.cache)
+
+
+@dataclass
+class WandbConfig:
+    """`logger.wandb`: Weights & Biases, beside the CSV logger (conf/logger/wandb.yaml)."""
+
+    project: str = "recdepth"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); null = the account's default."""
+    mode: str = "auto"
+    """auto (online if an API key is configured and W&B starts within init_timeout, else
+    offline) | online | offline | disabled."""
+    init_timeout: float = 15.0
+    """Seconds W&B may take to start an online run (W&B's own setting; auto then goes offline)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+    def __post_init__(self):
+        _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
+        _number("logger.wandb.init_timeout", self.init_timeout, strict=True)
+
+
+@dataclass
+class LoggerConfig:
+    """`logger`: metrics always go to <run_dir>/csv/metrics.csv. conf/logger/: csv, wandb."""
+
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases (logger=wandb); null = CSV only."""
+
+
+@dataclass
+class LoopDynamicsConfig:
+    """`callbacks.loop_dynamics`: loop-geometry diagnostics at every checkpoint
+    (recdepth/callbacks.py: LoopDynamics; conf/callbacks/loop_dynamics.yaml)."""
+
+    every_n_steps: int = 200
+    """Measure every this many steps (>= 1); the YAML ties it to trainer.checkpoint_every."""
+    sequences: int = 4
+    """Rows of the fixed held-out batch (>= 1; the first val tokens)."""
+    seq_len: int | None = None
+    """Tokens per row (2 .. the block size); null = the model's block size."""
+    loops: int = 30
+    """Applications of every group (>= 3; paper appendix: 30)."""
+    pca_sequence: int = 0
+    """The row Fig. 1 shows (0 .. sequences - 1)."""
+    pca_tokens: int = 32
+    """Its first tokens drawn in Fig. 1 (>= 1; one polyline each)."""
+    max_state_bytes: int = 268435456
+    """Memory bound for captured trajectories in bytes (>= 1; rows go in chunks)."""
+    seed: int = 0
+    """Initial-state noise of the diagnostics (the same at every checkpoint)."""
+    figures: bool = True
+    """Draw Figs. 1, 2, 3, 5 at the end of training."""
+
+    def __post_init__(self):
+        _int("callbacks.loop_dynamics.sequences", self.sequences, 1)
+        callbacks.check_args(self.every_n_steps, self.loops, self.pca_sequence, self.sequences, self.pca_tokens,
+                             self.max_state_bytes)
+
+
+@dataclass
+class CallbacksConfig:
+    """`callbacks`: conf/callbacks/: loop_dynamics (the default) | none (model=baseline's)."""
+
+    loop_dynamics: LoopDynamicsConfig | None = None
+    """Loop-geometry diagnostics; null = none (callbacks=none; a model without loops has nothing to measure)."""
+
+
+# -------------------------------------------------------------------- roots
+@dataclass
+class TrainConfig:
+    """conf/config.yaml: a training run, `python -m recdepth.train`."""
+
+    seed: int = 1337
+    """Seed of everything trained (>= 0): weights, data order, loop counts, noise."""
+    batch_size: int = 8
+    """Sequences per optimiser step, per device (>= 1)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    """The run's directory (Hydra's output dir; set it when calling train(cfg) outside Hydra)."""
+    runs_dir: str = "outputs/runs"
+    """Training runs, one directory per training identity, `<runs_dir>/<identity>/`
+    (recdepth/runs.py): a finished one is reused, an interrupted one resumed."""
+
+    def __post_init__(self):
+        _int("seed", self.seed, 0)
+        _int("batch_size", self.batch_size, 1)
+        c = self.callbacks.loop_dynamics
+        if c is not None:
+            if not self.model.groups:
+                raise ValueError(f"callbacks.loop_dynamics: model={self.model.name} has no recurrence groups "
+                                 "(no loops to measure); use callbacks=none")
+            block = self.model.shape()["block_size"]
+            if c.seq_len is not None and not 2 <= c.seq_len <= block:
+                raise ValueError(f"callbacks.loop_dynamics.seq_len: expected 2..{block} (the block size), "
+                                 f"got {c.seq_len}")
+
+
+@dataclass
+class EvaluateConfig:
+    """conf/evaluate.yaml: a checkpoint under an exit rule, `python -m recdepth.evaluate`."""
+
+    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
+                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
+    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
+    seed: int = 1337
+    """Initial-state noise of the loops (>= 0)."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:<n>."""
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    """The evaluation's directory (Hydra's output dir)."""
+
+    def __post_init__(self):
+        _int("seed", self.seed, 0)
+        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
+            raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {self.device!r}")
+        if self.eval.tokens < 1:
+            raise ValueError(f"eval.tokens: expected an integer >= 1 (tokens to score), got {self.eval.tokens}")
+
+
+# The names conf/config.yaml and conf/evaluate.yaml give their schema in their defaults lists.
+ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig}
+for _name, _root in ROOTS.items():
+    ConfigStore.instance().store(name=_name, node=_root)
+
+
+# ---------------------------------------------------------------- validation
+def validated(cfg: DictConfig | dict) -> TrainConfig | EvaluateConfig:
+    """The typed config of a composed one, checked before any work (one line naming the
+    field on the first failure). A config Hydra composed onto `EvaluateConfig` gives one;
+    any other (onto `TrainConfig`, a loaded <run_dir>/config.yaml, a dict) a TrainConfig."""
+    root = OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else None
+    if root not in ROOTS.values():
+        root = TrainConfig
+    if isinstance(cfg, DictConfig):  # as plain data: a key added with `+key=...` is refused too
+        cfg = OmegaConf.to_container(cfg)
+    try:
+        run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(root), cfg))
+    except OmegaConfBaseException as e:
+        raise ValueError(config_error(e)) from None
+    if isinstance(run, TrainConfig):
+        check_machine(run.trainer)
+    return run
+
+
+def check_machine(t: TrainerConfig) -> None:
+    """Whether this machine and process can run the trainer config."""
+    if t.accelerator in ("gpu", "cuda") and not torch.cuda.is_available():
+        raise ValueError(f"trainer.accelerator: {t.accelerator} asked for, but torch {torch.__version__} sees no CUDA "
+                         "device (CPU build, or CUDA_VISIBLE_DEVICES empty?); on a CPU leave trainer=default")
+    distributed.check_launch(t.strategy)
+
+
+_CONVERTED = {"Integer": "an integer", "Float": "a number", "Boolean": "true or false"}
+
+
+def config_error(e: BaseException) -> str | None:
+    """One line naming the field for an error OmegaConf raised about a config (a wrong
+    type, an unknown key, a missing value), also when Hydra's composition wrapped it;
+    None for any other error."""
+    while e is not None and not isinstance(e, OmegaConfBaseException):
+        e = e.__cause__
+    if e is None:
+        return None
+    key = e.full_key or ""
+    msg = (getattr(e, "msg", None) or str(e)).splitlines()[0].strip()
+    parent = e.object_type if dataclasses.is_dataclass(e.object_type) else None
+    if isinstance(e, MissingMandatoryValue):
+        f = _field_of(parent, key)
+        hint = f.metadata.get("required") if f is not None else None
+        return f"{key}: required" + (f", {hint}" if hint else "")
+    if isinstance(e, ConfigKeyError | ConfigAttributeError):
+        where, _, name = key.rpartition(".")
+        fields = [f.name for f in dataclasses.fields(parent)] if parent is not None else []
+        near = difflib.get_close_matches(name, fields, n=1)
+        return (f"{key}: no such key in {where or 'the config'}" +
+                (f" (did you mean {near[0]}?)" if near else f" (its keys: {', '.join(fields)})" if fields else ""))
+    if isinstance(e, ValidationError):
+        m = re.match(r"Value '(.*)' of type '\w+' could not be converted to (\w+)", msg)
+        if m and m.group(2) in _CONVERTED:
+            return f"{key}: expected {_CONVERTED[m.group(2)]}, got {m.group(1)!r}"
+    return f"{key}: {msg}" if key else msg
+
+
+def _field_of(parent, key: str):
+    if parent is None:
+        return None
+    name = key.rsplit(".", 1)[-1]
+    return next((f for f in dataclasses.fields(parent) if f.name == name), None)

@@ -1,0 +1,344 @@
+"""The config schema (recdepth/schema.py): every shipped config composes onto it and
+validates; a bad value, a wrong type or an unknown key fails with one line naming the
+field; the schema's defaults are the YAML's. Configs composed in-process with Hydra's
+compose API, as the command line composes them."""
+
+import dataclasses
+import inspect
+import itertools
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import OmegaConf
+
+from recdepth import schema
+from recdepth.config import conf_dir, data_module, exit_policy, model_config, sampler_args
+from recdepth.data import TokenDataModule
+
+CONF = Path(conf_dir())
+
+
+def compose_cfg(*overrides: str, config: str = "config"):
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return compose(config, overrides=["run_dir=/tmp/unused", *overrides])
+
+
+def choices(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+
+
+GROUPS = {g: choices(g) for g in ("model", "sampler", "exit", "data", "trainer", "logger")}
+NEEDS = {"data=files": ["data.paths=/data/*.txt"]}  # files has no default paths
+
+
+def overrides_of(row: dict) -> list[str]:
+    out = [f"{g}={c}" for g, c in row.items()]
+    return out + [o for g, c in row.items() for o in NEEDS.get(f"{g}={c}", [])]
+
+
+def pairwise(groups: dict[str, list[str]]) -> list[dict]:
+    """Rows (one choice per group) in which every choice of every group meets every choice
+    of every other group at least once: far fewer rows than the full product."""
+    names = list(groups)
+
+    def key(a, x, b, y):
+        return (a, x, b, y) if names.index(a) < names.index(b) else (b, y, a, x)
+
+    todo = {key(a, x, b, y) for a, b in itertools.combinations(names, 2) for x in groups[a] for y in groups[b]}
+    rows = []
+    while todo:
+        a, x, b, y = min(todo)
+        row = {a: x, b: y}
+        for g in names:
+            if g not in row:
+                row[g] = max(groups[g], key=lambda v, g=g: sum(key(p, row[p], g, v) in todo for p in row))
+        todo -= {key(a, row[a], b, row[b]) for a, b in itertools.combinations(names, 2)}
+        rows.append(row)
+    return rows
+
+
+def test_pairwise_covers_every_pair():
+    rows = pairwise(GROUPS)
+    for a, b in itertools.combinations(GROUPS, 2):
+        assert {(r[a], r[b]) for r in rows} == set(itertools.product(GROUPS[a], GROUPS[b])), (a, b)
+    assert len(rows) < 0.2 * len(list(itertools.product(*GROUPS.values())))
+
+
+def check_choices(run: schema.TrainConfig, row: dict) -> None:
+    """The typed config is the one the choices name."""
+    assert run.model.name == row["model"] and run.sampler.name == row["sampler"] and run.exit.name == row["exit"]
+    assert run.data.source == row["data"] and (run.logger.wandb is not None) == (row["logger"] == "wandb")
+    assert (run.trainer.strategy, run.trainer.accelerator) == {
+        "default": ("auto", "auto"), "gpu": ("auto", "gpu"), "ddp": ("ddp", "auto")}[row["trainer"]]
+    assert (run.callbacks.loop_dynamics is None) == (row["model"] == "baseline")
+
+
+@pytest.fixture
+def cuda(monkeypatch):
+    """trainer=gpu asks for a GPU: checking the shipped configs, not this machine."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+
+
+@pytest.mark.parametrize("row", pairwise(GROUPS), ids=lambda r: ",".join(r[g] for g in GROUPS))
+def test_every_pair_of_shipped_choices_composes_and_validates(cuda, row):
+    check_choices(schema.validated(compose_cfg(*overrides_of(row))), row)
+
+
+@pytest.mark.slow
+def test_every_combination_of_shipped_choices_composes_and_validates(cuda):
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        for combo in itertools.product(*GROUPS.values()):
+            row = dict(zip(GROUPS, combo))
+            check_choices(schema.validated(compose("config", overrides=["run_dir=/x", *overrides_of(row)])), row)
+
+
+def test_experiments_and_debug_validate(cuda):
+    paper = schema.validated(compose_cfg("experiment=paper"))
+    assert paper.model.shape() == {"n_layer": 12, "n_head": 12, "n_embd": 768, "block_size": 512}
+    assert (paper.data.source, paper.trainer.precision, paper.sampler.backprop_depth) == ("fineweb", "bf16-mixed", 8)
+    cpu = schema.validated(compose_cfg("experiment=cpu"))
+    assert cpu.model.shape()["n_embd"] == 128 and cpu.trainer.max_steps == 800
+    tiny = schema.validated(compose_cfg("debug=tiny"))
+    assert (tiny.batch_size, tiny.trainer.max_steps, tiny.eval.tokens) == (2, 3, 6)
+    both = schema.validated(compose_cfg("experiment=paper", "debug=tiny"))
+    assert (both.model.size, both.trainer.max_steps) == ("paper", 3)
+
+
+def test_callbacks_none_validates_for_every_model():
+    for m in GROUPS["model"]:
+        assert schema.validated(compose_cfg(f"model={m}", "callbacks=none")).callbacks.loop_dynamics is None
+
+
+# --------------------------------------------------------------- refusals
+def one_line(msg: str, field: str) -> None:
+    assert "\n" not in msg and msg.startswith(f"{field}: "), msg
+
+
+@pytest.mark.parametrize("overrides, field, expected", [
+    (["seed=-1"], "seed", ">= 0"),
+    (["batch_size=0"], "batch_size", ">= 1"),
+    (["model.n_layer=0"], "model.n_layer", "positive integer"),
+    (["model.groups=[[4],[12]]"], "model.groups", "out of range 0..11"),
+    (["model.state_init=ones"], "model.state_init", "normal, zero, input"),
+    (["sampler.sigma=-0.5"], "sampler.sigma", ">= 0"),
+    (["sampler=fixed", "sampler.mean=2.5"], "sampler.mean", "integer loop count"),
+    (["exit.max_steps=0"], "exit.max_steps", ">= 1"),
+    (["exit=kl", "exit.tau=0"], "exit.tau", "> 0"),
+    (["data.val_fraction=1.5"], "data.val_fraction", "(0, 1)"),
+    (["data.val_tokens=0"], "data.val_tokens", ">= 1 or null"),
+    (["data.source=books"], "data.source", "shakespeare, fineweb, files"),
+    (["data.text_column=body"], "data.text_column", "data=shakespeare does not read it"),
+    (["data=fineweb", "data.max_tokens=null"], "data.max_tokens", "required for data=fineweb from the hub"),
+    (["data=files", "data.paths=[]"], "data.paths", "required for data=files"),
+    (["data=files", "data.paths=x.txt", "data.encoding=klingon"], "data.encoding", "unknown text encoding"),
+    (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", ">= 1"),
+    (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", ">= 0 or null"),
+    (["trainer.accelerator=tpu"], "trainer.accelerator", "auto, cpu, gpu"),
+    (["trainer.devices=0"], "trainer.devices", ">= 1"),
+    (["trainer.peak_flops=0"], "trainer.peak_flops", "> 0 or null"),
+    (["optim.min_lr_ratio=2"], "optim.min_lr_ratio", "[0, 1]"),
+    (["optim.eps=-1e-8"], "optim.eps", ">= 0"),
+    (["optim.warmup_steps=-1"], "optim.warmup_steps", ">= 0"),
+    (["eval.repeats=0"], "eval.repeats", ">= 1"),
+    (["eval.tokens=-1"], "eval.tokens", ">= 0"),
+    (["logger=wandb", "logger.wandb.mode=sometimes"], "logger.wandb.mode", "auto, online, offline, disabled"),
+    (["callbacks.loop_dynamics.sequences=0"], "callbacks.loop_dynamics.sequences", ">= 1"),
+    (["callbacks.loop_dynamics.pca_sequence=4"], "callbacks.loop_dynamics.pca_sequence", "(0..3)"),
+    (["callbacks.loop_dynamics.every_n_steps=0"], "callbacks.loop_dynamics.every_n_steps", ">= 1"),
+    (["callbacks.loop_dynamics.seq_len=1"], "callbacks.loop_dynamics.seq_len", "2..128"),
+])
+def test_an_out_of_range_value_is_refused_in_one_line(overrides, field, expected):
+    cfg = compose_cfg(*overrides)  # composes: the types are right
+    with pytest.raises(ValueError) as e:
+        schema.validated(cfg)
+    one_line(str(e.value), field)
+    assert expected in str(e.value)
+
+
+@pytest.mark.parametrize("overrides, field, expected", [
+    (["ckpt=x.ckpt", "device=gpu"], "device", "auto, cpu, cuda or cuda:<n>"),
+    (["ckpt=x.ckpt", "eval.tokens=0"], "eval.tokens", ">= 1"),
+    (["ckpt=x.ckpt", "exit.tau=-1"], "exit.tau", "> 0"),
+    ([], "ckpt", "required, the path of a training checkpoint"),
+])
+def test_evaluate_config_is_checked(overrides, field, expected):
+    cfg = compose_cfg(*overrides, config="evaluate")
+    assert OmegaConf.get_type(cfg) is schema.EvaluateConfig
+    with pytest.raises(ValueError) as e:
+        schema.validated(cfg)
+    one_line(str(e.value), field)
+    assert expected in str(e.value)
+    assert isinstance(schema.validated(compose_cfg("ckpt=x.ckpt", config="evaluate")), schema.EvaluateConfig)
+
+
+@pytest.mark.parametrize("override, field, expected", [
+    ("seed=abc", "seed", "expected an integer, got 'abc'"),
+    ("trainer.max_steps=1.5", "trainer.max_steps", "expected an integer"),
+    ("trainer.compile=maybe", "trainer.compile", "maybe"),
+    ("optim.lr=fast", "optim.lr", "expected a number"),
+    ("model.groups=[[4],[x]]", "model.groups[1]", "int"),
+    ("optim.betas=0.9", "optim.betas", "list"),
+    ("trainer.max_step=3", "trainer.max_step", "no such key in trainer (did you mean max_steps?)"),
+    ("data.pathz=/x", "data.pathz", "no such key in data (did you mean path"),
+    ("foo=1", "foo", "no such key in the config"),
+])
+def test_a_wrong_type_or_unknown_key_fails_composing_in_one_line(override, field, expected):
+    with pytest.raises(Exception) as e:
+        compose_cfg(override)
+    msg = schema.config_error(e.value)
+    one_line(msg, field)
+    assert expected in msg
+
+
+def test_a_key_added_with_plus_is_refused():
+    cfg = compose_cfg("+trainer.max_stepz=3")  # Hydra adds it (force_add), the schema refuses it
+    with pytest.raises(ValueError) as e:
+        schema.validated(cfg)
+    one_line(str(e.value), "trainer.max_stepz")
+
+
+def test_config_error_leaves_other_errors_alone():
+    assert schema.config_error(ValueError("x")) is None
+    assert schema.config_error(RuntimeError("y")) is None
+
+
+def test_the_command_line_prints_a_type_error_in_one_line(monkeypatch, tmp_path):
+    """`python -m recdepth.train seed=abc`, in-process: Hydra's multi-line composition
+    report becomes one line naming the field (recdepth/sweep.py: run_hydra_main)."""
+    import hydra._internal.utils as hydra_utils
+
+    from recdepth.train import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["recdepth.train", "seed=abc", f"run_dir={tmp_path / 'run'}"])
+    report = hydra_utils.run_and_report
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+    assert e.value.code == "error: seed: expected an integer, got 'abc'"
+    assert hydra_utils.run_and_report is report  # put back
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_ddp_ranks_config_file_is_validated_against_the_schema(tmp_path):
+    """A DDP rank > 0 reads <run_dir>/config.yaml without Hydra (train.ddp_rank): the same
+    schema applies to it."""
+    cfg = compose_cfg("debug=tiny", "model=single")
+    f = tmp_path / "config.yaml"
+    f.write_text(OmegaConf.to_yaml(cfg, resolve=True))  # as train() writes it
+    loaded = OmegaConf.load(f)
+    assert OmegaConf.get_type(loaded) is dict  # plain YAML, no schema attached
+    assert schema.validated(loaded) == schema.validated(cfg)
+    loaded.trainer.max_steps = 0
+    with pytest.raises(ValueError) as e:
+        schema.validated(loaded)
+    one_line(str(e.value), "trainer.max_steps")
+    loaded.trainer.max_steps = 3
+    loaded.trainer.max_stepz = 3
+    with pytest.raises(ValueError) as e:
+        schema.validated(loaded)
+    one_line(str(e.value), "trainer.max_stepz")
+    with pytest.raises(ValueError) as e:
+        schema.validated(OmegaConf.create({"seed": "abc"}))
+    one_line(str(e.value), "seed")
+
+
+# --------------------------------------------------------------- defaults
+def yaml_of(path: Path) -> dict:
+    d = OmegaConf.to_container(OmegaConf.load(path))
+    d.pop("defaults", None)
+    return d
+
+
+# The default choice of each group (conf/config.yaml's defaults list) and its dataclass.
+DEFAULT_CHOICE = {"model": ("grouped", schema.ModelConfig), "sampler": ("lognormal_poisson", schema.SamplerConfig),
+                  "exit": ("fixed", schema.ExitConfig), "data": ("shakespeare", schema.DataConfig),
+                  "trainer": ("default", schema.TrainerConfig)}
+# Keys whose schema default is not every group file's value, by design: the schema's is
+# the default choice's (or, for a key the default choice does not set, null).
+DIFFERS = {
+    ("data", "max_tokens"): "fineweb.yaml sets the paper's 300M-token budget; the schema's null (all tokens) is files'",
+    ("data", "paths"): "files.yaml marks it required (???); the schema's null is for the sources that do not read it",
+}
+
+
+def test_the_default_choices_are_the_default_run():
+    defaults = [d for d in OmegaConf.to_container(OmegaConf.load(CONF / "config.yaml"))["defaults"]
+                if isinstance(d, dict)]
+    chosen = {k: v for d in defaults for k, v in d.items()}
+    assert {g: chosen[g] for g in DEFAULT_CHOICE} == {g: c for g, (c, _) in DEFAULT_CHOICE.items()}
+
+
+@pytest.mark.parametrize("group", DEFAULT_CHOICE)
+def test_schema_defaults_equal_the_yaml_defaults(group):
+    """Every key of the group's dataclass: its default is the default choice's YAML value;
+    a key the default choice does not set has the value of every other file that sets it
+    (except DIFFERS). Only the schema defines a key that no file sets."""
+    choice, cls = DEFAULT_CHOICE[group]
+    files = {c: yaml_of(CONF / group / f"{c}.yaml") for c in choices(group)}
+    for f in dataclasses.fields(cls):
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        if f.name in files[choice]:
+            assert files[choice][f.name] == default, (group, f.name)
+        elif (group, f.name) not in DIFFERS:
+            for c, d in files.items():
+                assert d.get(f.name, default) == default, (group, c, f.name)
+    for c, d in files.items():  # every key a file sets is a schema key
+        assert set(d) <= {f.name for f in dataclasses.fields(cls)}, (group, c)
+
+
+def test_root_and_optional_group_defaults_equal_the_yaml_defaults():
+    """conf/config.yaml's own keys and the optional groups (loop_dynamics, wandb) against
+    TrainConfig's; conf/evaluate.yaml's against EvaluateConfig's."""
+    top = yaml_of(CONF / "config.yaml")
+    top.pop("hydra")
+    ref = dataclasses.asdict(schema.TrainConfig())
+    for k, v in top.items():
+        assert v == ref[k], k
+    assert set(ref) - set(top) - set(DEFAULT_CHOICE) - {"logger", "callbacks"} == set()
+    ld = yaml_of(CONF / "callbacks" / "loop_dynamics.yaml")["loop_dynamics"]
+    assert ld.pop("every_n_steps") == "${trainer.checkpoint_every}"  # the schema's default is that key's default
+    assert schema.LoopDynamicsConfig().every_n_steps == schema.TrainerConfig().checkpoint_every
+    assert ld == {k: v for k, v in dataclasses.asdict(schema.LoopDynamicsConfig()).items() if k != "every_n_steps"}
+    assert yaml_of(CONF / "logger" / "wandb.yaml")["wandb"] == dataclasses.asdict(schema.WandbConfig())
+    assert yaml_of(CONF / "logger" / "csv.yaml") == dataclasses.asdict(schema.LoggerConfig())
+    assert yaml_of(CONF / "callbacks" / "none.yaml") in ({}, None) and schema.CallbacksConfig().loop_dynamics is None
+    ev = yaml_of(CONF / "evaluate.yaml")
+    ev.pop("hydra")
+    assert ev.pop("ckpt") == "???"  # required: no default in either
+    eref = dataclasses.asdict(schema.EvaluateConfig(ckpt="x"))
+    for k, v in ev.items():
+        assert v == eref[k], k
+
+
+def test_unread_data_keys_default_to_what_the_data_module_does():
+    """A source ignores the keys it does not read; their schema defaults are the data
+    module's own, so passing them all (config.data_module) changes nothing."""
+    sig = inspect.signature(TokenDataModule).parameters
+    for k, v in schema.DataConfig.defaults().items():
+        if k not in schema.DATA_KEYS["shakespeare"]:
+            assert sig[k].default == v, k
+    assert set(schema.DATA_KEYS) == set(__import__("recdepth.data", fromlist=["SOURCES"]).SOURCES)
+
+
+# ------------------------------------------------------------ built objects
+def test_objects_are_built_from_the_typed_config():
+    cfg = compose_cfg("model=single", "sampler=fixed", "sampler.mean=4", "exit=kl", "exit.tau=0.01",
+                      "data=files", "data.paths=/data/a.txt", "model.n_embd=64")
+    run = schema.validated(cfg)
+    m = model_config(run, vocab_size=100)
+    assert (m.groups, m.n_embd, m.n_layer, m.mean_recurrence, m.vocab_size) == ([[4, 5, 6, 7]], 64, 12, 4.0, 100)
+    assert sampler_args(run) == {"name": "fixed", "mean": 4.0, "sigma": 0.0, "backprop_depth": 8}
+    p = exit_policy(run)
+    assert (p.name, p.tau, p.max_steps) == ("kl", 0.01, 32)
+    dm = data_module(run, block_size=32)
+    assert dm.paths == ["/data/a.txt"] and dm.source == "files" and dm.block_size == 32
+    # the composed DictConfig builds the same objects (validated on the way in)
+    assert model_config(cfg, vocab_size=100) == m and sampler_args(cfg) == sampler_args(run)
