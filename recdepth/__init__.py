@@ -26,6 +26,8 @@ Glue: Lightning, Hydra config, data, files, figures
                   documented and range-checked; `validated(cfg)` checks a run's config
   runs.py         run bookkeeping: training identity, the training dir it names, locks, resume
   config.py       where conf/ is, and the objects built from the validated config
+  cli.py          the entry points' command line: argv forms, one-line errors, multirun
+                  jobs that fail without stopping the sweep
 
 Entry points: what a user runs
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)

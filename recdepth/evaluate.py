@@ -24,13 +24,13 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
+from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
 from recdepth.decoding import evaluate_exit
 from recdepth.exits import ExitPolicy
 from recdepth.lit import LoopedLM
 from recdepth.runs import write_json
 from recdepth.schema import validated
-from recdepth.sweep import guarded, run_hydra_main
 
 log = logging.getLogger("recdepth.evaluate")
 
@@ -171,4 +171,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the main of the importable module recdepth.evaluate, not of this __main__ copy: a
+    # launcher that pickles the job (submitit) then pickles it by reference. By value,
+    # cloudpickle's submodule guess drags in unpicklable torch config modules.
+    import recdepth.evaluate
+
+    recdepth.evaluate.main()

@@ -27,7 +27,7 @@ into the sweep directory,
 
 and, at the end, a W&B table with the same rows when the sweep's config has `logger.wandb`.
 A job that raised is recorded as `failed` (its error in `<job>/error.txt`); the others are
-still aggregated, and the command exits non-zero after the sweep (`run_hydra_main`).
+still aggregated, and the command exits non-zero after the sweep (`recdepth.cli`).
 """
 
 from __future__ import annotations
@@ -36,9 +36,6 @@ import csv
 import json
 import logging
 import math
-import os
-import sys
-import traceback
 from pathlib import Path
 
 import numpy as np
@@ -46,97 +43,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
-from recdepth.schema import config_error
 
 log = logging.getLogger("recdepth.sweep")
-_FAILED: list[str] = []  # jobs of this process that raised (multirun only)
-
-
-# ------------------------------------------------------------------- jobs
-def _is_multirun() -> bool:
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
-
-
-def guarded(fn, cfg: DictConfig, key: str) -> float:
-    """Run a job function. In a multirun, a job that raises is logged, its traceback written
-    to `<run_dir>/error.txt`, and NaN returned, so Hydra goes on to the other jobs and to
-    the sweep summary; `run_hydra_main` exits non-zero afterwards. A single run raises."""
-    if not _is_multirun():
-        try:
-            return _objective(fn(cfg), key)
-        except (ValueError, FileNotFoundError, FileExistsError, RuntimeError) as e:
-            # A bad input, a refused file or a diverged run: its one-line message is the
-            # whole story (HYDRA_FULL_ERROR=1 keeps the traceback).
-            if os.environ.get("HYDRA_FULL_ERROR") == "1" or not _one_line(e):
-                raise
-            raise SystemExit(f"error: {e}") from None
-    try:
-        return _objective(fn(cfg), key)
-    except Exception as e:
-        run_dir = Path(OmegaConf.select(cfg, "run_dir"))
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "error.txt").write_text("".join(traceback.format_exception(e)))
-        log.error("job failed: %s: %s (traceback in %s)", type(e).__name__, e, run_dir / "error.txt")
-        _FAILED.append(str(run_dir))
-        return math.nan
-
-
-def _one_line(e: Exception) -> bool:
-    """recdepth's own errors are one line: `field: ...` (or a diverged run's report);
-    anything else (a bug, a library's multi-line report) keeps its traceback."""
-    msg = str(e)
-    if "\n" in msg:
-        return False
-    if type(e).__name__ == "TrainingDiverged":
-        return True
-    return not isinstance(e, RuntimeError) and msg.split(" ", 1)[0].endswith(":")
-
-
-def _objective(metrics: dict, key: str) -> float:
-    v = metrics.get(key, metrics.get("eval", {}).get(key))
-    return float(v) if v is not None else math.nan
-
-
-def hoist_mode_flags(argv: list[str]) -> list[str]:
-    """Move bare `--multirun`/`-m` in front of the overrides. Hydra's argparse takes the
-    overrides as one positional list, so `model=grouped --multirun exit.tau=...` (overrides
-    on both sides of the flag, the form this project documents) would be refused."""
-    flags = [a for a in argv if a in ("--multirun", "-m")]
-    return flags + [a for a in argv if a not in ("--multirun", "-m")]
-
-
-def run_hydra_main(hydra_main) -> None:
-    """Call a @hydra.main function with the documented argv forms; exit 1 if a job failed.
-    A config Hydra cannot compose because OmegaConf refused a value (a wrong type, a key
-    the schema does not have) exits with one line naming the field (`schema.config_error`)
-    instead of Hydra's multi-line report (HYDRA_FULL_ERROR=1 keeps Hydra's)."""
-    sys.argv[1:] = hoist_mode_flags(sys.argv[1:])
-    import hydra._internal.utils as hydra_utils  # Hydra reports composition errors in run_and_report
-
-    report = hydra_utils.run_and_report
-
-    def one_line_report(func):
-        def condensed():
-            try:
-                return func()
-            except Exception as e:
-                msg = config_error(e)
-                if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
-                    raise
-                raise SystemExit(f"error: {msg}") from None
-        return report(condensed)
-
-    hydra_utils.run_and_report = one_line_report
-    try:
-        hydra_main()
-    finally:
-        hydra_utils.run_and_report = report
-    if _FAILED:
-        print(f"{len(_FAILED)} job(s) failed: " + ", ".join(_FAILED), file=sys.stderr)
-        sys.exit(1)
 
 
 # -------------------------------------------------------------- aggregation

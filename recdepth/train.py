@@ -30,12 +30,12 @@ from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import config, distributed
+from recdepth.cli import guarded, run_hydra_main
 from recdepth.evaluate import evaluate_trained
 from recdepth.lit import LoopedLM, TrainingDiverged
 from recdepth.runs import TrainingRun, job_dir_lock, write_json
 from recdepth.runtime import tune_cpu_allocator
 from recdepth.schema import TrainConfig, validated
-from recdepth.sweep import guarded, run_hydra_main
 
 log = logging.getLogger("recdepth.train")
 
@@ -186,4 +186,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # Run the main of the importable module recdepth.train, not of this __main__ copy: a
+    # launcher that pickles the job (submitit) then pickles it by reference. By value,
+    # cloudpickle's submodule guess drags in unpicklable torch config modules.
+    import recdepth.train
+
+    recdepth.train.main()

@@ -15,7 +15,7 @@ PKG = Path(recdepth.__file__).parent
 # The layers, lowest first (recdepth/__init__.py lists them in the same order).
 LAYERS = {
     "core": {"model", "geometry", "sampler", "exits", "stats", "decoding", "diagnostics", "runtime"},
-    "glue": {"tokenizer", "data", "lit", "callbacks", "plots", "distributed", "schema", "runs", "config"},
+    "glue": {"tokenizer", "data", "lit", "callbacks", "plots", "distributed", "schema", "runs", "config", "cli"},
     "entry": {"train", "evaluate", "figures", "bench", "sweep"},
 }
 RANK = {m: i for i, layer in enumerate(LAYERS.values()) for m in layer}
@@ -47,6 +47,7 @@ def imports(name: str) -> tuple[set[str], set[str]]:
                 inner.update([parts[1]] if len(parts) > 1 else [a.name for a in node.names if a.name in RANK])
             else:
                 outer.add(node.module.split(".")[0])
+    inner.discard(name)  # an entry point running its importable self under __main__
     return inner, outer
 
 

@@ -208,7 +208,7 @@ def test_config_error_leaves_other_errors_alone():
 
 def test_the_command_line_prints_a_type_error_in_one_line(monkeypatch, tmp_path):
     """`python -m recdepth.train seed=abc`, in-process: Hydra's multi-line composition
-    report becomes one line naming the field (recdepth/sweep.py: run_hydra_main)."""
+    report becomes one line naming the field (recdepth/cli.py: run_hydra_main)."""
     import hydra._internal.utils as hydra_utils
 
     from recdepth.train import main
