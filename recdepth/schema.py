@@ -1,32 +1,22 @@
 """The config schema: every key of `conf/`, typed, documented and range-checked, in one place.
 
-One dataclass per config group, and a root for each entry point, registered in Hydra's
-ConfigStore; `conf/config.yaml` and `conf/evaluate.yaml` name their root first in their
-defaults lists, so the YAML groups compose onto it (a group file sets values; the keys
-and their types are the schema's):
+One dataclass per config group, and a root per entry point, registered in Hydra's
+ConfigStore: `TrainConfig` (conf/config.yaml, `python -m recdepth.train`) and
+`EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`). The YAML files name
+their root first in their defaults lists, so the groups compose onto it: a group file sets
+values; the keys and their types are the schema's.
 
-    TrainConfig     conf/config.yaml     `python -m recdepth.train`
-    EvaluateConfig  conf/evaluate.yaml   `python -m recdepth.evaluate`
-
-Two steps check a config, and every failure is one line naming the dotted field
-(`trainer.max_steps: expected an integer >= 1, got 0`):
-
-1. types and keys, while Hydra composes (a typo'd key, `seed=abc`): OmegaConf refuses
-   them, and `config_error` condenses its report to one line (recdepth/sweep.py prints
-   that line for the command line);
-2. `validated(cfg)`, which the entry points call before any work: it builds the
-   dataclasses, whose `__post_init__` checks ranges and the fields that depend on one
-   another, then checks that this machine can run the config (a GPU it asks for). It
-   also validates a config that did not come through Hydra: a DDP rank's
-   `<run_dir>/config.yaml` (recdepth/train.py: ddp_rank), a test's dict.
-
-The core classes check their own arguments, and the schema calls the same checks
-(`model.check_architecture`, `sampler.check_args`, `exits.build`,
-`decoding.check_settings`, `callbacks.check_args`), so each message is written once.
-What needs the data or the file system (a glob that matches nothing, a checkpoint that
-is not there, a block longer than the val split) is checked where it is read.
-
-Glue, below the entry points (docs: recdepth/__init__.py, layers).
+Every failure is one line naming the dotted field (`trainer.max_steps: expected an
+integer >= 1, got 0`), from two checks:
+1. types and keys, while Hydra composes (`seed=abc`, a typo'd key): OmegaConf refuses them
+   and `config_error` condenses its report (recdepth/cli.py prints that line);
+2. `validated(cfg)`, called by the entry points before any work, also on a config that
+   did not come through Hydra (a DDP rank's config.yaml, a test's dict): it builds the
+   dataclasses, whose `__post_init__` checks ranges and dependent fields with the core
+   classes' own checks (`model.check_architecture`, `sampler.check_args`, `exits.build`,
+   ...), so each message is written once; then whether this machine can run it.
+What needs the data or the file system (a glob matching nothing, a missing checkpoint) is
+checked where it is read.
 """
 
 from __future__ import annotations

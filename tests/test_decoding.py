@@ -72,7 +72,7 @@ def test_per_step_cache_with_fixed_n_equals_the_parallel_forward(dtype, tol, n):
 
 
 def test_step_cache_finish_fills_later_slots_with_the_last_application():
-    from recdepth.model import StepKVCache
+    from recdepth.decoding import StepKVCache
 
     c = StepKVCache(3, 2, 5, 4, "cpu", torch.float64, max_steps=6)
     c.k.normal_()
