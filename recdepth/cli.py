@@ -82,6 +82,23 @@ def hoist_mode_flags(argv: list[str]) -> list[str]:
     return flags + [a for a in argv if a not in ("--multirun", "-m")]
 
 
+def _override_under_null(e: BaseException) -> str | None:
+    """One line for an override of a key under a node the config sets to null, e.g.
+    `callbacks=none callbacks.loop_dynamics.loops=5`: OmegaConf asserts on it without
+    naming the key, so the key is read from Hydra's override loop in the traceback."""
+    if not (isinstance(e, AssertionError) and "Unexpected type for root: NoneType" in str(e)):
+        return None
+    tb, key = e.__traceback__, None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == "_apply_overrides_to_config":
+            key = tb.tb_frame.f_locals.get("key")
+        tb = tb.tb_next
+    if not isinstance(key, str):
+        return None
+    return (f"{key}: {key.rsplit('.', 1)[0]} is null in this config (a group option such as callbacks=none "
+            "sets it so); pick an option that has it, or drop the override")
+
+
 def run_hydra_main(hydra_main) -> None:
     """Call a @hydra.main function with the documented argv forms; exit 1 if a job failed.
     A config Hydra cannot compose because OmegaConf refused a value (a wrong type, a key
@@ -97,7 +114,7 @@ def run_hydra_main(hydra_main) -> None:
             try:
                 return func()
             except Exception as e:
-                msg = config_error(e)
+                msg = config_error(e) or _override_under_null(e)
                 if msg is None or os.environ.get("HYDRA_FULL_ERROR") == "1":
                     raise
                 raise SystemExit(f"error: {msg}") from None
