@@ -51,7 +51,7 @@ from omegaconf.errors import (
 )
 
 from recdepth import callbacks, decoding, distributed, exits, sampler
-from recdepth.data import SOURCES
+from recdepth.documents import SOURCES
 from recdepth.model import check_architecture, shape_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")

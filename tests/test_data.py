@@ -1,8 +1,10 @@
-"""Tests for recdepth.data: token caches, sources, windows, unigram baseline, errors.
+"""Tests for the data path: recdepth.documents (sources), recdepth.tokens (token caches),
+recdepth.vocab, recdepth.windows and the TokenDataModule (recdepth.data), unigram
+baseline, errors.
 
 Every test writes its caches under tmp_path. Expected values come from independent
 computations (tiktoken's own encode/decode of the raw text, pure-Python loops, slicing the
-memmaps by hand), never from data.py's output.
+memmaps by hand), never from the package's output.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import recdepth.data as data
+from recdepth import tokens
 from recdepth.data import TokenDataModule
 from recdepth.tokenizer import EOT_ID, gpt2
+from recdepth.windows import TrainOrder
 
 WORDS = (
     "the king queen sword crown night day love death honour thou thee art hath doth "
@@ -49,7 +52,7 @@ def expected_stream(texts: list[str]) -> list[int]:
 
 def full_stream(dm: TokenDataModule) -> np.ndarray:
     """train + val as GPT-2 ids."""
-    return dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens]))
+    return dm.vocab.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens]))
 
 
 def dm_files(tmp_path, paths, **kw) -> TokenDataModule:
@@ -64,15 +67,15 @@ def dm_files(tmp_path, paths, **kw) -> TokenDataModule:
 
 @pytest.fixture
 def build_counter(monkeypatch):
-    """Counts how many times a cache is actually tokenized."""
+    """Counts how many times a cache is actually built."""
     calls = []
-    real = data._build_cache
+    real = tokens.build_cache
 
     def counting(*a, **k):
         calls.append(a[0])
         return real(*a, **k)
 
-    monkeypatch.setattr(data, "_build_cache", counting)
+    monkeypatch.setattr(tokens, "build_cache", counting)
     return calls
 
 
@@ -207,7 +210,7 @@ def test_crash_mid_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch)
         yield np.array([1, 2, 3], dtype=np.uint16)
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(data, "encode_documents", boom)
+    monkeypatch.setattr(tokens, "encode_documents", boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
         dm_files(tmp_path, [str(f)])
     assert not (d / "meta.json").exists()
@@ -225,23 +228,24 @@ def test_compact_vocab_maps_back(tmp_path):
     f = tmp_path / "doc.txt"
     f.write_text(text)
     dm = dm_files(tmp_path, [str(f)], compact_vocab=True)
+    v = dm.vocab
     ref = gpt2().encode_ordinary(text) + [EOT_ID]  # independent encoding
     train = set(ref[: len(dm.train_tokens)])
     expect = [t if t in train else -1 for t in ref]  # held-out ids unseen in train -> "other"
     assert -1 in expect
-    assert dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == expect
+    assert v.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == expect
     assert dm.vocab_size == len(train) + 1 and dm.n_other == 50257 - len(train)
     assert int(dm.val_tokens.max()) == dm.other_id == dm.vocab_size - 1
     # from_gpt2 inverts to_gpt2 on the train vocabulary, also on tensors; others -> "other".
-    assert np.array_equal(dm.from_gpt2(ref), np.concatenate([dm.train_tokens, dm.val_tokens]))
+    assert np.array_equal(v.from_gpt2(ref), np.concatenate([dm.train_tokens, dm.val_tokens]))
     t = torch.tensor(ref[:10])
-    assert torch.equal(dm.to_gpt2(dm.from_gpt2(t)), t)
+    assert torch.equal(v.to_gpt2(v.from_gpt2(t)), t)
     absent = next(i for i in range(50257) if i not in set(ref))
-    assert dm.from_gpt2([ref[0], absent]).tolist() == [dm.from_gpt2([ref[0]])[0], dm.other_id]
+    assert v.from_gpt2([ref[0], absent]).tolist() == [v.from_gpt2([ref[0]])[0], dm.other_id]
     with pytest.raises(ValueError, match="GPT-2 id 50257 is not in the model vocabulary"):
-        dm.from_gpt2([50257])
+        v.from_gpt2([50257])
     n_train = len(dm.train_tokens)
-    assert dm.decode(dm.from_gpt2(ref[:n_train])) == gpt2().decode(ref[:n_train])
+    assert dm.decode(v.from_gpt2(ref[:n_train])) == gpt2().decode(ref[:n_train])
     assert dm.decode([dm.other_id]) == "\ufffd"
 
 
@@ -250,12 +254,13 @@ def test_full_vocab_is_identity(tmp_path):
     f = tmp_path / "doc.txt"
     f.write_text(text)
     dm = dm_files(tmp_path, [str(f)])  # compact off by default for files
+    v = dm.vocab
     assert dm.id_map is None and dm.vocab_size == 50257 and dm.eot_id == EOT_ID
     raw = np.concatenate([dm.train_tokens, dm.val_tokens]).tolist()
     assert raw == gpt2().encode_ordinary(text) + [EOT_ID]
-    assert dm.to_gpt2(raw).tolist() == raw and dm.from_gpt2(raw).tolist() == raw
+    assert v.to_gpt2(raw).tolist() == raw and v.from_gpt2(raw).tolist() == raw
     with pytest.raises(ValueError, match="50257"):
-        dm.from_gpt2([50257])
+        v.from_gpt2([50257])
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,6 +317,32 @@ def test_train_windows(tmp_path):
     dm.num_workers = 1
     x_w, _ = next(iter(dm.train_dataloader(start_step=0)))
     assert torch.equal(x_w, batches[0][0])
+
+
+def test_train_order_is_a_function_of_seed_and_step(tmp_path):
+    """Step k's windows are the k-th batch of one sequential draw from Generator(seed)
+    (rank r: its r-th slice of the global batch), whichever way they are computed, and
+    the loader resumed at step k serves exactly them."""
+    n, T, B, S, W = 5000, 16, 3, 7, 2
+    seq = np.random.default_rng(11).integers(0, n - T, size=S * W * B, dtype=np.int64)
+    order = TrainOrder(n, T, B, S, seed=11, world_size=W)
+    for k in range(S):
+        for r in range(W):
+            want = seq[(k * W + r) * B : (k * W + r + 1) * B]
+            assert np.array_equal(order.batch(k, r), want)
+            assert np.array_equal(order.offsets(r)[k * B : (k + 1) * B], want)
+    assert not np.array_equal(TrainOrder(n, T, B, S, seed=12).batch(3), order.batch(3))
+
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(9, 2000))
+    dm = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=S, seed=11)
+    train = np.asarray(dm.train_tokens, dtype=np.int64)
+    order = dm.train_order()
+    for k in (0, 4, S - 1):
+        x, y = next(iter(dm.train_dataloader(start_step=k)))
+        starts = order.batch(k)
+        assert np.array_equal(x.numpy(), np.stack([train[o : o + T] for o in starts]))
+        assert np.array_equal(y.numpy(), np.stack([train[o + 1 : o + T + 1] for o in starts]))
 
 
 def test_val_windows(tmp_path):
