@@ -17,7 +17,7 @@ Core: the math, torch and numpy only
 
 Glue: Lightning, Hydra config, data, files, figures
   tokenizer.py    GPT-2 BPE, offline
-  documents.py    the document sources: Shakespeare, FineWeb, local files
+  documents.py    document sources (Shakespeare, FineWeb, local files) read with `datasets`
   tokens.py       tokenizing into the token cache (uint16 memmaps, meta.json)
   vocab.py        the model's vocabulary over GPT-2's (compact maps, unigram prior)
   windows.py      window batches, the training order, the resumable train loader

@@ -1,16 +1,17 @@
-"""Document sources: every source is a stream of text documents.
+"""Document sources: every source is a stream of text documents, read with `datasets`.
 
-  shakespeare  the corpus shipped in recdepth/assets/shakespeare.jsonl.xz (42 plays)
+  shakespeare  the corpus shipped in recdepth/assets/shakespeare.jsonl.xz (42 plays), read
+               with the `json` builder
   fineweb      HuggingFaceFW/fineweb (config sample-10BT, split train), streamed from the
                hub up to `max_tokens` tokens (required, so a typo can't start a 10B-token
                download); or, with `path`, local parquet files with FineWeb's columns
                (a file, a directory of *.parquet, or a glob), fully offline
   files        your own files (`paths`: files, directories or globs): .txt (one file = one
-               document), .jsonl/.json and .parquet (one row = one document, column
-               `text_column`)
+               document, the `text` builder with sample_by="document"), .jsonl/.json and
+               .parquet (one row = one document, column `text_column`)
 
-`datasets`' builders run in streaming mode: nothing is copied, and a capped stream stops
-being read once the tokenizer has enough. Text and JSON files are decoded with `encoding`
+Every builder runs in streaming mode: nothing is copied, and a capped stream stops being
+read once the tokenizer has enough. Text and JSON files are decoded with `encoding`
 (default UTF-8); one that does not decode stops with one line naming it and
 data.encoding. `resolve_source` turns a source and its options into a `SourceSpec`: the
 documents, and what its token cache key is made of.
@@ -21,8 +22,8 @@ from __future__ import annotations
 import codecs
 import glob
 import hashlib
+import itertools
 import json
-import lzma
 import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -43,15 +44,28 @@ FINEWEB_EXPECTED = "FineWeb parquet files"
 ROW_BATCH = 1024
 
 
+def shakespeare_file():
+    return resources.files("recdepth").joinpath("assets", "shakespeare.jsonl.xz")
+
+
 def shakespeare_bytes() -> bytes:
-    return resources.files("recdepth").joinpath("assets", "shakespeare.jsonl.xz").read_bytes()
+    return shakespeare_file().read_bytes()
 
 
-def iter_shakespeare() -> Iterator[str]:
+def iter_shakespeare(hf_cache: Path | None = None) -> Iterator[str]:
     """The 42 plays, one document each, in the asset's order."""
-    for line in lzma.decompress(shakespeare_bytes()).decode("utf-8").splitlines():
-        if line.strip():
-            yield json.loads(line)["text"]
+    import datasets
+
+    with resources.as_file(shakespeare_file()) as f:
+        ds = datasets.load_dataset("json", data_files=[str(f)], **_stream_kw(hf_cache))
+        yield from _rows_text(ds, "text", repr(str(f)), "data.source")
+
+
+def _stream_kw(hf_cache: Path | None) -> dict:
+    kw = {"split": "train", "streaming": True}
+    if hf_cache is not None:
+        kw["cache_dir"] = str(hf_cache)  # keeps datasets' lock files out of ~/.cache
+    return kw
 
 
 def _has_magic(pattern: str) -> bool:
@@ -136,34 +150,48 @@ def _not_text(f: Path, encoding: str, e: UnicodeDecodeError) -> ValueError:
     )
 
 
+def _builder(f: Path) -> str:
+    ext = f.suffix.lower()
+    return "text" if ext in TEXT_EXTS else "json" if ext in JSON_EXTS else "parquet"
+
+
 def iter_local_files(
     files: Sequence[Path], text_column: str, hf_cache: Path | None, field: str,
     encoding: str = "utf-8",
 ) -> Iterator[str]:
-    """Documents of local files, by extension. .txt files are read directly (the whole
-    file is one document, decoded with `encoding`); json/jsonl (also decoded with
-    `encoding`) and parquet (UTF-8 by its format) go through `datasets`' packaged builders
-    in streaming mode, which need no network. A file that does not decode raises one line
-    naming it and data.encoding."""
+    """Documents of local files, in order, through `datasets`' packaged builders in
+    streaming mode (no network): a run of consecutive .txt files is one `text` load with
+    sample_by="document" (one row per file, decoded with `encoding`); each json/jsonl
+    file (decoded with `encoding`) and parquet file (UTF-8 by its format) is its own
+    load, so a missing column names its file. A file that does not decode raises one
+    line naming it and data.encoding."""
     import datasets
 
-    kw = {"split": "train", "streaming": True}
-    if hf_cache is not None:
-        kw["cache_dir"] = str(hf_cache)  # keeps datasets' lock files out of ~/.cache
-    for f in files:
-        ext = f.suffix.lower()
-        if ext in TEXT_EXTS:
+    kw = _stream_kw(hf_cache)
+    for builder, run in itertools.groupby(files, key=_builder):
+        run = list(run)
+        if builder == "text":
+            ds = datasets.load_dataset(
+                "text", data_files=[str(f) for f in run], sample_by="document",
+                encoding=encoding, **kw,
+            )
+            done = 0  # one row per file, in order: the file being read is run[done]
             try:
-                yield f.read_text(encoding=encoding)
+                for row in ds:
+                    yield row["text"]
+                    done += 1
             except UnicodeDecodeError as e:
-                raise _not_text(f, encoding, e) from None
-        elif ext in JSON_EXTS:
-            ds = datasets.load_dataset("json", data_files=[str(f)], encoding=encoding, **kw)
-            try:
-                yield from _rows_text(ds, text_column, repr(str(f)), field)
-            except UnicodeDecodeError as e:
-                raise _not_text(f, encoding, e) from None
-        else:
+                raise _not_text(run[done], encoding, e) from None
+            continue
+        for f in run:
+            where = repr(str(f))
+            if builder == "json":
+                ds = datasets.load_dataset("json", data_files=[str(f)], encoding=encoding, **kw)
+                try:
+                    yield from _rows_text(ds, text_column, where, field)
+                except UnicodeDecodeError as e:
+                    raise _not_text(f, encoding, e) from None
+                continue
             import pyarrow.parquet as pq
 
             # Check the schema first: the parquet builder's `columns=` misbehaves on a
@@ -171,11 +199,10 @@ def iter_local_files(
             names = pq.read_schema(f).names
             if text_column not in names:
                 raise ValueError(
-                    f"{field}: column {text_column!r} not in {str(f)!r} "
-                    f"(columns: {', '.join(names)})"
+                    f"{field}: column {text_column!r} not in {where} (columns: {', '.join(names)})"
                 )
             ds = datasets.load_dataset("parquet", data_files=[str(f)], columns=[text_column], **kw)
-            yield from _rows_text(ds, text_column, repr(str(f)), field)
+            yield from _rows_text(ds, text_column, where, field)
 
 
 def iter_fineweb_hub(
@@ -235,7 +262,7 @@ def resolve_source(
             source,
             {"max_tokens": max_tokens},
             hashlib.sha256(shakespeare_bytes()).hexdigest(),
-            iter_shakespeare,
+            lambda: iter_shakespeare(hf_cache),
             max_tokens,
         )
     if source == "fineweb":

@@ -510,6 +510,14 @@ def test_jsonl_and_parquet_files_with_text_column(tmp_path):
     dm = dm_files(tmp_path, [str(jl), str(pqf), str(txt)], text_column="body")
     assert full_stream(dm).tolist() == expected_stream(texts + ["Exeunt."])
 
+    # Documents come in the order the paths are listed, across file types and .txt runs.
+    t = [tmp_path / f"t{i}.txt" for i in range(3)]
+    for i, g in enumerate(t):
+        g.write_text(f"Act {i}.")
+    dm = dm_files(tmp_path, [str(t[2]), str(t[0]), str(jl), str(t[1]), str(txt)], text_column="body",
+                  block_size=2)
+    assert full_stream(dm).tolist() == expected_stream(["Act 2.", "Act 0."] + texts[:3] + ["Act 1.", "Exeunt."])
+
     with pytest.raises(ValueError, match=r"data.text_column: column 'text' not in .*docs.jsonl"):
         dm_files(tmp_path, [str(jl)])
     with pytest.raises(ValueError, match=r"data.text_column: column 'text' not in .*docs.parquet"):
@@ -534,6 +542,13 @@ def test_text_in_another_encoding(tmp_path):
     assert full_stream(dm).tolist() == expected_stream([text, text])
     assert dm_files(tmp_path, [str(lat)], encoding="ISO-8859-1").cache_path == \
         dm_files(tmp_path, [str(lat)], encoding="latin-1").cache_path  # one codec, one cache
+    # In a run of .txt files (one `text` load) the one that fails is named, not its neighbours.
+    ok = [tmp_path / "ok1.txt", tmp_path / "ok2.txt"]
+    for g in ok:
+        g.write_text(text)
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(ok[0]), str(lat), str(ok[1])])
+    assert one_line(e).startswith(f"data.encoding: {str(lat)!r} is not utf-8 text (byte 0: ")
     binary = tmp_path / "model.txt"
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match=r"^data.encoding: .*model.txt.* is not utf-8 text"):
