@@ -18,7 +18,7 @@ Core: the math, torch and numpy only
 Glue: Lightning, Hydra config, data, files, figures
   tokenizer.py    GPT-2 BPE, offline
   documents.py    document sources (Shakespeare, FineWeb, local files) read with `datasets`
-  tokens.py       tokenizing into the token cache (uint16 memmaps, meta.json)
+  tokens.py       tokenizing with `Dataset.map` into the token cache (uint16 memmaps)
   vocab.py        the model's vocabulary over GPT-2's (compact maps, unigram prior)
   windows.py      window batches, the training order, the resumable train loader
   data.py         the LightningDataModule

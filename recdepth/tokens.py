@@ -1,12 +1,19 @@
-"""Tokenizing a source into its token cache.
+"""Tokenizing a source into its token cache, nanoGPT style.
 
-The documents of a source (`recdepth.documents`) are tokenized once with GPT-2 BPE
-(`recdepth.tokenizer.gpt2`), an end-of-text token (EOT, 50256) is appended after *each*
-document, and the resulting token stream is cut nanoGPT style: the first
-`1 - val_fraction` of it is the train split, the tail is the val split. Both are stored as
-flat uint16 files and opened as `np.memmap`, so training never holds the corpus in memory.
-`max_tokens`, when set, cuts the token stream at exactly that many tokens (the last
-document is usually cut mid-way).
+The documents of a source (`recdepth.documents`) are tokenized with GPT-2 BPE
+(`recdepth.tokenizer.gpt2`) by `datasets`' `Dataset.map` (batched), an end-of-text token
+(EOT, 50256) after *each* document, and written once into one flat uint16 memmap, the way
+nanoGPT's prepare scripts do. The stream is then cut: the first `1 - val_fraction` of it
+is the train split, the tail is the val split. `max_tokens`, when set, cuts the token
+stream at exactly that many tokens (the last document is usually cut mid-way).
+
+The documents are mapped in consecutive blocks (the first of about 1M tokens, each next
+one twice as large up to 32x), each block one `Dataset.map` with an explicit
+`new_fingerprint` made of the cache key and the block's index, cached by `datasets` as
+`<cache_dir>/hf-datasets/tokenized/<source>-<key[:16]>/<fingerprint>.arrow`. Blocks stop
+as soon as they hold `max_tokens` tokens (a capped hub stream is abandoned there), and a
+build that crashed resumes at the first block it had not mapped. The block files are
+deleted once the token cache is complete: the cache holds the same tokens.
 
 Cache layout
 ------------
@@ -16,7 +23,7 @@ Cache layout
       vocab.npy    int64, compact id -> GPT-2 id, -1 for the shared "other" entry
                    (only with compact_vocab; `recdepth.vocab` reads it)
       meta.json    source, parameters, tokenizer id, content hash, counts, vocab info
-  <cache_dir>/hf-datasets/   lock files of the `datasets` builders used for local files
+  <cache_dir>/hf-datasets/   `datasets`' lock files and the map cache of unfinished builds
 
 `cache_dir` defaults to $RECDEPTH_CACHE, else ~/.cache/recdepth. The key is the sha256 of:
 the cache format version, the source name, the source's parameters that change the
@@ -41,12 +48,11 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from recdepth.documents import FINEWEB_CONFIG, FINEWEB_REPO, SourceSpec, resolve_source
 from recdepth.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, gpt2, tokenizer_id
@@ -56,10 +62,14 @@ log = logging.getLogger(__name__)
 # Bump when the on-disk layout or the tokenization procedure changes: old caches then
 # simply stop matching.
 CACHE_FORMAT = 2  # 2: compact vocabulary from the train split only, plus "other"
-# Documents are handed to encode_ordinary_batch in chunks of about this many characters
-# (~1M tokens): big enough for its thread pool, small enough to keep memory flat.
-CHUNK_CHARS = 1 << 22
-CHUNK_DOCS = 4096
+# Block k of documents holds up to min(2**k, BLOCK_GROWTH) * (BLOCK_CHARS characters or
+# BLOCK_DOCS documents): about 1M tokens first (a capped stream stops early), up to
+# ~128M characters later (few cache files, bounded memory).
+BLOCK_CHARS = 1 << 22
+BLOCK_DOCS = 4096
+BLOCK_GROWTH = 32
+THREADS = max(1, min(8, os.cpu_count() or 1))  # encode_ordinary_batch's thread pool
+WRITE_ROWS = 4096  # tokenized documents copied into the memmap at a time
 
 
 def default_cache_dir() -> Path:
@@ -77,49 +87,6 @@ def cache_key(spec: SourceSpec, val_fraction: float, compact_vocab: bool) -> str
         "compact_vocab": bool(compact_vocab),
     }
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
-
-
-def encode_documents(docs: Iterable[str], max_tokens: int | None = None) -> Iterator[np.ndarray]:
-    """uint16 chunks of the token stream: each document's tokens followed by EOT, cut at
-    exactly `max_tokens` tokens. Stops pulling documents once the cap is reached."""
-    enc = gpt2()
-    threads = max(1, min(8, os.cpu_count() or 1))
-    emitted = 0
-
-    def flush(batch: list[str]) -> np.ndarray:
-        toks = enc.encode_ordinary_batch(batch, num_threads=threads)
-        total = sum(len(t) + 1 for t in toks)
-        out = np.empty(total, dtype=np.uint16)
-        i = 0
-        for t in toks:
-            out[i : i + len(t)] = t
-            out[i + len(t)] = EOT_ID
-            i += len(t) + 1
-        return out
-
-    batch: list[str] = []
-    chars = 0
-    docs = iter(docs)
-    try:
-        while True:
-            doc = next(docs, None)
-            if doc is not None:
-                batch.append(doc)
-                chars += len(doc)
-            if batch and (doc is None or chars >= CHUNK_CHARS or len(batch) >= CHUNK_DOCS):
-                chunk = flush(batch)
-                batch, chars = [], 0
-                if max_tokens is not None and emitted + len(chunk) >= max_tokens:
-                    yield chunk[: max_tokens - emitted]
-                    return
-                emitted += len(chunk)
-                yield chunk
-            if doc is None:
-                return
-    finally:
-        close = getattr(docs, "close", None)
-        if close is not None:
-            close()  # ends a hub stream early
 
 
 @dataclass
@@ -179,9 +146,88 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     return TokenCache(path, meta, train, val, id_map, built=False), ""
 
 
+# ---------------------------------------------------------------------------------------
+# Tokenizing: Dataset.map over blocks of documents, then one flat uint16 memmap.
+
+
+def tokenize_batch(batch: dict) -> dict:
+    """The `Dataset.map` function: each document's GPT-2 ids followed by EOT, and their
+    number."""
+    ids = gpt2().encode_ordinary_batch(batch["text"], num_threads=THREADS)
+    for t in ids:
+        t.append(EOT_ID)
+    return {"ids": ids, "len": [len(t) for t in ids]}
+
+
+def document_blocks(docs: Iterator[str]) -> Iterator[list[str]]:
+    """Consecutive blocks of the documents, sized as BLOCK_* says. A block's bounds depend
+    only on the documents, so block k of a source is always the same text. Closing this
+    generator closes `docs` (which ends a hub stream)."""
+    try:
+        k, block, chars = 0, [], 0
+        for doc in docs:
+            block.append(doc)
+            chars += len(doc)
+            g = min(1 << k, BLOCK_GROWTH)
+            if chars >= g * BLOCK_CHARS or len(block) >= g * BLOCK_DOCS:
+                yield block
+                k, block, chars = k + 1, [], 0
+        if block:
+            yield block
+    finally:
+        close = getattr(docs, "close", None)
+        if close is not None:
+            close()
+
+
+def tokenized_blocks(spec: SourceSpec, key: str, blocks_dir: Path) -> tuple[list, int]:
+    """`Dataset`s of (ids, len), one per block, in order, until they hold spec.max_tokens
+    tokens (all documents without a cap), and the number of tokens they hold. Block k is
+    cached under the fingerprint <key[:40]>-<k>: an existing one is loaded, not tokenized
+    again."""
+    import datasets
+    import pyarrow.compute as pc
+
+    features = datasets.Features(
+        {"ids": datasets.Sequence(datasets.Value("uint16")), "len": datasets.Value("int64")}
+    )
+    out, n = [], 0
+    blocks = document_blocks(iter(spec.documents()))
+    try:
+        for k, docs in enumerate(blocks):
+            fingerprint = f"{key[:40]}-{k:05d}"
+            blocks_dir.mkdir(parents=True, exist_ok=True)
+            ds = datasets.Dataset.from_dict({"text": docs}).map(
+                tokenize_batch,
+                batched=True,
+                remove_columns=["text"],
+                features=features,
+                new_fingerprint=fingerprint,
+                cache_file_name=str(blocks_dir / f"{fingerprint}.arrow"),
+                desc=f"tokenizing {spec.source} (block {k})",
+            )
+            out.append(ds)
+            n += pc.sum(ds.data.column("len")).as_py() or 0
+            if spec.max_tokens is not None and n >= spec.max_tokens:
+                break
+    finally:
+        blocks.close()
+    return out, n
+
+
+def block_tokens(blocks: Sequence) -> Iterator[np.ndarray]:
+    """The token stream of tokenized blocks, as uint16 chunks, in order."""
+    for ds in blocks:
+        for batch in ds.with_format("arrow").iter(batch_size=WRITE_ROWS):
+            yield batch.column("ids").combine_chunks().flatten().to_numpy()
+
+
 def build_cache(
-    path: Path, key: str, spec: SourceSpec, val_fraction: float, compact_vocab: bool, progress: bool
+    path: Path, key: str, spec: SourceSpec, val_fraction: float, compact_vocab: bool,
+    progress: bool, blocks_dir: Path,
 ) -> None:
+    import datasets
+
     path.mkdir(parents=True, exist_ok=True)
     # Invalidate first: from here until meta.json is rewritten, a crash leaves a cache
     # that open_cache refuses.
@@ -189,24 +235,13 @@ def build_cache(
     tag = f".tmp-{os.getpid()}"
     tmp = {n: path / f"{n}{tag}" for n in ("tokens.bin", "val.bin", "vocab.npy", "meta.json")}
     t0 = time.time()
+    bars = datasets.is_progress_bar_enabled()
+    if not progress:
+        datasets.disable_progress_bars()
     try:
-        counts = np.zeros(GPT2_VOCAB_SIZE, dtype=np.int64)
-        n = 0
-        with (
-            open(tmp["tokens.bin"], "wb") as f,
-            tqdm(
-                desc=f"tokenizing {spec.source}",
-                unit="tok",
-                unit_scale=True,
-                total=spec.max_tokens,
-                disable=not progress,
-            ) as bar,
-        ):
-            for chunk in encode_documents(spec.documents(), spec.max_tokens):
-                f.write(chunk.tobytes())
-                counts += np.bincount(chunk, minlength=GPT2_VOCAB_SIZE)
-                n += len(chunk)
-                bar.update(len(chunk))
+        blocks, n = tokenized_blocks(spec, key, blocks_dir)
+        if spec.max_tokens is not None:
+            n = min(n, spec.max_tokens)
         # nanoGPT's tail split: train = the first int(n * (1 - val_fraction)) tokens.
         n_train = int(n * (1.0 - val_fraction))
         n_val = n - n_train
@@ -215,7 +250,16 @@ def build_cache(
                 f"data: source {spec.source!r} gave only {n} tokens, too few to split with "
                 f"val_fraction={val_fraction}"
             )
-        tokens = np.memmap(tmp["tokens.bin"], dtype=np.uint16, mode="r+", shape=(n,))
+        tokens = np.memmap(tmp["tokens.bin"], dtype=np.uint16, mode="w+", shape=(n,))
+        counts = np.zeros(GPT2_VOCAB_SIZE, dtype=np.int64)
+        i = 0
+        for chunk in block_tokens(blocks):
+            chunk = chunk[: n - i]
+            tokens[i : i + len(chunk)] = chunk
+            counts += np.bincount(chunk, minlength=GPT2_VOCAB_SIZE)
+            i += len(chunk)
+            if i == n:
+                break
         n_other = val_other = 0
         if compact_vocab:
             # The train split alone chooses the vocabulary; everything else is "other".
@@ -271,9 +315,18 @@ def build_cache(
         }
         tmp["meta.json"].write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(tmp["meta.json"], path / "meta.json")
+        for ds in blocks:  # the cache holds these tokens now
+            for f in ds.cache_files:
+                Path(f["filename"]).unlink(missing_ok=True)
+        try:
+            blocks_dir.rmdir()
+        except OSError:
+            pass
     finally:
         for f in tmp.values():
             f.unlink(missing_ok=True)
+        if bars and not progress:
+            datasets.enable_progress_bars()
     log.info("tokenized %s: %d tokens in %.1fs -> %s", spec.source, n, time.time() - t0, path)
 
 
@@ -313,13 +366,15 @@ def prepare_tokens(
         encoding=encoding,
     )
     key = cache_key(spec, val_fraction, compact_vocab)
-    cache_path = root / "tokens" / f"{source}-{key[:16]}"
+    name = f"{source}-{key[:16]}"
+    cache_path = root / "tokens" / name
     cache, why = open_cache(cache_path, key)
     if cache is not None:
         return cache
     if cache_path.exists() and why != "no meta.json":
         log.warning("rebuilding token cache %s: %s", cache_path, why)
-    build_cache(cache_path, key, spec, float(val_fraction), compact_vocab, progress)
+    blocks_dir = root / "hf-datasets" / "tokenized" / name
+    build_cache(cache_path, key, spec, float(val_fraction), compact_vocab, progress, blocks_dir)
     cache, why = open_cache(cache_path, key)
     if cache is None:  # only if something else wrote into the directory meanwhile
         raise RuntimeError(f"data: token cache {cache_path} is invalid right after building: {why}")

@@ -198,25 +198,93 @@ def test_damaged_cache_is_rebuilt(tmp_path, build_counter, damage):
     assert full_stream(dm2).tolist() == expected
 
 
-def test_crash_mid_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
-    f = tmp_path / "doc.txt"
-    f.write_text(make_text(3))
-    dm = dm_files(tmp_path, [str(f)])
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 2, then 4 documents (tokens.BLOCK_*), so small corpora span several."""
+    monkeypatch.setattr(tokens, "BLOCK_DOCS", 2)
+    monkeypatch.setattr(tokens, "BLOCK_GROWTH", 2)
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """The documents tokens.tokenize_batch is handed, one list per Dataset.map batch."""
+    calls = []
+    real = tokens.tokenize_batch
+
+    def counting(batch):
+        calls.append(list(batch["text"]))
+        return real(batch)
+
+    monkeypatch.setattr(tokens, "tokenize_batch", counting)
+    return calls
+
+
+def write_docs(tmp_path, docs) -> list[str]:
+    paths = []
+    for i, doc in enumerate(docs):
+        (tmp_path / f"{i:02d}.txt").write_text(doc)
+        paths.append(str(tmp_path / f"{i:02d}.txt"))
+    return paths
+
+
+def test_crash_mid_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch, small_blocks):
+    docs = [make_text(40 + i, 60) for i in range(7)]  # blocks: docs 0-1, 2-5, 6
+    paths = write_docs(tmp_path, docs)
+    dm = dm_files(tmp_path, paths)
     d = dm.cache_path
-    # Rebuild after damaging it, and crash half-way through tokenizing.
+    blocks = tmp_path / "cache" / "hf-datasets" / "tokenized" / d.name
+    assert not blocks.exists()  # the map cache goes once the token cache is complete
+    # Rebuild after damaging it, and crash in the second block's Dataset.map.
     (d / "meta.json").write_text("{}")
+    real, seen = tokens.tokenize_batch, []
 
-    def boom(docs, max_tokens=None):
-        yield np.array([1, 2, 3], dtype=np.uint16)
-        raise RuntimeError("disk on fire")
+    def boom(batch):
+        if seen:
+            raise RuntimeError("disk on fire")
+        seen.append(list(batch["text"]))
+        return real(batch)
 
-    monkeypatch.setattr(tokens, "encode_documents", boom)
+    monkeypatch.setattr(tokens, "tokenize_batch", boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        dm_files(tmp_path, [str(f)])
+        dm_files(tmp_path, paths)
+    assert seen == [docs[:2]]
     assert not (d / "meta.json").exists()
     assert not [p for p in d.iterdir() if ".tmp-" in p.name]  # temp files cleaned up
-    monkeypatch.undo()
-    assert full_stream(dm_files(tmp_path, [str(f)])).tolist() == expected_stream([make_text(3)])
+    assert len(list(blocks.glob("*.arrow"))) == 1  # the finished block's map cache
+    # The next build resumes: block 0 comes from datasets' cache, only the rest is mapped.
+    seen.clear()
+    monkeypatch.setattr(tokens, "tokenize_batch", lambda batch: seen.append(list(batch["text"])) or real(batch))
+    assert full_stream(dm_files(tmp_path, paths)).tolist() == expected_stream(docs)
+    assert seen == [docs[2:6], docs[6:]] and not blocks.exists()
+
+
+@pytest.mark.parametrize("cap", [None, 50, 100, "two_blocks", 10**6])
+def test_blockwise_map_equals_slow_reference(tmp_path, small_blocks, tokenized, cap):
+    """Dataset.map over blocks, written into one memmap, is tiktoken's encoding of each
+    document plus EOT, concatenated, token for token, and cut at exactly max_tokens; a cap
+    stops mapping at the first block that reaches it."""
+    docs = [make_text(50 + i, 20 + 15 * i) for i in range(9)]  # blocks: 0-1, 2-5, 6-8
+    docs[3] = "naïve café 東京 😀\n" + docs[3]
+    ref = expected_stream(docs)
+    if cap == "two_blocks":  # exactly the tokens of blocks 0 and 1: block 2 is never mapped
+        cap = len(expected_stream(docs[:6]))
+    dm = dm_files(tmp_path, write_docs(tmp_path, docs), max_tokens=cap)
+    assert full_stream(dm).tolist() == ref[:cap]
+    assert dm.cache.meta["n_tokens"] == len(ref[:cap])
+    mapped = [doc for batch in tokenized for doc in batch]
+    ends = [b for b in (2, 6) if cap is not None and len(expected_stream(docs[:b])) >= cap]
+    assert mapped == docs[: (ends + [9])[0]]  # a cap past the end: every document
+
+
+def test_second_prepare_is_a_cache_hit(tmp_path, tokenized):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(60))
+    kw = dict(paths=[str(f)], cache_dir=tmp_path / "cache", progress=False)
+    first = tokens.prepare_tokens("files", **kw)
+    assert first.built and tokenized == [[make_text(60)]]
+    again = tokens.prepare_tokens("files", **kw)
+    assert not again.built and again.path == first.path and len(tokenized) == 1  # not tokenized again
+    assert np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
 
 
 # ---------------------------------------------------------------------------------------
