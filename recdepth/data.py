@@ -27,9 +27,9 @@ class TokenDataModule(L.LightningDataModule):
     """Random train windows and consecutive val windows over a token cache.
 
     Train: max_steps batches of batch_size windows of block_size + 1 tokens at offsets
-    `train_offsets` (`windows.TrainOrder`: batch k is a function of seed and k). Val: the first `val_tokens`
-    val tokens (all of them if None) cut into non-overlapping windows with stride
-    block_size, in order; the leftover tail shorter than a window is dropped.
+    `train_offsets` (`windows.TrainOrder`: batch k is a function of seed and k). Val: the
+    first `val_tokens` val tokens (all of them if None) cut into non-overlapping windows
+    with stride block_size, in order; the leftover tail shorter than a window is dropped.
 
     After setup, `vocab` maps model ids to GPT-2 ids and back (`recdepth.vocab`);
     vocab_size, id_map, n_other, other_id and eot_id are its, for the model's config.
@@ -190,11 +190,13 @@ class TokenDataModule(L.LightningDataModule):
         if not 0 <= r < W:
             raise ValueError(f"data: rank {r} outside a world of {W} processes")
         offsets = self.train_offsets if W == 1 else self.train_order(W).offsets(r)
-        return WindowBatches(cache.path / "train.bin", len(cache.train), offsets, self.block_size, self.batch_size)
+        return WindowBatches(cache.path / "train.bin", len(cache.train), offsets, self.block_size,
+                             self.batch_size)
 
     def val_dataset(self) -> WindowBatches:
         cache = self._require_setup()
-        return WindowBatches(cache.path / "val.bin", len(cache.val), self.val_offsets, self.block_size, self.batch_size)
+        return WindowBatches(cache.path / "val.bin", len(cache.val), self.val_offsets, self.block_size,
+                             self.batch_size)
 
     def train_dataloader(self, start_step: int | None = None) -> ResumableLoader:
         """Batches in a fixed order, from start_step (default self.start_step) on. The

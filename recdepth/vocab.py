@@ -48,7 +48,9 @@ class Vocab:
         in, a LongTensor on the same device out."""
         if torch.is_tensor(ids):
             ids = ids.long()
-            return ids if self.id_map is None else torch.as_tensor(self.id_map, device=ids.device)[ids]
+            if self.id_map is None:
+                return ids
+            return torch.as_tensor(self.id_map, device=ids.device)[ids]
         ids = np.asarray(ids, dtype=np.int64)
         return ids if self.id_map is None else self.id_map[ids]
 
@@ -56,7 +58,8 @@ class Vocab:
         """GPT-2 ids -> model ids (an id the train split never saw -> "other");
         ValueError for an id outside GPT-2's vocabulary."""
         is_tensor = torch.is_tensor(ids)
-        arr = ids.detach().cpu().numpy().astype(np.int64) if is_tensor else np.asarray(ids, dtype=np.int64)
+        arr = ids.detach().cpu().numpy() if is_tensor else ids
+        arr = np.asarray(arr, dtype=np.int64)
         bad = (arr < 0) | (arr >= GPT2_VOCAB_SIZE)
         if self._from_gpt2 is not None:
             out = np.where(bad, -1, self._from_gpt2[np.clip(arr, 0, GPT2_VOCAB_SIZE - 1)])
