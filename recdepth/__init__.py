@@ -17,7 +17,11 @@ Core: the math, torch and numpy only
 
 Glue: Lightning, Hydra config, data, files, figures
   tokenizer.py    GPT-2 BPE, offline
-  data.py         token caches and the LightningDataModule
+  documents.py    document sources (Shakespeare, FineWeb, local files) read with `datasets`
+  tokens.py       tokenizing with `Dataset.map` into the token cache (uint16 memmaps)
+  vocab.py        the model's vocabulary over GPT-2's (compact maps, unigram prior)
+  windows.py      window batches, the training order, the resumable train loader
+  data.py         the LightningDataModule
   lit.py          the LightningModule (optimiser, schedule, metrics, throughput)
   callbacks.py    LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
   plots.py        the paper's Figs. 1, 2, 3, 5 drawn from diagnostics records

@@ -41,7 +41,7 @@ from omegaconf.errors import (
 )
 
 from recdepth import callbacks, decoding, distributed, exits, sampler
-from recdepth.data import SOURCES
+from recdepth.documents import SOURCES
 from recdepth.model import check_architecture, shape_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
@@ -140,7 +140,7 @@ class ExitConfig:
         exits.build(self.name, self.tau, self.min_steps, self.max_steps)
 
 
-# Which data keys each source reads (recdepth/data.py: resolve_source); the others must
+# Which data keys each source reads (recdepth/documents.py: resolve_source); the others must
 # keep their defaults, so a key set for another source is refused instead of ignored.
 DATA_COMMON = ("source", "max_tokens", "val_fraction", "val_tokens", "compact_vocab", "cache_dir", "num_workers")
 DATA_KEYS = {

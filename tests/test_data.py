@@ -1,8 +1,10 @@
-"""Tests for recdepth.data: token caches, sources, windows, unigram baseline, errors.
+"""Tests for the data path: recdepth.documents (sources), recdepth.tokens (token caches),
+recdepth.vocab, recdepth.windows and the TokenDataModule (recdepth.data), unigram
+baseline, errors.
 
 Every test writes its caches under tmp_path. Expected values come from independent
 computations (tiktoken's own encode/decode of the raw text, pure-Python loops, slicing the
-memmaps by hand), never from data.py's output.
+memmaps by hand), never from the package's output.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-import recdepth.data as data
+from recdepth import tokens
 from recdepth.data import TokenDataModule
 from recdepth.tokenizer import EOT_ID, gpt2
+from recdepth.windows import TrainOrder
 
 WORDS = (
     "the king queen sword crown night day love death honour thou thee art hath doth "
@@ -49,7 +52,7 @@ def expected_stream(texts: list[str]) -> list[int]:
 
 def full_stream(dm: TokenDataModule) -> np.ndarray:
     """train + val as GPT-2 ids."""
-    return dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens]))
+    return dm.vocab.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens]))
 
 
 def dm_files(tmp_path, paths, **kw) -> TokenDataModule:
@@ -64,15 +67,15 @@ def dm_files(tmp_path, paths, **kw) -> TokenDataModule:
 
 @pytest.fixture
 def build_counter(monkeypatch):
-    """Counts how many times a cache is actually tokenized."""
+    """Counts how many times a cache is actually built."""
     calls = []
-    real = data._build_cache
+    real = tokens.build_cache
 
     def counting(*a, **k):
         calls.append(a[0])
         return real(*a, **k)
 
-    monkeypatch.setattr(data, "_build_cache", counting)
+    monkeypatch.setattr(tokens, "build_cache", counting)
     return calls
 
 
@@ -195,25 +198,93 @@ def test_damaged_cache_is_rebuilt(tmp_path, build_counter, damage):
     assert full_stream(dm2).tolist() == expected
 
 
-def test_crash_mid_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch):
-    f = tmp_path / "doc.txt"
-    f.write_text(make_text(3))
-    dm = dm_files(tmp_path, [str(f)])
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of 2, then 4 documents (tokens.BLOCK_*), so small corpora span several."""
+    monkeypatch.setattr(tokens, "BLOCK_DOCS", 2)
+    monkeypatch.setattr(tokens, "BLOCK_GROWTH", 2)
+
+
+@pytest.fixture
+def tokenized(monkeypatch):
+    """The documents tokens.tokenize_batch is handed, one list per Dataset.map batch."""
+    calls = []
+    real = tokens.tokenize_batch
+
+    def counting(batch):
+        calls.append(list(batch["text"]))
+        return real(batch)
+
+    monkeypatch.setattr(tokens, "tokenize_batch", counting)
+    return calls
+
+
+def write_docs(tmp_path, docs) -> list[str]:
+    paths = []
+    for i, doc in enumerate(docs):
+        (tmp_path / f"{i:02d}.txt").write_text(doc)
+        paths.append(str(tmp_path / f"{i:02d}.txt"))
+    return paths
+
+
+def test_crash_mid_build_leaves_no_complete_looking_cache(tmp_path, monkeypatch, small_blocks):
+    docs = [make_text(40 + i, 60) for i in range(7)]  # blocks: docs 0-1, 2-5, 6
+    paths = write_docs(tmp_path, docs)
+    dm = dm_files(tmp_path, paths)
     d = dm.cache_path
-    # Rebuild after damaging it, and crash half-way through tokenizing.
+    blocks = tmp_path / "cache" / "hf-datasets" / "tokenized" / d.name
+    assert not blocks.exists()  # the map cache goes once the token cache is complete
+    # Rebuild after damaging it, and crash in the second block's Dataset.map.
     (d / "meta.json").write_text("{}")
+    real, seen = tokens.tokenize_batch, []
 
-    def boom(docs, max_tokens=None):
-        yield np.array([1, 2, 3], dtype=np.uint16)
-        raise RuntimeError("disk on fire")
+    def boom(batch):
+        if seen:
+            raise RuntimeError("disk on fire")
+        seen.append(list(batch["text"]))
+        return real(batch)
 
-    monkeypatch.setattr(data, "encode_documents", boom)
+    monkeypatch.setattr(tokens, "tokenize_batch", boom)
     with pytest.raises(RuntimeError, match="disk on fire"):
-        dm_files(tmp_path, [str(f)])
+        dm_files(tmp_path, paths)
+    assert seen == [docs[:2]]
     assert not (d / "meta.json").exists()
     assert not [p for p in d.iterdir() if ".tmp-" in p.name]  # temp files cleaned up
-    monkeypatch.undo()
-    assert full_stream(dm_files(tmp_path, [str(f)])).tolist() == expected_stream([make_text(3)])
+    assert len(list(blocks.glob("*.arrow"))) == 1  # the finished block's map cache
+    # The next build resumes: block 0 comes from datasets' cache, only the rest is mapped.
+    seen.clear()
+    monkeypatch.setattr(tokens, "tokenize_batch", lambda batch: seen.append(list(batch["text"])) or real(batch))
+    assert full_stream(dm_files(tmp_path, paths)).tolist() == expected_stream(docs)
+    assert seen == [docs[2:6], docs[6:]] and not blocks.exists()
+
+
+@pytest.mark.parametrize("cap", [None, 50, 100, "two_blocks", 10**6])
+def test_blockwise_map_equals_slow_reference(tmp_path, small_blocks, tokenized, cap):
+    """Dataset.map over blocks, written into one memmap, is tiktoken's encoding of each
+    document plus EOT, concatenated, token for token, and cut at exactly max_tokens; a cap
+    stops mapping at the first block that reaches it."""
+    docs = [make_text(50 + i, 20 + 15 * i) for i in range(9)]  # blocks: 0-1, 2-5, 6-8
+    docs[3] = "naïve café 東京 😀\n" + docs[3]
+    ref = expected_stream(docs)
+    if cap == "two_blocks":  # exactly the tokens of blocks 0 and 1: block 2 is never mapped
+        cap = len(expected_stream(docs[:6]))
+    dm = dm_files(tmp_path, write_docs(tmp_path, docs), max_tokens=cap)
+    assert full_stream(dm).tolist() == ref[:cap]
+    assert dm.cache.meta["n_tokens"] == len(ref[:cap])
+    mapped = [doc for batch in tokenized for doc in batch]
+    ends = [b for b in (2, 6) if cap is not None and len(expected_stream(docs[:b])) >= cap]
+    assert mapped == docs[: (ends + [9])[0]]  # a cap past the end: every document
+
+
+def test_second_prepare_is_a_cache_hit(tmp_path, tokenized):
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(60))
+    kw = dict(paths=[str(f)], cache_dir=tmp_path / "cache", progress=False)
+    first = tokens.prepare_tokens("files", **kw)
+    assert first.built and tokenized == [[make_text(60)]]
+    again = tokens.prepare_tokens("files", **kw)
+    assert not again.built and again.path == first.path and len(tokenized) == 1  # not tokenized again
+    assert np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
 
 
 # ---------------------------------------------------------------------------------------
@@ -225,23 +296,24 @@ def test_compact_vocab_maps_back(tmp_path):
     f = tmp_path / "doc.txt"
     f.write_text(text)
     dm = dm_files(tmp_path, [str(f)], compact_vocab=True)
+    v = dm.vocab
     ref = gpt2().encode_ordinary(text) + [EOT_ID]  # independent encoding
     train = set(ref[: len(dm.train_tokens)])
     expect = [t if t in train else -1 for t in ref]  # held-out ids unseen in train -> "other"
     assert -1 in expect
-    assert dm.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == expect
+    assert v.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens])).tolist() == expect
     assert dm.vocab_size == len(train) + 1 and dm.n_other == 50257 - len(train)
     assert int(dm.val_tokens.max()) == dm.other_id == dm.vocab_size - 1
     # from_gpt2 inverts to_gpt2 on the train vocabulary, also on tensors; others -> "other".
-    assert np.array_equal(dm.from_gpt2(ref), np.concatenate([dm.train_tokens, dm.val_tokens]))
+    assert np.array_equal(v.from_gpt2(ref), np.concatenate([dm.train_tokens, dm.val_tokens]))
     t = torch.tensor(ref[:10])
-    assert torch.equal(dm.to_gpt2(dm.from_gpt2(t)), t)
+    assert torch.equal(v.to_gpt2(v.from_gpt2(t)), t)
     absent = next(i for i in range(50257) if i not in set(ref))
-    assert dm.from_gpt2([ref[0], absent]).tolist() == [dm.from_gpt2([ref[0]])[0], dm.other_id]
+    assert v.from_gpt2([ref[0], absent]).tolist() == [v.from_gpt2([ref[0]])[0], dm.other_id]
     with pytest.raises(ValueError, match="GPT-2 id 50257 is not in the model vocabulary"):
-        dm.from_gpt2([50257])
+        v.from_gpt2([50257])
     n_train = len(dm.train_tokens)
-    assert dm.decode(dm.from_gpt2(ref[:n_train])) == gpt2().decode(ref[:n_train])
+    assert dm.decode(v.from_gpt2(ref[:n_train])) == gpt2().decode(ref[:n_train])
     assert dm.decode([dm.other_id]) == "\ufffd"
 
 
@@ -250,12 +322,13 @@ def test_full_vocab_is_identity(tmp_path):
     f = tmp_path / "doc.txt"
     f.write_text(text)
     dm = dm_files(tmp_path, [str(f)])  # compact off by default for files
+    v = dm.vocab
     assert dm.id_map is None and dm.vocab_size == 50257 and dm.eot_id == EOT_ID
     raw = np.concatenate([dm.train_tokens, dm.val_tokens]).tolist()
     assert raw == gpt2().encode_ordinary(text) + [EOT_ID]
-    assert dm.to_gpt2(raw).tolist() == raw and dm.from_gpt2(raw).tolist() == raw
+    assert v.to_gpt2(raw).tolist() == raw and v.from_gpt2(raw).tolist() == raw
     with pytest.raises(ValueError, match="50257"):
-        dm.from_gpt2([50257])
+        v.from_gpt2([50257])
 
 
 # ---------------------------------------------------------------------------------------
@@ -312,6 +385,32 @@ def test_train_windows(tmp_path):
     dm.num_workers = 1
     x_w, _ = next(iter(dm.train_dataloader(start_step=0)))
     assert torch.equal(x_w, batches[0][0])
+
+
+def test_train_order_is_a_function_of_seed_and_step(tmp_path):
+    """Step k's windows are the k-th batch of one sequential draw from Generator(seed)
+    (rank r: its r-th slice of the global batch), whichever way they are computed, and
+    the loader resumed at step k serves exactly them."""
+    n, T, B, S, W = 5000, 16, 3, 7, 2
+    seq = np.random.default_rng(11).integers(0, n - T, size=S * W * B, dtype=np.int64)
+    order = TrainOrder(n, T, B, S, seed=11, world_size=W)
+    for k in range(S):
+        for r in range(W):
+            want = seq[(k * W + r) * B : (k * W + r + 1) * B]
+            assert np.array_equal(order.batch(k, r), want)
+            assert np.array_equal(order.offsets(r)[k * B : (k + 1) * B], want)
+    assert not np.array_equal(TrainOrder(n, T, B, S, seed=12).batch(3), order.batch(3))
+
+    f = tmp_path / "doc.txt"
+    f.write_text(make_text(9, 2000))
+    dm = dm_files(tmp_path, [str(f)], block_size=T, batch_size=B, max_steps=S, seed=11)
+    train = np.asarray(dm.train_tokens, dtype=np.int64)
+    order = dm.train_order()
+    for k in (0, 4, S - 1):
+        x, y = next(iter(dm.train_dataloader(start_step=k)))
+        starts = order.batch(k)
+        assert np.array_equal(x.numpy(), np.stack([train[o : o + T] for o in starts]))
+        assert np.array_equal(y.numpy(), np.stack([train[o + 1 : o + T + 1] for o in starts]))
 
 
 def test_val_windows(tmp_path):
@@ -479,6 +578,14 @@ def test_jsonl_and_parquet_files_with_text_column(tmp_path):
     dm = dm_files(tmp_path, [str(jl), str(pqf), str(txt)], text_column="body")
     assert full_stream(dm).tolist() == expected_stream(texts + ["Exeunt."])
 
+    # Documents come in the order the paths are listed, across file types and .txt runs.
+    t = [tmp_path / f"t{i}.txt" for i in range(3)]
+    for i, g in enumerate(t):
+        g.write_text(f"Act {i}.")
+    dm = dm_files(tmp_path, [str(t[2]), str(t[0]), str(jl), str(t[1]), str(txt)], text_column="body",
+                  block_size=2)
+    assert full_stream(dm).tolist() == expected_stream(["Act 2.", "Act 0."] + texts[:3] + ["Act 1.", "Exeunt."])
+
     with pytest.raises(ValueError, match=r"data.text_column: column 'text' not in .*docs.jsonl"):
         dm_files(tmp_path, [str(jl)])
     with pytest.raises(ValueError, match=r"data.text_column: column 'text' not in .*docs.parquet"):
@@ -503,6 +610,13 @@ def test_text_in_another_encoding(tmp_path):
     assert full_stream(dm).tolist() == expected_stream([text, text])
     assert dm_files(tmp_path, [str(lat)], encoding="ISO-8859-1").cache_path == \
         dm_files(tmp_path, [str(lat)], encoding="latin-1").cache_path  # one codec, one cache
+    # In a run of .txt files (one `text` load) the one that fails is named, not its neighbours.
+    ok = [tmp_path / "ok1.txt", tmp_path / "ok2.txt"]
+    for g in ok:
+        g.write_text(text)
+    with pytest.raises(ValueError) as e:
+        dm_files(tmp_path, [str(ok[0]), str(lat), str(ok[1])])
+    assert one_line(e).startswith(f"data.encoding: {str(lat)!r} is not utf-8 text (byte 0: ")
     binary = tmp_path / "model.txt"
     binary.write_bytes(bytes(range(256)) * 4)
     with pytest.raises(ValueError, match=r"^data.encoding: .*model.txt.* is not utf-8 text"):

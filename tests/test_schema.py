@@ -331,7 +331,7 @@ def test_unread_data_keys_default_to_what_the_data_module_does():
     for k, v in schema.DataConfig.defaults().items():
         if k not in schema.DATA_KEYS["shakespeare"]:
             assert sig[k].default == v, k
-    assert set(schema.DATA_KEYS) == set(__import__("recdepth.data", fromlist=["SOURCES"]).SOURCES)
+    assert set(schema.DATA_KEYS) == set(__import__("recdepth.documents", fromlist=["SOURCES"]).SOURCES)
 
 
 # ------------------------------------------------------------ built objects

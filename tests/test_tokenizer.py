@@ -45,7 +45,7 @@ def test_identical_to_tiktoken_r50k_base(tmp_path, monkeypatch):
         "Hello world!", "  leading spaces\tand\ttabs\n\n\nnewlines ", "numbers 1234567 3.14159",
         "unicode: naïve café 東京 😀", "'s 't 're 've 'm 'll 'd contractions", "x" * 300,
     ]
-    from recdepth.data import iter_shakespeare
+    from recdepth.documents import iter_shakespeare
 
     texts.append(next(iter(iter_shakespeare()))[:20000])
     for t in texts:
