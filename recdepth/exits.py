@@ -175,7 +175,8 @@ class ExitPolicy:
 
 class ExitMonitor:
     """Incremental state of one loop under a one-group rule: O(d) history per row (O(V)
-    for kl, which keeps log p^(n−1); one number for entropy_diff and argmax_stability).
+    for kl, which keeps log p^(n−1); entropy_diff keeps H(p^(n−1)) and argmax_stability
+    the last argmax and its run length, on top of the previous state).
 
     Call `observe(x_new)` once after every application with the new state of every row;
     it returns a bool tensor [N] of rows whose rule fires after this application. Rows
