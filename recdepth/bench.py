@@ -188,7 +188,7 @@ def bench_exits(args) -> dict:
         return B * n / (time.perf_counter() - t)
 
     results = {"rules": []}
-    print(f"\n{'rule':10s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
+    print(f"\n{'rule':16s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
           f"{'tok/s b' + str(args.batch_large):>10s} {'ratio':>6s} {'mean apps':>10s}  per group")
     for name in args.rules:
         for tau in ([None] if exits.ALIASES.get(name, name) in exits.NO_TAU else args.taus):  # τ-free: once
@@ -200,7 +200,7 @@ def bench_exits(args) -> dict:
             row = dict(rule=name, tau=tau, ce=ev["ce"], ms_per_token=ev["ms_per_token"], tokens_per_s_b1=b1,
                        tokens_per_s_batched=tps, batch_ratio=tps / b1, applications=apps)
             results["rules"].append(row)
-            print(f"{name:10s} {'—' if tau is None else f'{tau:g}':>7s} {ev['ce']:7.4f} {ev['ms_per_token']:9.2f} "
+            print(f"{name:16s} {'—' if tau is None else f'{tau:g}':>7s} {ev['ce']:7.4f} {ev['ms_per_token']:9.2f} "
                   f"{b1:9.1f} {tps:10.1f} {tps / b1:6.2f} {sum(apps) / len(apps):10.2f}  "
                   + " / ".join(f"{a:.1f}" for a in apps))
 
@@ -234,7 +234,7 @@ def bench_exits(args) -> dict:
         # three observe() calls (the third is a full check for every rule), less the set-up
         t_check = (_median_time(checks, args.reps) - _median_time(setup, args.reps)) / 3
         results["check_cost"][name] = t_check / t_app
-        print(f"exit check {name:10s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application")
+        print(f"exit check {name:16s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application")
     results["layer_application_ms"] = t_app * 1e3 / len(cfg.groups[0])
     return results
 
