@@ -179,7 +179,7 @@ def bench_exits(args) -> dict:
         """tokens/s decoding batch_large rows of held-out text together."""
         B, n = args.batch_large, args.large_tokens
         rows = tokens[: B * (T + 1)].view(B, T + 1)
-        caches = new_caches(model, B, T, "latest", policy.max_steps)
+        caches = new_caches(model, B, T, "latest", policy.max_steps_bound)
         gen = torch.Generator().manual_seed(0)
         decode_step(model, rows[:, 0], 0, caches, policy, gen)  # warm-up token
         t = time.perf_counter()
@@ -188,10 +188,10 @@ def bench_exits(args) -> dict:
         return B * n / (time.perf_counter() - t)
 
     results = {"rules": []}
-    print(f"\n{'rule':10s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
+    print(f"\n{'rule':16s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
           f"{'tok/s b' + str(args.batch_large):>10s} {'ratio':>6s} {'mean apps':>10s}  per group")
     for name in args.rules:
-        for tau in ([None] if name == "fixed" else args.taus):
+        for tau in ([None] if exits.ALIASES.get(name, name) in exits.NO_TAU else args.taus):  # τ-free: once
             policy = exits.build(name, tau, max_steps=args.max_steps)
             ev, _ = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
             tps = throughput(policy)
@@ -200,7 +200,7 @@ def bench_exits(args) -> dict:
             row = dict(rule=name, tau=tau, ce=ev["ce"], ms_per_token=ev["ms_per_token"], tokens_per_s_b1=b1,
                        tokens_per_s_batched=tps, batch_ratio=tps / b1, applications=apps)
             results["rules"].append(row)
-            print(f"{name:10s} {'—' if tau is None else f'{tau:g}':>7s} {ev['ce']:7.4f} {ev['ms_per_token']:9.2f} "
+            print(f"{name:16s} {'—' if tau is None else f'{tau:g}':>7s} {ev['ce']:7.4f} {ev['ms_per_token']:9.2f} "
                   f"{b1:9.1f} {tps:10.1f} {tps / b1:6.2f} {sum(apps) / len(apps):10.2f}  "
                   + " / ".join(f"{a:.1f}" for a in apps))
 
@@ -234,7 +234,7 @@ def bench_exits(args) -> dict:
         # three observe() calls (the third is a full check for every rule), less the set-up
         t_check = (_median_time(checks, args.reps) - _median_time(setup, args.reps)) / 3
         results["check_cost"][name] = t_check / t_app
-        print(f"exit check {name:10s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application")
+        print(f"exit check {name:16s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application")
     results["layer_application_ms"] = t_app * 1e3 / len(cfg.groups[0])
     return results
 
@@ -254,7 +254,8 @@ def main(argv=None):
     p.add_argument("--train-steps", type=int, default=None,
                    help="callbacks: trainer.max_steps of both runs (default: the config's 800)")
     p.add_argument("--ckpt", default=None, help="exits: a training checkpoint (default: a fresh cpu-size model)")
-    p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"], help="exits: rules")
+    p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"],
+                   help="exits: rules (any of recdepth.exits.RULES, e.g. entropy_diff cosine argmax_stability)")
     p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
     p.add_argument("--tokens", type=int, default=256, help="exits: tokens scored at batch 1 per rule and τ")
     p.add_argument("--batch-large", type=int, default=16, help="exits: rows of the batched throughput run")

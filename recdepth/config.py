@@ -56,7 +56,11 @@ def sampler_args(cfg: TrainConfig | DictConfig) -> dict:
 
 
 def exit_policy(cfg: TrainConfig | EvaluateConfig | DictConfig) -> exits.ExitPolicy:
-    return exits.build(**dataclasses.asdict(typed(cfg).exit))
+    """The exit policy of `exit`; a training config knows its model's groups, so per-group
+    values are checked against them here (an evaluation's checkpoint: `ExitPolicy.check_groups`)."""
+    run = typed(cfg)
+    groups = len(run.model.groups) if isinstance(run, TrainConfig) else None
+    return exits.build(**dataclasses.asdict(run.exit), groups=groups)
 
 
 def data_module(cfg: TrainConfig | DictConfig, block_size: int) -> TokenDataModule:

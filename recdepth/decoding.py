@@ -166,7 +166,9 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     is wall-clock saved; without it, exited rows are computed and masked out. Either way a
     row's result is exactly its batch-1 result. `noise` keys each row's initial state
     (otherwise all rows draw from `generator`); `limit` [B], if given, stops row b after
-    limit[b] applications at the latest (a per-row max_steps)."""
+    limit[b] applications at the latest (a per-row max_steps). A per-group `policy` loops
+    group g under its group-g values (`policy.group(g)`)."""
+    policy = policy.group(g)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, generator, None if noise is None else noise.seeds(pos, g))
@@ -244,7 +246,7 @@ def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]
     for w, (start, n) in enumerate(wins):
         idx[w * reps : (w + 1) * reps, : n + 1] = tokens[start : start + n + 1]
     noise = RowNoise(seed, [wins[r // reps][0] // T for r in range(R)])
-    caches = new_caches(model, R, T, cache, policy.max_steps)
+    caches = new_caches(model, R, T, cache, policy.max_steps_bound)
     src = torch.arange(R, device=device) // reps * reps + reps - 1
     nll = torch.empty(R, L, dtype=torch.float64)
     apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
@@ -292,10 +294,15 @@ def _warmup(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, wa
     """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels."""
     n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
     if n:
-        caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps)
+        caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps_bound)
         noise = RowNoise(seed, [-1])
         for pos in range(n):
             decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise)
+
+
+def _plain(v):
+    """A per-group value (a tuple) as a JSON list; one value as it is."""
+    return list(v) if isinstance(v, tuple) else v
 
 
 def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, resamples: int = 1000) -> dict:
@@ -303,7 +310,8 @@ def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, resampl
     ce, lo, hi = stats.mean_ci(nll, stats.bootstrap_indices(len(nll), resamples))
     per_group = apps.mean(axis=0).tolist()
     return {
-        "exit": policy.name, "tau": policy.tau, "min_steps": policy.min_steps, "max_steps": policy.max_steps,
+        "exit": policy.name, "tau": _plain(policy.tau), "min_steps": _plain(policy.min_steps),
+        "max_steps": _plain(policy.max_steps), "patience": policy.patience,
         "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ppl": math.exp(ce),
         "applications_per_token": per_group,
         "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
@@ -329,6 +337,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     (a criterion within rounding of τ) and the largest NLL difference.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache)
+    policy.check_groups(model.n_groups)
     if policy.name == ORACLE:
         return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size)
     was_training = model.training

@@ -106,6 +106,7 @@ def evaluate(cfg: DictConfig) -> dict:
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
     device = resolve_device(cfg.device)
     module, data = load_checkpoint(cfg.ckpt, device)
+    policy.check_groups(module.model.n_groups)  # per-group exit values: one per group of this model
     tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

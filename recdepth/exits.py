@@ -1,36 +1,52 @@
-"""Early-exit rules for a looped group (SPEC §3; paper §4, eqs. 3-6, Algorithm 1).
+"""Early-exit rules for a looped group (SPEC §3 and §3b; paper §4, eqs. 3-6, Algorithm 1).
 
 A rule decides, per token (row), when to stop applying a group. With x^(0) the loop's
-initial state, x^(n) the state after n applications and Δ^(j) = x^(j+1) − x^(j):
+initial state, x^(n) the state after n applications, Δ^(j) = x^(j+1) − x^(j) and
+p^(j) = softmax(decode(x^(j))) (the model's own output head on the state):
 
-    rule          exits after application n when                         earliest n
-    fixed/none    n = max_steps                                              —
-    stepnorm      ‖Δ^(n−1)‖ < τ                                               1
-    stepnorm_rel  ‖Δ^(n−1)‖ / (‖x^(n−1)‖ + ε) < τ                              1
-    kl            KL(p^(n) ‖ p^(n−1)) < τ,  p^(j) = softmax(decode(x^(j)))    2
-    accel         a^(n−1) < τ and a^(n−2) < τ,  a^(j) = ‖Δ^(j) − Δ^(j−1)‖      3
-    accel_rel     as accel with â^(j) (eq. 6)                                  3
+    rule              exits after application n when                   earliest n  cost per check
+    fixed/none        n = max_steps                                        —        none
+    stepnorm          ‖Δ^(n−1)‖ < τ                                         1        O(d)
+    stepnorm_rel      ‖Δ^(n−1)‖ / (‖x^(n−1)‖ + ε) < τ                        1        O(d)
+    kl                KL(p^(n) ‖ p^(n−1)) < τ                                2        O(d·V) decodes
+    accel             a^(n−1) < τ and a^(n−2) < τ,  a^(j) = ‖Δ^(j) − Δ^(j−1)‖ 3        O(d)
+    accel_rel         as accel with â^(j) (eq. 6)                            3        O(d)
+    entropy_diff      |H(p^(n)) − H(p^(n−1))| < τ                            2        O(d·V) decodes
+    cosine            1 − cos(x^(n), x^(n−1)) < τ                            1        O(d)
+    argmax_stability  argmax p^(j) equal for j = n−k … n (k = patience)      k + 1    O(d·V) decodes
 
-    oracle        (evaluation only) the smallest uniform n whose target NLL is within
-                  τ of its NLL at max_steps (SPEC §4b): it reads the answer, so no model
-                  can run it; `recdepth.decoding.evaluate_oracle` computes it as the bound
-                  of what any rule could save at that quality
+    oracle            (evaluation only) the smallest uniform n whose target NLL is within
+                      τ of its NLL at max_steps (SPEC §4b): it reads the answer, so no model
+                      can run it; `recdepth.decoding.evaluate_oracle` computes it as the
+                      bound of what any rule could save at that quality
+
+The decoding rules (`DECODING`: kl, entropy_diff, argmax_stability) run the LM head on the
+state at every check: d·V multiply-adds (at d = 768, V = 50257 about five layer
+applications' worth of FLOPs, 12·d² each); the others read the state only, O(d). Each equation is one function:
+`geometry.step_norm`, `geometry.relative_step_norm`, `geometry.acceleration`,
+`geometry.relative_acceleration`, `geometry.state_cosine_distance` (state math) and
+`kl_divergence`, `entropy`, `entropy_change`, `argmax_run` (distribution math, below).
+`fixed`, `none` and `argmax_stability` ignore τ; only `argmax_stability` reads `patience`.
 
 Every rule also stops at `max_steps` and never before `min_steps`. After the check that
 fires, the newest state x^(n) is kept (deviation from Algorithm 1, which returns x^(n−1)
 after paying for n applications; the decision, and so n, is identical).
 
+Per group: `tau`, `min_steps` and `max_steps` each take one value for every group or a
+list of one value per recurrence group (SPEC §3b); `policy.group(g)` is the one-value
+policy that group g loops under.
+
 Public API (used by the decoding engine, the tests and outside checks):
-    policy = build(name, tau, min_steps=0, max_steps=32)
-    x, n = iterate(f, x0, policy, decode=None)
-and, for engines that drive their own loop, `policy.monitor(x0, decode)` whose
+    policy = build(name, tau, min_steps=0, max_steps=32, patience=5, groups=None)
+    x, n = iterate(f, x0, policy.group(g), decode=None)
+and, for engines that drive their own loop, `policy.group(g).monitor(x0, decode)` whose
 `observe(x_new)` returns the rows whose rule fires after that application.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,9 +55,15 @@ from torch import Tensor
 
 from recdepth import geometry as geo
 
-RULES = ("fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel")
+RULES = ("fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
+         "argmax_stability")
 ORACLE = "oracle"  # an evaluation bound, not a rule (see the module docstring)
 ALIASES = {"none": "fixed"}
+DECODING = ("kl", "entropy_diff", "argmax_stability")  # decode every check: O(d·V)
+NO_TAU = ("fixed", "argmax_stability")  # rules that ignore exit.tau
+COST = {r: "none" if r == "fixed" else "O(d·V)" if r in DECODING else "O(d)" for r in RULES}
+PER_GROUP = ("tau", "min_steps", "max_steps")  # fields that take one value per group
+PATIENCE = 5  # argmax_stability's default k (Huginn: 5 steps)
 
 
 def kl_divergence(logp_new: Tensor, logp_old: Tensor) -> Tensor:
@@ -54,30 +76,107 @@ def kl_divergence(logp_new: Tensor, logp_old: Tensor) -> Tensor:
     return torch.where(p > 0, p * (logp_new - logp_old), 0.0).sum(-1)
 
 
+def entropy(logp: Tensor) -> Tensor:
+    """Shannon entropy H(p) = −Σ p log p (nats) over the last axis, from log-probabilities.
+    Entries with p = 0 (padded logits) contribute 0 (0·log 0 = 0)."""
+    p = logp.exp()
+    return -torch.where(p > 0, p * logp, 0.0).sum(-1)
+
+
+def entropy_change(h_new: Tensor, h_old: Tensor) -> Tensor:
+    """|H(p^(n)) − H(p^(n−1))|, the `entropy_diff` statistic (Huginn's entropy-diff;
+    docs/spec.md §3b), from the two entropies (`entropy`)."""
+    return (h_new - h_old).abs()
+
+
+def argmax_run(tok_new: Tensor, tok_old: Tensor | None, run_old: Tensor | None) -> Tensor:
+    """Run length r^(n) of the decoded argmax: how many consecutive j ≤ n, counted from
+    j = 1, have argmax p^(j) = argmax p^(n). r^(1) = 1; r^(n) = r^(n−1) + 1 if argmax p^(n)
+    = argmax p^(n−1), else 1 (`tok_old`, `run_old` None at n = 1). `argmax_stability`
+    fires when r^(n) ≥ k + 1, i.e. argmax p^(j) is equal for j = n−k … n (docs/spec.md §3b).
+
+    The tokens are the argmax of the logits, which is the argmax of p without the ties
+    that rounding in the softmax can create."""
+    if tok_old is None:
+        return torch.ones_like(tok_new)
+    return torch.where(tok_new == tok_old, run_old + 1, 1)
+
+
 @dataclass(frozen=True)
 class ExitPolicy:
-    """A validated exit rule. Build it with `build(...)`."""
+    """A validated exit rule. Build it with `build(...)`.
+
+    `tau`, `min_steps` and `max_steps` are each one value for every group or a tuple of
+    one value per recurrence group; `group(g)` is group g's one-value policy, the one a
+    loop runs (`monitor`)."""
 
     name: str
-    tau: float | None
-    min_steps: int = 0
-    max_steps: int = 32
+    tau: float | tuple[float, ...] | None
+    min_steps: int | tuple[int, ...] = 0
+    max_steps: int | tuple[int, ...] = 32
+    patience: int = PATIENCE
 
     @property
     def needs_decode(self) -> bool:
-        return self.name == "kl"
+        """Whether a check decodes the state (O(d·V)); see `DECODING`."""
+        return self.name in DECODING
+
+    def lists(self) -> dict[str, tuple]:
+        """The per-group fields the rule reads, {field: one value per group}."""
+        read = [f for f in PER_GROUP if not (f == "tau" and self.name in NO_TAU)]
+        return {f: getattr(self, f) for f in read if isinstance(getattr(self, f), tuple)}
+
+    @property
+    def n_groups(self) -> int | None:
+        """The number of groups the per-group values are for; None if every field is one value."""
+        lists = self.lists()
+        return len(next(iter(lists.values()))) if lists else None
+
+    @property
+    def max_steps_bound(self) -> int:
+        """The most applications any group may run (what per-application caches are sized by)."""
+        return max(self.max_steps) if isinstance(self.max_steps, tuple) else self.max_steps
+
+    def group(self, g: int) -> ExitPolicy:
+        """The policy of group g: every per-group field at its g-th value (self if none is per group)."""
+        lists = self.lists()
+        if not lists:
+            return self
+        n = self.n_groups
+        if not 0 <= g < n:
+            f = next(iter(lists))
+            raise ValueError(f"exit.{f}: a list of {n} (one value per recurrence group), but the model has a group {g}")
+        return ExitPolicy(self.name, *(lists[f][g] if f in lists else getattr(self, f) for f in PER_GROUP),
+                          self.patience)
+
+    def check_groups(self, n_groups: int) -> ExitPolicy:
+        """Self, if its per-group values fit a model with `n_groups` recurrence groups;
+        otherwise a one-line ValueError naming the field and the expected length."""
+        for f, v in self.lists().items():
+            if len(v) != n_groups and n_groups == 0:
+                raise ValueError(f"exit.{f}: a list of {len(v)}, but the model has no recurrence groups (expected one "
+                                 f"value), got {list(v)}")
+            if len(v) != n_groups:
+                raise ValueError(f"exit.{f}: a list of {len(v)} for {n_groups} recurrence groups (expected one value "
+                                 f"for all groups, or a list of {n_groups}), got {list(v)}")
+        return self
 
     def monitor(self, x0: Tensor, decode: Callable[[Tensor], Tensor] | None = None) -> ExitMonitor:
         if self.name == ORACLE:
             raise ValueError("exit.name: 'oracle' reads the target token, so no loop can run it; "
                              "only the evaluation engine computes it (recdepth.decoding.evaluate_oracle)")
+        if self.lists():
+            f = next(iter(self.lists()))
+            raise ValueError(f"exit.{f}: one value per group; a loop runs one group, under policy.group(g)")
         if self.needs_decode and decode is None:
-            raise ValueError("exit.name: rule 'kl' needs a decode function (state -> logits)")
+            raise ValueError(f"exit.name: rule {self.name!r} needs a decode function (state -> logits)")
         return ExitMonitor(self, x0, decode)
 
 
 class ExitMonitor:
-    """Incremental state of one loop under a rule: O(d) history per row.
+    """Incremental state of one loop under a one-group rule: O(d) history per row (O(V)
+    for kl, which keeps log p^(n−1); entropy_diff keeps H(p^(n−1)) and argmax_stability
+    the last argmax and its run length, on top of the previous state).
 
     Call `observe(x_new)` once after every application with the new state of every row;
     it returns a bool tensor [N] of rows whose rule fires after this application. Rows
@@ -90,7 +189,9 @@ class ExitMonitor:
         self.n = 0
         self.x_prev = x0
         self.d_prev: Tensor | None = None  # Δ^(n−2) when observing x^(n)
-        self.s_prev: Tensor | None = None  # a^(n−2) (accel) or log p^(n−1) (kl)
+        # a^(n−2) (accel), log p^(n−1) (kl), H(p^(n−1)) (entropy_diff), argmax p^(n−1) (argmax_stability)
+        self.s_prev: Tensor | None = None
+        self.run: Tensor | None = None  # argmax_stability: r^(n−1), the argmax's run length
 
     def observe(self, x_new: Tensor) -> Tensor:
         p = self.p
@@ -107,13 +208,24 @@ class ExitMonitor:
     def _criterion(self, x_new: Tensor) -> Tensor | None:
         """Update the history with x^(n); return the rule's test at n (None before its
         earliest n). History is kept below min_steps too, so the first allowed check
-        sees a^(n−2) or p^(n−1)."""
+        sees a^(n−2), p^(n−1) or the argmax's whole run."""
         p = self.p
-        if p.name == "kl":
+        if p.name in DECODING:
             logits = self.decode(x_new)
+            if p.name == "argmax_stability":
+                tok = logits.argmax(-1)
+                self.run = argmax_run(tok, self.s_prev, self.run)
+                self.s_prev = tok
+                return self.run > p.patience  # r^(n) >= k + 1: equal for j = n−k … n
             logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
-            logp_prev, self.s_prev = self.s_prev, logp
-            return None if logp_prev is None else kl_divergence(logp, logp_prev) < p.tau
+            if p.name == "kl":
+                logp_prev, self.s_prev = self.s_prev, logp
+                return None if logp_prev is None else kl_divergence(logp, logp_prev) < p.tau
+            h = entropy(logp)  # entropy_diff
+            h_prev, self.s_prev = self.s_prev, h
+            return None if h_prev is None else entropy_change(h, h_prev) < p.tau
+        if p.name == "cosine":
+            return geo.state_cosine_distance(x_new, self.x_prev) < p.tau
         d = geo.step(self.x_prev, x_new)  # Δ^(n−1)
         if p.name == "stepnorm":
             return geo.step_norm(d) < p.tau
@@ -135,24 +247,64 @@ def _check_int(field: str, value, lo: int) -> int:
     return value
 
 
-def build(name: str, tau: float | None, min_steps: int = 0, max_steps: int = 32) -> ExitPolicy:
-    """Validate and build an exit policy (SPEC §3). `tau` is ignored by `fixed`/`none`."""
+def _check_tau(field: str, tau, key: str) -> float:
+    ok = isinstance(tau, int | float) and not isinstance(tau, bool) and math.isfinite(tau)
+    oracle = key == ORACLE  # the oracle's ε may be 0 (as good as max_steps)
+    if not (ok and (tau >= 0 if oracle else tau > 0)):
+        what = ">= 0 for the oracle's ε" if oracle else f"> 0 for rule {key!r}"
+        raise ValueError(f"exit.{field}: expected a finite number {what}, got {tau!r}")
+    return float(tau)
+
+
+def _is_list(v) -> bool:
+    return isinstance(v, Sequence) and not isinstance(v, str | bytes)
+
+
+def _per_group(field: str, value, check, key: str):
+    """One value, checked by `check(field, v)`, or a non-empty list of them (a tuple)."""
+    if not _is_list(value):
+        return check(field, value)
+    if key == ORACLE:
+        raise ValueError(f"exit.{field}: the oracle takes one value for all groups (its depth n is uniform over "
+                         f"groups), got {list(value)!r}")
+    if len(value) == 0:
+        raise ValueError(f"exit.{field}: expected one value, or a list of one per recurrence group; got []")
+    return tuple(check(f"{field}[{i}]", v) for i, v in enumerate(value))
+
+
+def build(name: str, tau: float | Sequence[float] | None, min_steps: int | Sequence[int] = 0,
+          max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None) -> ExitPolicy:
+    """Validate and build an exit policy (SPEC §3, §3b). `tau` is ignored by `fixed`/`none`
+    and `argmax_stability`, `patience` (k >= 1) read by `argmax_stability` only. `tau`,
+    `min_steps` and `max_steps` are each one value or a list of one per recurrence group
+    (all lists of one length); with `groups` (the model's number of groups) that length
+    is checked too. Every failure is one line naming the field."""
     key = ALIASES.get(name, name)
     if key not in RULES and key != ORACLE:
         raise ValueError(f"exit.name: unknown exit rule {name!r} (expected one of: none, {', '.join(RULES)}, "
                          f"{ORACLE})")
-    min_steps = _check_int("min_steps", min_steps, 0)
-    max_steps = _check_int("max_steps", max_steps, 1)
-    if max_steps < min_steps:
-        raise ValueError(f"exit.max_steps: {max_steps} is smaller than exit.min_steps={min_steps}")
-    if key != "fixed":
-        ok = isinstance(tau, (int, float)) and not isinstance(tau, bool) and math.isfinite(tau)
-        lo = 0 if key == ORACLE else None  # the oracle's ε may be 0 (as good as max_steps)
-        if not (ok and (tau >= 0 if lo == 0 else tau > 0)):
-            what = ">= 0 for the oracle's ε" if lo == 0 else f"> 0 for rule {key!r}"
-            raise ValueError(f"exit.tau: expected a finite number {what}, got {tau!r}")
-        tau = float(tau)
-    return ExitPolicy(key, tau, min_steps, max_steps)
+    min_steps = _per_group("min_steps", min_steps, lambda f, v: _check_int(f, v, 0), key)
+    max_steps = _per_group("max_steps", max_steps, lambda f, v: _check_int(f, v, 1), key)
+    patience = _check_int("patience", patience, 1)
+    if key in NO_TAU:  # ignored: kept as given, for the records
+        tau = tuple(tau) if _is_list(tau) else tau
+    else:
+        tau = _per_group("tau", tau, lambda f, v: _check_tau(f, v, key), key)
+    policy = ExitPolicy(key, tau, min_steps, max_steps, patience)
+    lists = policy.lists()
+    if lists:
+        (f0, v0), *rest = lists.items()
+        for f, v in rest:
+            if len(v) != len(v0):
+                raise ValueError(f"exit.{f}: a list of {len(v)}, but exit.{f0} is a list of {len(v0)} (one value per "
+                                 "recurrence group, or one value for all)")
+    per = isinstance(min_steps, tuple) or isinstance(max_steps, tuple)
+    for g in range(policy.n_groups or 1) if per else [None]:
+        p = policy if g is None else policy.group(g)
+        if p.max_steps < p.min_steps:
+            at = "" if g is None else f" (group {g})"
+            raise ValueError(f"exit.max_steps: {p.max_steps}{at} is smaller than exit.min_steps={p.min_steps}{at}")
+    return policy if groups is None else policy.check_groups(groups)
 
 
 def iterate(
@@ -161,8 +313,9 @@ def iterate(
     policy: ExitPolicy,
     decode: Callable[[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Run `f` from `x0` [N, d] under `policy`; returns the final states [N, d] and the
-    number of applications per row [N] (int64).
+    """Run `f` from `x0` [N, d] under a one-group `policy` (`policy.group(g)` of a per-group
+    one); returns the final states [N, d] and the number of applications per row [N]
+    (int64).
 
     `f` is always called with the full batch; rows whose rule has fired keep their state
     (later outputs for them are discarded).

@@ -49,6 +49,25 @@ def step_cosine(delta: Tensor, delta_prev: Tensor) -> Tensor:
     return torch.where(den > 0, num / den.clamp_min(torch.finfo(den.dtype).tiny), 0.0)
 
 
+def state_cosine_distance(x_new: Tensor, x_old: Tensor) -> Tensor:
+    """Cosine distance of consecutive states 1 − cos∠(x^(n), x^(n−1)) (Huginn's `cosine`
+    exit statistic; docs/spec.md §3b).
+
+    Computed as ½‖x̂^(n) − x̂^(n−1)‖₂² with x̂ = x / ‖x‖₂, the same quantity (for unit
+    vectors ‖u − v‖² = 2 − 2 u·v) without the cancellation of 1 − cos near cos = 1. A zero
+    state has no direction: against a non-zero state its cosine is 0 (distance 1, as in
+    `step_cosine`); two zero states are equal, distance 0 (a state that stays at 0 has
+    stopped moving).
+    """
+    n_new, n_old = state_norm(x_new), state_norm(x_old)
+    tiny = torch.finfo(n_new.dtype).tiny
+    u = x_new / n_new.clamp_min(tiny).unsqueeze(-1)
+    v = x_old / n_old.clamp_min(tiny).unsqueeze(-1)
+    dist = 0.5 * step_norm(u - v).square()
+    some = (n_new > 0) | (n_old > 0)
+    return torch.where((n_new > 0) & (n_old > 0), dist, some.to(dist.dtype))
+
+
 def acceleration(delta: Tensor, delta_prev: Tensor) -> Tensor:
     """Acceleration a^(k) = ‖Δ^(k) − Δ^(k−1)‖₂ (paper eq. 5)."""
     return step_norm(delta - delta_prev)

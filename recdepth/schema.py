@@ -125,19 +125,28 @@ class SamplerConfig:
 
 @dataclass
 class ExitConfig:
-    """`exit`: the exit rule of the evaluation (recdepth/exits.py, SPEC §3). conf/exit/."""
+    """`exit`: the exit rule of the evaluation (recdepth/exits.py, SPEC §3, §3b). conf/exit/.
+    `tau`, `min_steps` and `max_steps` take one value or a list of one per recurrence group
+    (`exit.tau=[1e-3,1e-2,1e-3]`), which OmegaConf cannot type (a union of a number and a
+    list): they are `Any` here and checked by `exits.build`, their length against the
+    model's groups by `TrainConfig` (and, for a checkpoint, by the evaluation)."""
 
     name: str = "fixed"
-    """fixed | none | stepnorm | stepnorm_rel | kl | accel | accel_rel | oracle (evaluation only)."""
-    tau: float | None = None
-    """Threshold τ (finite, > 0; the oracle's ε >= 0); fixed and none ignore it."""
-    min_steps: int = 0
-    """No exit before this many applications (>= 0)."""
-    max_steps: int = 32
-    """Always exit after this many applications (>= 1, >= min_steps)."""
+    """fixed | none | stepnorm | stepnorm_rel | kl | accel | accel_rel | entropy_diff | cosine |
+    argmax_stability | oracle (evaluation only)."""
+    tau: Any = None
+    """Threshold τ (finite, > 0; the oracle's ε >= 0), one or one per group; fixed, none and
+    argmax_stability ignore it."""
+    min_steps: Any = 0
+    """No exit before this many applications (>= 0), one or one per group."""
+    max_steps: Any = 32
+    """Always exit after this many applications (>= 1, >= min_steps), one or one per group."""
+    patience: int = 5
+    """k of argmax_stability (>= 1): exit once the decoded argmax is the same for k + 1
+    applications in a row; the other rules do not read it."""
 
     def __post_init__(self):
-        exits.build(self.name, self.tau, self.min_steps, self.max_steps)
+        exits.build(self.name, self.tau, self.min_steps, self.max_steps, self.patience)
 
 
 # Which data keys each source reads (recdepth/documents.py: resolve_source); the others must
@@ -412,6 +421,8 @@ class TrainConfig:
     def __post_init__(self):
         _int("seed", self.seed, 0)
         _int("batch_size", self.batch_size, 1)
+        e = self.exit  # per-group values: one per recurrence group of the model
+        exits.build(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups))
         c = self.callbacks.loop_dynamics
         if c is not None:
             if not self.model.groups:

@@ -5,7 +5,8 @@
 every job and at the end of the sweep it reads every job directory of the sweep and writes,
 into the sweep directory,
 
-    sweep_results.csv   one row per job: job, overrides, status, exit, tau, max_steps, ce
+    sweep_results.csv   one row per job: job, overrides, status, exit, tau (a list when
+                        one per group), patience (argmax_stability), max_steps, ce
                         with its 95% CI, ppl, ms_per_token (median, min, max), applications
                         per group and their mean, tokens, tokens_per_s (batched), the
                         batch-1 check (tokens whose applications differ between batch 1
@@ -21,7 +22,8 @@ into the sweep directory,
                         paired bootstrap CI, and the oracle's saving at the same CE
                         (`frontier_rows`, from the jobs' eval_tokens.csv)
     fig4_exits.{png,pdf} the paper's Fig. 4: ms/token, PPL, CE and mean applications per
-                        token against τ (log-x), one line per exit rule (`fixed` dashed);
+                        token against τ (log-x), one line per exit rule (`fixed` dashed;
+                        jobs with one τ per group are left out of these panels, logged);
                         with a frontier also CE against mean applications and against
                         ms/token, every rule a curve, the fixed frontier and the oracle drawn
 
@@ -48,7 +50,7 @@ log = logging.getLogger("recdepth.sweep")
 
 
 # -------------------------------------------------------------- aggregation
-COLUMNS = ["job", "overrides", "status", "exit", "tau", "max_steps", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
+COLUMNS = ["job", "overrides", "status", "exit", "tau", "patience", "max_steps", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
            "ms_min", "ms_max", "applications_per_token", "mean_applications", "tokens", "tokens_per_s", "batch1_apps_mismatch",
            "batch1_max_abs_dnll", "reused", "error"]
 
@@ -63,6 +65,8 @@ def _job_row(job_dir: Path) -> dict:
     if cfg_file.is_file():
         ex = OmegaConf.load(cfg_file).get("exit") or {}
         row["exit"], row["tau"] = ex.get("name", ""), ex.get("tau")
+        if OmegaConf.is_list(row["tau"]):  # one per group
+            row["tau"] = list(row["tau"])
     m_file = job_dir / "metrics.json"
     if m_file.is_file():
         m = json.loads(m_file.read_text())
@@ -79,6 +83,8 @@ def _job_row(job_dir: Path) -> dict:
                        tokens_per_s=ev.get("tokens_per_s", ""),
                        batch1_apps_mismatch=(ev.get("batch_check") or {}).get("apps_mismatch", ""),
                        batch1_max_abs_dnll=(ev.get("batch_check") or {}).get("max_abs_dnll", ""))
+            if ev["exit"] == "argmax_stability":  # its k; the other rules do not read it
+                row["patience"] = ev.get("patience", "")
     elif (job_dir / "error.txt").is_file():
         lines = (job_dir / "error.txt").read_text().strip().splitlines()
         row["status"], row["error"] = "failed", lines[-1] if lines else "error"
@@ -100,9 +106,19 @@ def _fmt(v, digits=4) -> str:
         return "yes" if v else "no"
     if isinstance(v, float):
         return f"{v:.{digits}f}"
-    if isinstance(v, list):
-        return " / ".join(f"{x:.1f}" for x in v)
+    if isinstance(v, list):  # per group: applications (floats), max_steps (integers)
+        return " / ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in v)
     return str(v)
+
+
+def _num(v) -> bool:
+    return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _uniform_fixed(r: dict) -> bool:
+    """A fixed-depth job of the frontier: exit=fixed with one max_steps for every group (a
+    fixed job with one max_steps per group is compared against it like a rule)."""
+    return r["exit"] == "fixed" and _num(r["max_steps"])
 
 
 def _ci(v, lo, hi, digits=4) -> str:
@@ -114,7 +130,13 @@ def _ci(v, lo, hi, digits=4) -> str:
 
 
 def _tau(r: dict) -> str:
-    return f"{r['tau']:g}" if isinstance(r["tau"], float | int) and not isinstance(r["tau"], bool) else "—"
+    """τ as the tables show it: one number, one per group in brackets, or argmax_stability's k."""
+    t = r["tau"]
+    if r.get("patience") not in ("", None):
+        return f"k = {r['patience']}"
+    if isinstance(t, list) and t and all(_num(x) for x in t):
+        return "[" + ", ".join(f"{x:g}" for x in t) + "]"
+    return f"{t:g}" if _num(t) else "—"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -132,7 +154,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------ frontier (SPEC §4b)
-FRONTIER_COLUMNS = ["job", "exit", "tau", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
+FRONTIER_COLUMNS = ["job", "exit", "tau", "patience", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
                     "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
                     "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
                     "oracle_saving_lo", "oracle_saving_hi", "verdict"]
@@ -163,7 +185,7 @@ def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.n
             raise ValueError(f"frontier: {f} scores other tokens than the sweep's first job; "
                              "every job of a frontier must score the same held-out tokens (same eval.tokens)")
         tokens[r["job"]] = t
-        if r["exit"] == "fixed":
+        if _uniform_fixed(r):
             fixed.setdefault(int(r["max_steps"]), t)
         if r["exit"] == "oracle" and by_n is None and (f.parent / "oracle_nll.npy").is_file():
             by_n = np.load(f.parent / "oracle_nll.npy")
@@ -179,16 +201,16 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
     one set shared by every job."""
     tokens, fixed, by_n = inputs
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
-    fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if r["exit"] == "fixed" and r["ce"] != ""}
+    fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if _uniform_fixed(r) and r["ce"] != ""}
     fixed_by_ms = {fixed_ms[n]: t["nll"] for n, t in fixed.items() if _num(fixed_ms.get(n))}
     out = []
     for r in rows:
-        if r["job"] not in tokens or r["exit"] == "fixed":
+        if r["job"] not in tokens or _uniform_fixed(r):  # the frontier itself
             continue
         t = tokens[r["job"]]
         c = stats.compare(t["nll"], t["apps"], fixed_nll, idx)
         row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
-        row.update(job=r["job"], exit=r["exit"], tau=r["tau"], ms_per_token=r["ms_per_token"],
+        row.update(job=r["job"], exit=r["exit"], tau=r["tau"], patience=r.get("patience", ""), ms_per_token=r["ms_per_token"],
                    fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict="bound (reads the target)" if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
         if _num(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
             v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, idx)
@@ -230,8 +252,6 @@ def oracle_curve(by_n: np.ndarray) -> list[tuple[float, float, float]]:
     return [(float(e), *stats.oracle_point(by_n, e)[::-1]) for e in ORACLE_EPS]
 
 
-def _num(v) -> bool:
-    return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = None, front: list[dict] | None = None,
@@ -247,22 +267,31 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok" and r["ce"] != ""]
-    fixed = sorted((r for r in ok if r["exit"] == "fixed" and _num(r["max_steps"])), key=lambda r: r["max_steps"])
+    fixed = sorted((r for r in ok if _uniform_fixed(r)), key=lambda r: r["max_steps"])
     frontier = len({r["max_steps"] for r in fixed}) >= 2 and bool(paired)
     panels = [("ms_per_token", "ms / token"), ("ppl", "PPL"), ("ce", "CE (nats)"),
               ("mean_applications", "mean applications per token")]
     fig, axes = plt.subplots(2 if frontier else 1, 4, figsize=(16, 7.4 if frontier else 3.6), squeeze=False)
     rules = sorted({r["exit"] for r in ok})
     colors = dict(zip(rules, plt.get_cmap("tab10").colors))
-    taus = sorted({r["tau"] for r in ok if _num(r["tau"])})
+    per_group = [r["job"] for r in ok if isinstance(r["tau"], list)]
+    if per_group:
+        log.info("fig4: job(s) %s have one τ per group; left out of the panels against τ (the frontier panels "
+                 "show them, by mean applications)", ", ".join(map(str, per_group)))
+    on_tau = [r for r in ok if not isinstance(r["tau"], list)]
+    taus = sorted({r["tau"] for r in on_tau if _num(r["tau"])})
     for ax, (key, label) in zip(axes[0], panels):
         for rule in rules:
-            pts = sorted((r["tau"], r[key]) for r in ok if r["exit"] == rule and _num(r["tau"]) and _num(r[key]))
+            pts = sorted((r["tau"], r[key]) for r in on_tau if r["exit"] == rule and _num(r["tau"]) and _num(r[key]))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[rule], label=rule)
-            flat = [r[key] for r in ok if r["exit"] == rule and not _num(r["tau"]) and _num(r[key])]
-            if flat and not (rule == "fixed" and frontier):  # one level across τ (fixed at one depth)
-                ax.axhline(sum(flat) / len(flat), color=colors[rule], ls="--", label=f"{rule} (no τ)")
+            flat: dict[str, list] = {}  # one level across τ (fixed at one depth; argmax_stability per k)
+            for r in on_tau:
+                if r["exit"] == rule and not _num(r["tau"]) and _num(r[key]):
+                    flat.setdefault(f"{rule} (k = {r['patience']})" if r.get("patience", "") != "" else f"{rule} (no τ)",
+                                    []).append(r[key])
+            for i, (name, vs) in enumerate(sorted(flat.items()) if not (rule == "fixed" and frontier) else []):
+                ax.axhline(sum(vs) / len(vs), color=colors[rule], ls=("--", ":", "-.")[i % 3], label=name)
         if taus:
             ax.set_xscale("log")
         ax.set_xlabel("τ")
@@ -302,8 +331,10 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
                          [paired[r["job"]][2] - paired[r["job"]][0] for r in rs]])
 
     groups = [("fixed (frontier)", fixed, "k", "s-")]
-    groups += [(rule, sorted((r for r in ok if r["exit"] == rule), key=lambda r: r["mean_applications"]),
-                colors[rule], "o-") for rule in sorted({r["exit"] for r in ok} - {"fixed"})]
+    others = [r for r in ok if not _uniform_fixed(r)]  # rules, and fixed with one max_steps per group
+    groups += [(rule if rule != "fixed" else "fixed (per group)",
+                sorted((r for r in others if r["exit"] == rule), key=lambda r: r["mean_applications"]),
+                colors[rule], "o-") for rule in sorted({r["exit"] for r in others})]
     shown = []
     for ax, xkey, xlabel in ((axes[0], "mean_applications", "mean applications per token"),
                              (axes[1], "ms_per_token", "ms / token (batch 1, median of repeats)")):
@@ -344,7 +375,8 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
         if rs:
             d = np.array([r["d_hull"] for r in rs])
             ax.errorbar([r["mean_applications"] for r in rs], d, fmt="o-", color=colors[rule], ms=4, capsize=2,
-                        yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d], label=rule)
+                        yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d],
+                        label=rule if rule != "fixed" else "fixed (per group)")
     ax.axhline(0, color="k", lw=1, label="fixed frontier")
     ax.set_xlabel("mean applications per token")
     ax.set_ylabel("CE − fixed frontier at equal applications")
@@ -416,8 +448,9 @@ def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:
 
     try:  # the run is finished whatever happens while logging
         cols = [c for c in COLUMNS if c != "applications_per_token"]
+        cell = lambda v: _fmt(v) if v in ("", None) else str(v) if isinstance(v, list) else v  # noqa: E731
         table = wandb.Table(columns=cols + ["applications_per_token"],
-                            data=[[_fmt(r[c]) if r[c] in ("", None) else r[c] for c in cols]
+                            data=[[cell(r[c]) for c in cols]
                                   + [" / ".join(map(str, r["applications_per_token"] or []))] for r in rows])
         log_items = {"sweep/results": table}
         if (sweep_dir / "fig4_exits.png").is_file():

@@ -140,6 +140,11 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
         assert (a["exit"], a["tau"], a["applications_per_token"]) == (b["exit"], b["tau"], b["applications_per_token"])
         assert a["ce"] == pytest.approx(b["ce"], rel=1e-9)
     assert len(list(csv.DictReader(open(ev_sweep / "sweep_results.csv")))) == 2
+    # One exit value per group is checked against the checkpoint's groups (3), before any work.
+    bad = subprocess.run([*run_eval[:4], "exit=cosine", "exit.tau=[1e-2,1e-3]", f"run_dir={tmp_path / 'ev_bad'}"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode != 0 and "exit.tau: a list of 2 for 3 recurrence groups" in bad.stderr, bad.stderr[-2000:]
+    assert not (tmp_path / "ev_bad").exists()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -17,7 +17,7 @@ def model(groups, state_init="zero", seed=0):
 
 def decode_all(m, idx, policy, gen=None, sharing="latest", compact=True, noise=None):
     B, T = idx.shape
-    caches = new_caches(m, B, T, sharing, policy.max_steps)
+    caches = new_caches(m, B, T, sharing, policy.max_steps_bound)
     out, apps = [], []
     for t in range(T):
         logits, a = decode_step(m, idx[:, t], t, caches, policy, gen, compact, noise=noise)
@@ -146,7 +146,8 @@ def test_batched_rows_get_exactly_their_batch_one_results(sharing, compact):
     m = model([[1], [2, 3]], state_init="zero")
     idx = torch.randint(0, 60, (4, 12))
     for policy in (exits.build("accel", 0.5, max_steps=12), exits.build("kl", 1e-3, max_steps=12),
-                   exits.build("stepnorm", 0.5, max_steps=12)):
+                   exits.build("stepnorm", 0.5, max_steps=12),
+                   exits.build("entropy_diff", [1e-3, 1e-2], max_steps=[12, 9])):  # one tau per group
         batched, apps_b = decode_all(m, idx, policy, sharing=sharing, compact=compact)
         assert len(set(apps_b.flatten().tolist())) > 1  # rows and tokens really exit at different n
         for r in range(4):
@@ -213,12 +214,18 @@ def test_kl_is_finite_with_a_padded_vocabulary():
     assert kl.item() == __import__("pytest").approx((p * (p / q).log()).sum().item(), rel=1e-6)
 
 
-RULES = [("fixed", None), ("stepnorm", 0.3), ("stepnorm_rel", 0.05), ("kl", 1e-3), ("accel", 0.5), ("accel_rel", 0.6)]
+# Every rule, with a τ at which it exits at varied n on this model (argmax_stability: its k),
+# and per-group values (this model has two groups).
+RULES = [("fixed", None, {}), ("stepnorm", 0.3, {}), ("stepnorm_rel", 0.05, {}), ("kl", 1e-3, {}), ("accel", 0.5, {}),
+         ("accel_rel", 0.6, {}), ("entropy_diff", 1e-3, {}), ("cosine", 1e-2, {}),
+         ("argmax_stability", None, {"patience": 2}), ("cosine", [1e-2, 1e-3], {}),
+         ("argmax_stability", None, {"patience": 1, "min_steps": [0, 4], "max_steps": [12, 9]})]
+assert {r for r, _, _ in RULES} == set(exits.RULES)
 
 
-@pytest.mark.parametrize("rule, tau", RULES)
+@pytest.mark.parametrize("rule, tau, kw", RULES, ids=lambda v: str(v).replace(" ", ""))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_batched_rows_with_noisy_initial_states_equal_batch_one(rule, tau, dtype):
+def test_batched_rows_with_noisy_initial_states_equal_batch_one(rule, tau, kw, dtype):
     """SPEC §4, noise and batches: with state_init=normal, row r's noise comes from (seed,
     sequence, position, group), so batch B reproduces batch 1, for every rule. float64:
     the same logits (to rounding of the batched matmuls) and the same applications;
@@ -226,7 +233,7 @@ def test_batched_rows_with_noisy_initial_states_equal_batch_one(rule, tau, dtype
     rounding of τ (counted; none on this model)."""
     m = model([[1], [2, 3]], state_init="normal").to(dtype)
     idx = torch.randint(0, 60, (4, 12), generator=torch.Generator().manual_seed(3))
-    policy = exits.build(rule, tau, max_steps=12 if rule != "fixed" else 5)
+    policy = exits.build(rule, tau, **{"max_steps": 12 if rule != "fixed" else 5, **kw})
     batched, apps_b = decode_all(m, idx, policy, noise=RowNoise(7, [10, 11, 12, 13]))
     if rule != "fixed":
         assert len(set(apps_b.flatten().tolist())) > 1  # rows and tokens really exit at different n
@@ -301,3 +308,49 @@ def test_oracle_n_equals_brute_force(sharing):
     ev_fixed, rec_fixed = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=N), n_tokens=19, seed=seed,
                                         cache=sharing, latency_tokens=0)
     np.testing.assert_allclose(rec["nll_by_n"][:, -1], rec_fixed["nll"], rtol=0, atol=1e-10)
+
+
+def test_per_group_values_fire_per_group_in_the_engine():
+    """Three groups, each with its own exit values: fixed runs group g exactly
+    max_steps[g] times; stepnorm with τ = [huge, tiny, huge] stops group 0 at its earliest
+    n = 1, runs group 1 to its max_steps = 7 and holds group 2 until its min_steps = 4;
+    the per-application cache is sized by the largest max_steps."""
+    m = model([[1], [2], [3]], state_init="normal")
+    idx = torch.randint(0, 60, (3, 6), generator=torch.Generator().manual_seed(8))
+    noise = RowNoise(5, [0, 1, 2])
+    for sharing in ("latest", "per_step"):
+        _, apps = decode_all(m, idx, exits.build("fixed", None, max_steps=[2, 5, 3]), sharing=sharing, noise=noise)
+        assert apps.tolist() == [[[2, 5, 3]] * 6] * 3
+        p = exits.build("stepnorm", [1e30, 1e-30, 1e30], min_steps=[0, 0, 4], max_steps=[32, 7, 32])
+        _, apps = decode_all(m, idx, p, sharing=sharing, noise=noise)
+        assert apps.tolist() == [[[1, 7, 4]] * 6] * 3
+    # group g under the per-group policy is group g under its own one-value policy
+    taus, maxs = [1e-2, 1e-3, 1e-1], [12, 10, 8]
+    p = exits.build("cosine", taus, max_steps=maxs)
+    _, apps = decode_all(m, idx, p, noise=noise)
+    assert len({tuple(a) for a in apps.reshape(-1, 3).tolist()}) > 1
+    from recdepth.decoding import loop_group
+
+    caches = new_caches(m, 3, 6)
+    x = m.embed(idx[:, :1], pos0=0)
+    for kind, i in m.plan:  # token 0, every group looped by hand under its own scalar policy
+        if kind == "layer":
+            x = m.h[i](x, caches[i], 0)
+        else:
+            x, n = loop_group(m, i, x, exits.build("cosine", taus[i], max_steps=maxs[i]), caches, 0, noise=noise)
+            assert n.tolist() == apps[:, 0, i].tolist(), i
+
+
+def test_evaluate_exit_checks_per_group_values_against_the_model():
+    import json
+
+    m = model([[1], [2, 3]], state_init="normal")
+    tokens = torch.randint(0, 60, (30,), generator=torch.Generator().manual_seed(9))
+    with pytest.raises(ValueError) as e:
+        evaluate_exit(m, tokens, exits.build("cosine", [1e-2, 1e-3, 1e-2]), n_tokens=10)
+    assert str(e.value).startswith("exit.tau: a list of 3 for 2 recurrence groups") and "\n" not in str(e.value)
+    ev, rec = evaluate_exit(m, tokens, exits.build("entropy_diff", [1e-2, 1e-3], max_steps=[6, 9], patience=3),
+                            n_tokens=20, latency_tokens=0)
+    assert (ev["tau"], ev["max_steps"], ev["min_steps"], ev["patience"]) == ([1e-2, 1e-3], [6, 9], 0, 3)
+    assert json.loads(json.dumps(ev))["tau"] == [1e-2, 1e-3]
+    assert rec["apps"][:, 0].max() <= 6 and rec["apps"][:, 1].max() <= 9

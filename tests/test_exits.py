@@ -10,14 +10,21 @@ written in plain Python floats (float64):
   the loop also stops at n = max_steps;
 * the newest state x^(n) is returned and the cost of the row is n.
 
-Rules (eps = 1e-6):
+Rules (eps = 1e-6; SPEC sections 3 and 3b):
 
-  fixed / none   n = max_steps
-  stepnorm       ||Delta^(n-1)|| < tau                                   earliest 1
-  stepnorm_rel   ||Delta^(n-1)|| / (||x^(n-1)|| + eps) < tau             earliest 1
-  kl             KL(p^(n) || p^(n-1)) < tau, p = softmax(decode(x))      earliest 2
-  accel          a^(n-1) < tau and a^(n-2) < tau, a^(j)=||D^(j)-D^(j-1)|| earliest 3
-  accel_rel      same with a^(j) / (||D^(j)|| + ||D^(j-1)|| + eps)         earliest 3
+  fixed / none      n = max_steps
+  stepnorm          ||Delta^(n-1)|| < tau                                   earliest 1
+  stepnorm_rel      ||Delta^(n-1)|| / (||x^(n-1)|| + eps) < tau             earliest 1
+  kl                KL(p^(n) || p^(n-1)) < tau, p = softmax(decode(x))      earliest 2
+  accel             a^(n-1) < tau and a^(n-2) < tau, a^(j)=||D^(j)-D^(j-1)|| earliest 3
+  accel_rel         same with a^(j) / (||D^(j)|| + ||D^(j-1)|| + eps)         earliest 3
+  entropy_diff      |H(p^(n)) - H(p^(n-1))| < tau, H(p) = -sum p log p      earliest 2
+  cosine            1 - cos(x^(n), x^(n-1)) < tau                           earliest 1
+  argmax_stability  argmax p^(j) equal for j = n-k .. n (k = patience)      earliest k+1
+
+(cosine of a zero state: recdepth's convention, docs/spec.md section 3b: two zero states
+are at distance 0, a zero and a non-zero state at distance 1.) `tau`, `min_steps` and
+`max_steps` may be one value per group; group g then runs under its own values.
 """
 
 from __future__ import annotations
@@ -30,9 +37,11 @@ import torch
 from recdepth import exits
 
 EPS = 1e-6
-EARLIEST = {"stepnorm": 1, "stepnorm_rel": 1, "kl": 2, "accel": 3, "accel_rel": 3}
-TAU_RULES = ["stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel"]
-ALL_RULES = ["fixed", "none", *TAU_RULES]
+PATIENCE = 5  # argmax_stability's default k
+EARLIEST = {"stepnorm": 1, "stepnorm_rel": 1, "kl": 2, "accel": 3, "accel_rel": 3, "entropy_diff": 2, "cosine": 1,
+            "argmax_stability": PATIENCE + 1}
+TAU_RULES = ["stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine"]
+ALL_RULES = ["fixed", "none", *TAU_RULES, "argmax_stability"]
 DTYPES = [torch.float32, torch.float64]
 
 
@@ -71,12 +80,37 @@ def _kl_new_old(z_new, z_old):
     return math.fsum(math.exp(a) * (a - b) for a, b in zip(lp, lq))
 
 
-def _check(rule, n, X, tau, logits):
+def _entropy(z):
+    """H(softmax(z)) = -sum p log p."""
+    return -math.fsum(math.exp(a) * a for a in _log_softmax(z))
+
+
+def _cos_dist(a, b):
+    """1 - cos(a, b), written directly (dot / norms); zero states as in the docstring."""
+    na, nb = _norm(a), _norm(b)
+    if na == 0 or nb == 0:
+        return 0.0 if na == nb else 1.0
+    return 1.0 - math.fsum(p * q for p, q in zip(a, b)) / (na * nb)
+
+
+def _argmax(z):
+    """(index of the largest logit, its relative gap to the runner-up)."""
+    order = sorted(range(len(z)), key=lambda i: -z[i])
+    top, second = z[order[0]], z[order[1]]
+    return order[0], (top - second) / max(abs(top), abs(second), 1e-300)
+
+
+def _check(rule, n, X, tau, logits, patience=PATIENCE):
     """Evaluate the rule after application n on the row's states X[0..n].
 
     Returns (fires, margin) where margin is the relative distance of the deciding
-    quantity (or quantities) from tau, used to guard the test against near-ties.
+    quantity (or quantities) from tau, used to guard the test against near-ties
+    (argmax_stability: the smallest relative gap between the top two logits of the
+    decodes it compares).
     """
+    if rule == "argmax_stability":  # argmax p^(j) equal for j = n-k .. n
+        tops = [_argmax(logits(j)) for j in range(n - patience, n + 1)]
+        return len({t for t, _ in tops}) == 1, min(g for _, g in tops), [t for t, _ in tops]
 
     def delta(j):
         return _sub(X[j + 1], X[j])
@@ -98,6 +132,10 @@ def _check(rule, n, X, tau, logits):
         qs = [accel(n - 1), accel(n - 2)]
     elif rule == "accel_rel":
         qs = [accel_rel(n - 1), accel_rel(n - 2)]
+    elif rule == "entropy_diff":
+        qs = [abs(_entropy(logits(n)) - _entropy(logits(n - 1)))]
+    elif rule == "cosine":
+        qs = [_cos_dist(X[n], X[n - 1])]
     else:  # pragma: no cover
         raise AssertionError(rule)
     margins = [abs(q - tau) / tau for q in qs]
@@ -109,21 +147,22 @@ def _check(rule, n, X, tau, logits):
     return fires, margin, qs
 
 
-def _ref_row(state, rule, tau, min_steps, max_steps, logits=None):
+def _ref_row(state, rule, tau, min_steps, max_steps, logits=None, patience=PATIENCE):
     """Slow per-row reference. `state(k)` returns x^(k) (python floats) for this row.
 
     Returns (n, margins, quantities) -- margins of every check that could have stopped
     the loop early.
     """
     rule = "fixed" if rule == "none" else rule
+    earliest = patience + 1 if rule == "argmax_stability" else EARLIEST.get(rule)
     margins, quants = [], []
     for n in range(1, max_steps + 1):
         if n == max_steps:
             return n, margins, quants
-        if rule == "fixed" or n < max(min_steps, EARLIEST[rule]):
+        if rule == "fixed" or n < max(min_steps, earliest):
             continue
         X = [state(k) for k in range(n + 1)]
-        fires, margin, qs = _check(rule, n, X, tau, logits)
+        fires, margin, qs = _check(rule, n, X, tau, logits, patience)
         margins.append(margin)
         quants.append(qs)
         if fires:
@@ -283,11 +322,11 @@ def _traj(dtype) -> _RowTrajectories:
     return _TRAJ[dtype]
 
 
-def _reference(dtype, rule, tau, min_steps, max_steps):
+def _reference(dtype, rule, tau, min_steps, max_steps, patience=PATIENCE):
     T = _traj(dtype)
     ns, xs, margins = [], [], []
     for i in range(N):
-        n, m, _ = _ref_row(T.state(i), rule, tau, min_steps, max_steps, logits=T.logits(i))
+        n, m, _ = _ref_row(T.state(i), rule, tau, min_steps, max_steps, logits=T.logits(i), patience=patience)
         ns.append(n)
         xs.append(T.state_tensor(i, n))
         margins.extend(m)
@@ -302,11 +341,22 @@ TAUS = {
     "kl": [1e-1, 1e-2, 2e-3, 1e-4, 1e-6],
     "accel": [0.1, 5e-3, 1e-3, 1e-5],
     "accel_rel": [0.3, 0.1, 2e-2, 1e-3],
+    "entropy_diff": [0.1, 1e-2, 1e-3, 1e-5],
+    "cosine": [0.1, 1e-2, 1e-3, 5e-5, 1e-7],
+    "argmax_stability": [None],  # ignores tau; tested at every k of PATIENCES (`_settings`)
 }
+PATIENCES = [1, 2, 3, 5]
 # float32 KL cannot resolve values far below ~1e-5 (cancellation in log p - log q)
 TAUS_F32 = {**TAUS, "kl": [1e-1, 1e-2, 2e-3]}
 # a decision is only asserted when its deciding quantity is this far (relative) from tau
 MIN_MARGIN = {torch.float64: 1e-7, torch.float32: 1e-3}
+# ... and an argmax only when its top two logits are this far apart (relative): float32
+# logits x @ W carry a relative error of about D * 2^-24 = 5e-7
+MIN_GAP = {torch.float64: 1e-9, torch.float32: 1e-5}
+
+
+def _min_margin(rule, dtype):
+    return (MIN_GAP if rule == "argmax_stability" else MIN_MARGIN)[dtype]
 STEP_LIMITS = [(0, 32), (0, 6), (2, 32), (5, 12), (4, 4), (0, 1), (1, 3), (3, 20)]
 
 
@@ -316,9 +366,16 @@ def _check_integer_n(n, rows):
     assert not n.dtype.is_floating_point and not n.dtype.is_complex and n.dtype != torch.bool
 
 
-def _run(rule, tau, min_steps, max_steps, x0, f, decode=None):
-    policy = exits.build(rule, tau, min_steps=min_steps, max_steps=max_steps)
+def _run(rule, tau, min_steps, max_steps, x0, f, decode=None, patience=PATIENCE):
+    policy = exits.build(rule, tau, min_steps=min_steps, max_steps=max_steps, patience=patience)
     return exits.iterate(f, x0, policy, decode=decode)
+
+
+def _settings(rule, dtype):
+    """(tau, patience) pairs a rule is tested at: its taus, or argmax_stability's k."""
+    if rule == "argmax_stability":
+        return [(None, k) for k in PATIENCES]
+    return [(tau, PATIENCE) for tau in (TAUS_F32 if dtype == torch.float32 else TAUS)[rule]]
 
 
 # --------------------------------------------------------------------------------------
@@ -327,17 +384,18 @@ def _run(rule, tau, min_steps, max_steps, x0, f, decode=None):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
-@pytest.mark.parametrize("rule", TAU_RULES)
+@pytest.mark.parametrize("rule", [*TAU_RULES, "argmax_stability"])
 def test_reference_design_is_varied_and_tie_free(rule, dtype):
-    taus = (TAUS_F32 if dtype == torch.float32 else TAUS)[rule]
     seen = set()
     for min_steps, max_steps in STEP_LIMITS:
-        for tau in taus:
-            n, _, margins = _reference(dtype, rule, tau, min_steps, max_steps)
+        for tau, k in _settings(rule, dtype):
+            n, _, margins = _reference(dtype, rule, tau, min_steps, max_steps, k)
             if (min_steps, max_steps) == (0, 32):
                 seen |= set(n.tolist())
+                if rule == "argmax_stability":  # every k fires at its earliest n somewhere
+                    assert k + 1 in n.tolist(), k
             if margins:
-                assert min(margins) > MIN_MARGIN[dtype], (rule, tau, min_steps, max_steps)
+                assert min(margins) > _min_margin(rule, dtype), (rule, tau, k, min_steps, max_steps)
     # every rule fires at the earliest n, somewhere in the middle, and hits max_steps
     assert EARLIEST[rule] in seen and 32 in seen
     assert len(seen) >= 6, sorted(seen)
@@ -369,14 +427,13 @@ def test_iterate_matches_reference(rule, limits, dtype):
     min_steps, max_steps = limits
     T = _traj(dtype)
     decode, _ = _make_decode(dtype)
-    taus = (TAUS_F32 if dtype == torch.float32 else TAUS)[rule]
-    for tau in taus:
-        n_ref, x_ref, margins = _reference(dtype, rule, tau, min_steps, max_steps)
+    for tau, k in _settings(rule, dtype):
+        n_ref, x_ref, margins = _reference(dtype, rule, tau, min_steps, max_steps, k)
         if margins:
-            assert min(margins) > MIN_MARGIN[dtype], "test design: near-tie"
+            assert min(margins) > _min_margin(rule, dtype), "test design: near-tie"
         x0 = T.params["x0"].clone()
         f = SpiralMap(T.params)
-        x, n = _run(rule, tau, min_steps, max_steps, x0, f, decode=decode)
+        x, n = _run(rule, tau, min_steps, max_steps, x0, f, decode=decode, patience=k)
         _check_integer_n(n, N)
         assert x.shape == (N, D) and x.dtype == dtype
         bad = [
@@ -384,7 +441,7 @@ def test_iterate_matches_reference(rule, limits, dtype):
             for i, (a, b) in enumerate(zip(n_ref.tolist(), n.tolist()))
             if a != b
         ]
-        assert not bad, f"{rule} tau={tau} min={min_steps} max={max_steps} {dtype}: " + "; ".join(
+        assert not bad, f"{rule} tau={tau} k={k} min={min_steps} max={max_steps} {dtype}: " + "; ".join(
             bad
         )
         if dtype == torch.float64:
@@ -844,3 +901,427 @@ def test_default_steps():
     assert n.tolist() == [32] * N
     x, n = exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), exits.build("stepnorm", 1e30))
     assert n.tolist() == [1] * N
+
+
+# --------------------------------------------------------------------------------------
+# SPEC 3b rules: closed forms, scripted decodes, what they read
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("limits", [(0, 32), (4, 32), (0, 9), (6, 6)])
+def test_cosine_closed_form_contraction(limits, dtype):
+    """x^(j) = rho^j x0: for rho > 0 every state points along x0, cos = 1, 1 - cos = 0, so
+    `cosine` fires at its earliest n = max(1, min_steps) for any tau > 0; for rho < 0
+    consecutive states are opposite, cos = -1, 1 - cos = 2: never below tau < 2, so the
+    loop runs to max_steps (and tau > 2 fires at the earliest n again)."""
+    min_steps, max_steps = limits
+    rhos = [0.5, 0.9, 0.3, -0.5, -0.9, 1.0]
+    x0, rho = _scale_setup(dtype, rhos, [3.7, 1.3, 1e-6, 2.2, 5.1, 1.0])
+    first = min(max(1, min_steps), max_steps)
+    for tau, expect in [(1e-9 if dtype == torch.float64 else 1e-5, [first] * 3 + [max_steps] * 2 + [first]),
+                        (1.5, [first] * 3 + [max_steps] * 2 + [first]), (2.5, [first] * 6)]:
+        f = ScaleMap(rho)
+        x, n = _run("cosine", tau, min_steps, max_steps, x0.clone(), f)
+        assert n.tolist() == expect, tau
+        want = torch.stack([x0[i].double() * rhos[i] ** expect[i] for i in range(len(rhos))])
+        torch.testing.assert_close(x.double(), want, rtol=1e-5, atol=0)
+
+
+class ConeMap:
+    """x = (a, b, h) -> (rho (cos t a - sin t b), rho (sin t a + cos t b), h): a spiral in
+    the (a, b) plane around the axis point (0, 0, h), per-row rho and t = theta."""
+
+    def __init__(self, rho, theta, dtype):
+        self.rho = torch.tensor(rho, dtype=dtype)
+        self.c = torch.cos(torch.tensor(theta, dtype=torch.float64)).to(dtype)
+        self.s = torch.sin(torch.tensor(theta, dtype=torch.float64)).to(dtype)
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        a, b, h = x.unbind(-1)
+        return torch.stack([self.rho * (self.c * a - self.s * b), self.rho * (self.s * a + self.c * b), h], -1)
+
+
+# (rho, theta, s = ||planar part of x0||, h = axis offset)
+CONE_ROWS = [(0.5, 0.3, 1.0, 0.0), (0.9, 0.3, 1.0, 0.0), (1.0, 0.05, 2.0, 0.0), (0.8, 0.5, 1.0, 1.0),
+             (0.9, 0.2, 2.0, 0.5), (0.95, 1.0, 1.0, 2.0), (0.7, 2.0, 3.0, 1.0), (1.0, 0.4, 1.0, 1.0)]
+
+
+def _cone_distance(rho, theta, s, h, n):
+    """1 - cos(x^(n), x^(n-1)) on the cone spiral, in closed form. The planar parts of
+    consecutive states are rho^n s and rho^(n-1) s long and theta apart, the axis parts
+    both h, so
+
+        x^(n) . x^(n-1) = rho^(2n-1) s^2 cos(theta) + h^2,
+        ||x^(j)||^2     = rho^(2j) s^2 + h^2,
+
+    and 1 - cos = 1 - (rho^(2n-1) s^2 cos theta + h^2) / sqrt((rho^(2n) s^2 + h^2)(rho^(2n-2) s^2 + h^2)).
+    With h = 0 (a spiral around the origin) it is 1 - cos(theta) at every n, whatever rho;
+    with h > 0 and rho < 1 it falls to 0 as the spiral winds into the axis point."""
+    a, b = rho ** (2 * n) * s * s, rho ** (2 * n - 2) * s * s
+    return 1.0 - (rho ** (2 * n - 1) * s * s * math.cos(theta) + h * h) / math.sqrt((a + h * h) * (b + h * h))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("limits", [(0, 32), (3, 32), (0, 7)])
+def test_cosine_closed_form_spiral(limits, dtype):
+    min_steps, max_steps = limits
+    # h = 0 rows: 1 - cos(theta) = 0.0447 (theta 0.3) and 0.00125 (theta 0.05) at every n
+    assert _cone_distance(0.5, 0.3, 1.0, 0.0, 7) == pytest.approx(1 - math.cos(0.3), rel=1e-12)
+    phi = torch.linspace(0.1, 2.0, len(CONE_ROWS), dtype=torch.float64)
+    x0 = torch.stack([torch.tensor([s * math.cos(p), s * math.sin(p), h], dtype=torch.float64)
+                      for (_, _, s, h), p in zip(CONE_ROWS, phi.tolist())]).to(dtype)
+    for tau in [0.2, 0.05, 2e-2, 3e-3, 1e-3, 2e-4]:
+        expect = []
+        for rho, theta, s, h in CONE_ROWS:
+            n_exp = max_steps
+            for n in range(max(1, min_steps), max_steps):
+                q = _cone_distance(rho, theta, s, h, n)
+                assert abs(q - tau) / tau > 1e-2, "test design: near-tie"
+                if q < tau:
+                    n_exp = n
+                    break
+            expect.append(n_exp)
+        f = ConeMap([r[0] for r in CONE_ROWS], [r[1] for r in CONE_ROWS], dtype)
+        x, n = _run("cosine", tau, min_steps, max_steps, x0.clone(), f)
+        assert n.tolist() == expect, tau
+        assert f.calls == max(expect)
+        if (min_steps, max_steps) == (0, 32) and tau == 3e-3:
+            assert len(set(expect)) >= 5, expect  # the closed form exits at varied n
+
+
+def _binary_entropy(a):
+    """H(softmax([a, 0])) = -q log q - (1 - q) log(1 - q), q = 1 / (1 + e^-a)."""
+    q = 1.0 / (1.0 + math.exp(-a))
+    return -(q * math.log(q) + (1 - q) * math.log1p(-q))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("limits", [(0, 32), (5, 32), (0, 6)])
+def test_entropy_diff_closed_form_contraction(limits, dtype):
+    """x^(j) = rho^j x0 with x0 = (s, 0) decoded as logits (x_1, x_2): p^(j) =
+    softmax(rho^j s, 0), H^(j) = h(rho^j s) with h the binary entropy above; `entropy_diff`
+    fires at the first n >= max(2, min_steps) with |h(rho^n s) - h(rho^(n-1) s)| < tau.
+    (As rho^j s -> 0, H -> log 2 and the changes shrink like rho^(2j).)"""
+    min_steps, max_steps = limits
+    rows = [(0.5, 3.0), (0.8, 2.0), (0.9, 5.0), (0.3, 1.0), (0.95, 0.5), (-0.7, 2.0)]
+    x0 = torch.tensor([[s, 0.0] for _, s in rows], dtype=dtype)
+    rho = torch.tensor([[r] for r, _ in rows], dtype=dtype)
+    taus = [0.1, 1e-2, 1e-3] + ([1e-5] if dtype == torch.float64 else [])
+    for tau in taus:
+        expect = []
+        for r, s in rows:
+            n_exp = max_steps
+            for n in range(max(2, min_steps), max_steps):
+                q = abs(_binary_entropy(r**n * s) - _binary_entropy(r ** (n - 1) * s))
+                assert abs(q - tau) / tau > 1e-2, "test design: near-tie"
+                if q < tau:
+                    n_exp = n
+                    break
+            expect.append(n_exp)
+        x, n = _run("entropy_diff", tau, min_steps, max_steps, x0.clone(), ScaleMap(rho), decode=lambda x: x)
+        assert n.tolist() == expect, tau
+
+
+class CycleMap:
+    """x -> rho * (x_3, x_1, x_2): the rotation by 120 degrees about the axis (1, 1, 1)
+    (it permutes the coordinates cyclically), scaled by rho."""
+
+    def __init__(self, rho=1.0):
+        self.rho = rho
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        return self.rho * x.roll(1, dims=-1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("limits", [(0, 32), (4, 32), (0, 9)])
+def test_rotation_that_permutes_the_logits(limits, dtype):
+    """Decode x as its own 3 logits and rotate by 120 degrees about (1, 1, 1): each p^(j)
+    is p^(j-1) with its entries permuted cyclically. Closed forms, per rule:
+    - entropy_diff: a permutation leaves the entropy unchanged, |dH| = 0 < tau for any
+      tau > 0: fires at max(2, min_steps) -- although the distribution keeps changing;
+    - kl: KL(P p || p) is one constant c > 0 at every n: fires at max(2, min_steps) if
+      c < tau, else runs to max_steps;
+    - argmax_stability: the largest logit moves to the next coordinate at every step, so
+      the argmax is never the same twice in a row: max_steps for every k;
+    - cosine: x . Px = ab + bc + ca for x = (a, b, c), ||Px|| = ||x||, so 1 - cos =
+      1 - (ab + bc + ca) / (a^2 + b^2 + c^2) at every n (also with rho > 0)."""
+    min_steps, max_steps = limits
+    rows = [[2.0, 0.5, -1.0], [1.0, 0.0, 0.0], [3.0, 2.5, 2.0], [0.3, -0.2, 0.1]]
+    x0 = torch.tensor(rows, dtype=dtype)
+    first, last = max(2, min_steps), max_steps
+    tiny = 1e-9 if dtype == torch.float64 else 1e-4
+    x, n = _run("entropy_diff", tiny, min_steps, max_steps, x0.clone(), CycleMap(), decode=lambda x: x)
+    assert n.tolist() == [first] * 4
+    for k in (1, 2, 5):
+        _, n = _run("argmax_stability", None, min_steps, max_steps, x0.clone(), CycleMap(), decode=lambda x: x,
+                    patience=k)
+        assert n.tolist() == [last] * 4
+    kls = [_kl_new_old([r[2], r[0], r[1]], r) for r in rows]  # KL(P p || p), one value per row
+    for tau in (0.05, 0.3, 0.5, 2.0):
+        assert all(abs(c - tau) / tau > 1e-2 for c in kls)
+        _, n = _run("kl", tau, min_steps, max_steps, x0.clone(), CycleMap(), decode=lambda x: x)
+        assert n.tolist() == [first if c < tau else last for c in kls], (tau, kls)
+    dist = [1 - (a * b + b * c + c * a) / (a * a + b * b + c * c) for a, b, c in rows]
+    for rho in (1.0, 0.7):
+        for tau in (0.02, 0.2, 1.1, 1.32, 1.6):
+            assert all(abs(q - tau) / tau > 1e-2 for q in dist)
+            _, n = _run("cosine", tau, min_steps, max_steps, x0.clone(), CycleMap(rho))
+            assert n.tolist() == [min(max(1, min_steps), last) if q < tau else last for q in dist], (rho, tau, dist)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("limits", [(0, 32), (8, 32), (0, 5)])
+def test_argmax_stability_closed_form_contraction(limits, dtype):
+    """x^(j) = rho^j x0 decoded by a fixed linear map: logits rho^j W x0. For rho > 0 the
+    argmax is that of W x0 at every j, so the rule fires at max(k + 1, min_steps); for
+    rho < 0 the logits flip sign at every step and the argmax alternates between the
+    largest and the smallest entry of W x0: never twice in a row, max_steps."""
+    min_steps, max_steps = limits
+    rhos = [0.5, 0.9, 1.0, -0.8, 0.3]
+    x0, rho = _scale_setup(dtype, rhos, [3.0, 1.0, 2.0, 1.5, 1e-3])
+    decode, _ = _make_decode(dtype)
+    for k in (1, 2, 5):
+        x, n = _run("argmax_stability", None, min_steps, max_steps, x0.clone(), ScaleMap(rho),
+                    decode=_pad_decode(decode), patience=k)
+        first = min(max(k + 1, min_steps), max_steps)
+        assert n.tolist() == [first, first, first, max_steps, first], k
+
+
+class PlaneMap:
+    """x = (a, b) -> rho R(theta) (a, b), one rotation for every row."""
+
+    def __init__(self, rho, theta):
+        self.rho, self.c, self.s = rho, math.cos(theta), math.sin(theta)
+        self.calls = 0
+
+    def __call__(self, x):
+        self.calls += 1
+        a, b = x.unbind(-1)
+        return self.rho * torch.stack([self.c * a - self.s * b, self.s * a + self.c * b], -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("rho", [1.0, 0.9])
+def test_argmax_stability_closed_form_spiral(rho, dtype):
+    """A (contracting) spiral decoded as the four logits (a, b, -a, -b) of x = (a, b): the
+    argmax is the axis nearest to x's angle phi, index i = 0, 1, 2, 3 for phi within 45
+    degrees of 0, 90, 180, 270 degrees (rho only scales the logits). Start at 4.5 degrees
+    and turn by theta = 9 degrees per step: phi^(j) = 4.5 + 9 j, so p^(1..4) (13.5 ..
+    40.5) have argmax 0, p^(5..14) (49.5 .. 130.5) argmax 1, p^(15..24) argmax 2, ...: runs
+    of 4, then 10, 10, ... (no angle within 4.5 degrees of a sector boundary, no ties).
+    The run length is r^(n) = n for n <= 4 and n - 4 for n = 5 .. 14; the rule fires at
+    the first n with r^(n) >= k + 1:
+      k = 1: r^(2) = 2                  -> n = 2
+      k = 3: r^(4) = 4                  -> n = 4
+      k = 4: n - 4 >= 5                 -> n = 9
+      k = 9: n - 4 >= 10                -> n = 14
+      k = 10: runs are at most 10 long  -> max_steps = 32
+      k = 3, min_steps = 6: r^(6) = 2 (the run began at 5), so n - 4 >= 4 -> n = 8
+    """
+    deg = math.pi / 180
+    x0 = torch.tensor([[math.cos(4.5 * deg), math.sin(4.5 * deg)]], dtype=dtype)
+
+    def decode(x):
+        return torch.cat([x, -x], -1)
+
+    for k, min_steps, expect in [(1, 0, 2), (3, 0, 4), (4, 0, 9), (9, 0, 14), (10, 0, 32), (3, 6, 8)]:
+        f = PlaneMap(rho, 9 * deg)
+        x, n = _run("argmax_stability", None, min_steps, 32, x0.clone(), f, decode=decode, patience=k)
+        assert n.tolist() == [expect], (k, min_steps)
+        angle = math.atan2(float(x[0, 1]), float(x[0, 0])) / deg % 360
+        assert angle == pytest.approx((4.5 + 9 * expect) % 360, abs=1e-3)  # the newest state is kept
+
+
+def _argmax_rows():
+    """state = [logit0, logit1, logit2, counter]; the decode is the first three coordinates,
+    a one-hot of the scripted argmax a^(j) (j = 0 is x^(0), never checked). With k = 2 the
+    rule fires at the first n >= 3 with a^(n-2) = a^(n-1) = a^(n)."""
+    scripts = [
+        ([1, 0, 0, 0, 0], 3),  # a^(1..3) = 0 -> earliest n = k + 1 = 3 (a^(0) is not looked at)
+        ([0, 0, 1, 1, 1], 4),  # a^(2..4) = 1 -> 4
+        ([0, 0, 1] * 13, 32),  # a^(1..) = 0 1 0 0 1 0 0 ...: runs of two at most -> max_steps
+        ([0, 2, 2, 1, 1, 1], 5),  # a^(3..5) = 1 -> 5
+        ([0, 0, 0, 1, 1, 2, 2, 2], 7),  # a^(1..2) = 0 is a run of 2, then 1 1, then 2 2 2 -> 7
+        ([2, 1, 2, 1, 2, 0, 0, 0], 7),  # -> 7
+    ]
+    table = []
+    for script, _ in scripts:
+        script = script + [script[-1]] * (40 - len(script))
+        table.append([[2.0 * (a == 0), 2.0 * (a == 1), 2.0 * (a == 2), float(j)] for j, a in enumerate(script)])
+    return torch.tensor(table, dtype=torch.float64), [e for _, e in scripts]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+def test_argmax_stability_on_a_scripted_decode(dtype):
+    table, expect = _argmax_rows()
+    table = table.to(dtype)
+    calls = []
+
+    def decode(x):
+        calls.append(x.shape[0])
+        return x[:, :3] * 1.0
+
+    f = TableMap(table)
+    x, n = _run("argmax_stability", None, 0, 32, table[:, 0].clone(), f, decode=decode, patience=2)
+    assert n.tolist() == expect
+    torch.testing.assert_close(x, table[torch.arange(len(expect)), torch.tensor(expect)])
+    assert len(calls) == f.calls == 32  # one decode per application (O(d V) per check)
+    # min_steps = 5: the runs started before 5 count (history is kept below min_steps)
+    _, n = _run("argmax_stability", None, 5, 32, table[:, 0].clone(), TableMap(table), decode=decode, patience=2)
+    assert n.tolist() == [5, 5, 32, 5, 7, 7]
+    # k = 1: the first repeat; k = 3 needs four equal argmaxes in a row
+    _, n = _run("argmax_stability", None, 0, 32, table[:, 0].clone(), TableMap(table), decode=decode, patience=1)
+    assert n.tolist() == [2, 3, 4, 2, 2, 6]
+    _, n = _run("argmax_stability", None, 0, 32, table[:, 0].clone(), TableMap(table), decode=decode, patience=3)
+    assert n.tolist() == [4, 5, 32, 6, 8, 8]
+
+
+def test_argmax_scripted_table_matches_the_reference():
+    table, expect = _argmax_rows()
+    for k, want in [(2, expect), (1, [2, 3, 4, 2, 2, 6]), (3, [4, 5, 32, 6, 8, 8])]:
+        for i in range(table.shape[0]):
+            rows = table[i].tolist()
+            n, _, _ = _ref_row(lambda j, rows=rows: rows[j], "argmax_stability", None, 0, 32,
+                               logits=lambda j, rows=rows: rows[j][:3], patience=k)
+            assert n == want[i], (k, i)
+
+
+@pytest.mark.parametrize("rule", exits.RULES)
+def test_which_rules_decode(rule):
+    """kl, entropy_diff and argmax_stability decode the state at every check (O(d V));
+    the others never call decode (O(d)) and run without one."""
+    decoding = {"kl", "entropy_diff", "argmax_stability"}
+    policy = exits.build(rule, 1e-3, max_steps=7)
+    assert policy.needs_decode == (rule in decoding)
+    assert exits.COST[rule] == ("O(d·V)" if rule in decoding else "none" if rule == "fixed" else "O(d)")
+    T = _traj(torch.float64)
+    decode, _ = _make_decode(torch.float64)
+    calls = []
+
+    def counting(x):
+        calls.append(1)
+        return decode(x)
+
+    f = SpiralMap(T.params)
+    _, n = exits.iterate(f, T.params["x0"].clone(), policy, decode=counting)
+    assert len(calls) == (f.calls if rule in decoding else 0)
+    if rule not in decoding:
+        _, n2 = exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), policy)
+        assert torch.equal(n, n2)
+
+
+@pytest.mark.parametrize("rule", [r for r in ALL_RULES if r != "argmax_stability"])
+def test_patience_is_read_by_argmax_stability_only(rule):
+    T = _traj(torch.float64)
+    decode, _ = _make_decode(torch.float64)
+    runs = [_run(rule, 1e-2, 0, 20, T.params["x0"].clone(), SpiralMap(T.params), decode, patience=k)[1]
+            for k in (1, 5, 17)]
+    assert torch.equal(runs[0], runs[1]) and torch.equal(runs[0], runs[2])
+
+
+# --------------------------------------------------------------------------------------
+# per-group values: group g runs under its own tau, min_steps, max_steps
+# --------------------------------------------------------------------------------------
+
+
+def test_per_group_thresholds_closed_form():
+    """stepnorm on x -> x / 2 with ||x0|| = 1: ||Delta^(j)|| = 2^-(j+1), below 0.1 from
+    j = 3 (n = 4), below 1e-2 from j = 6 (n = 7), below 1e-3 from j = 9 (n = 10). Three
+    groups with tau = [0.1, 1e-2, 1e-3], min_steps = [5, 0, 0], max_steps = [32, 32, 8]:
+    group 0 waits for min_steps (n = 5), group 1 fires at 7, group 2 stops at max_steps 8."""
+    x0, rho = _scale_setup(torch.float64, [0.5, 0.5], [1.0, 1.0])
+    policy = exits.build("stepnorm", [0.1, 1e-2, 1e-3], min_steps=[5, 0, 0], max_steps=[32, 32, 8])
+    assert policy.n_groups == 3 and policy.max_steps_bound == 32
+    got = [exits.iterate(ScaleMap(rho), x0.clone(), policy.group(g))[1].tolist() for g in range(3)]
+    assert got == [[5, 5], [7, 7], [8, 8]]
+    # the same values as one scalar each: every group alike
+    one = exits.build("stepnorm", 1e-2, min_steps=0, max_steps=32)
+    assert [exits.iterate(ScaleMap(rho), x0.clone(), one.group(g))[1].tolist() for g in range(3)] == [[7, 7]] * 3
+
+
+@pytest.mark.parametrize("rule", ["fixed", *TAU_RULES, "argmax_stability"])
+def test_per_group_thresholds_fire_per_group(rule):
+    """Three groups, each with its own tau (where the rule reads one) and step limits:
+    group g's applications are the slow reference's at group g's values, and the groups
+    really exit at different n."""
+    dtype = torch.float64
+    T = _traj(dtype)
+    decode, _ = _make_decode(dtype)
+    taus = TAUS[rule][:3] if rule not in ("fixed", "argmax_stability") else None
+    mins, maxs = [0, 4, 7], [32, 20, 12]
+    policy = exits.build(rule, taus, min_steps=mins, max_steps=maxs, patience=2)
+    ns = []
+    for g in range(3):
+        p = policy.group(g)
+        assert (p.tau, p.min_steps, p.max_steps) == (None if taus is None else taus[g], mins[g], maxs[g])
+        x, n = exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), p, decode=decode)
+        n_ref, x_ref, _ = _reference(dtype, rule, None if taus is None else taus[g], mins[g], maxs[g], 2)
+        assert n.tolist() == n_ref.tolist(), g
+        torch.testing.assert_close(x, x_ref, rtol=0, atol=1e-12)
+        ns.append(n.tolist())
+    assert ns[0] != ns[1] != ns[2] != ns[0]
+
+
+def test_a_per_group_policy_runs_no_loop_by_itself():
+    T = _traj(torch.float64)
+    policy = exits.build("stepnorm", [1e-2, 1e-3])
+    _one_line_value_error(lambda: exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), policy), "exit.tau")
+    _one_line_value_error(lambda: policy.group(2), "exit.tau")
+    assert policy.group(1).group(0) == policy.group(1)  # a one-value policy is its own group g
+    assert exits.build("kl", 1e-3).group(7) == exits.build("kl", 1e-3)
+
+
+@pytest.mark.parametrize("kw, field, text", [
+    ({"tau": [1e-3, 1e-2]}, "exit.tau", "a list of 2 for 3 recurrence groups"),
+    ({"max_steps": [4, 4, 4, 4]}, "exit.max_steps", "a list of 4 for 3 recurrence groups"),
+    ({"tau": [1e-3, 1e-2, 1e-3], "min_steps": [0, 1]}, "exit.min_steps", "a list of 2, but exit.tau is a list of 3"),
+    ({"tau": []}, "exit.tau", "got []"),
+    ({"tau": [1e-3, -1.0, 1e-3]}, "exit.tau[1]", "> 0"),
+    ({"tau": [1e-3, "x", 1e-3]}, "exit.tau[1]", "finite number"),
+    ({"max_steps": [4, 0, 4]}, "exit.max_steps[1]", ">= 1"),
+    ({"min_steps": [0, 5, 0], "max_steps": [4, 4, 4]}, "exit.max_steps", "4 (group 1) is smaller than exit.min_steps=5"),
+    ({"min_steps": 5, "max_steps": [9, 4, 9]}, "exit.max_steps", "4 (group 1) is smaller than exit.min_steps=5"),
+])
+def test_bad_per_group_values(kw, field, text):
+    args = {"tau": 1e-3, **kw}
+    with pytest.raises(ValueError) as info:
+        exits.build("stepnorm", groups=3, **args)
+    msg = str(info.value)
+    assert "\n" not in msg and msg.startswith(f"{field}: ") and text in msg, msg
+    assert exits.build("stepnorm", [1e-3] * 3, groups=3).check_groups(3).n_groups == 3
+
+
+def test_per_group_lists_against_the_model():
+    _one_line_value_error(lambda: exits.build("kl", [1e-3], groups=0), "exit.tau")  # no groups: one value only
+    p = exits.build("accel", 1e-3, max_steps=[3, 9])
+    _one_line_value_error(lambda: p.check_groups(3), "exit.max_steps")
+    assert p.check_groups(2) is p and exits.build("accel", 1e-3).check_groups(0).n_groups is None
+    # rules that ignore tau ignore a list of it too (no length to check)
+    assert exits.build("fixed", [1, 2], groups=3).lists() == {}
+    assert exits.build("argmax_stability", [1, 2], max_steps=[4, 5, 6], groups=3).group(2).max_steps == 6
+
+
+def test_the_oracle_takes_one_value():
+    for kw in ({"tau": [1e-2, 1e-2]}, {"tau": 1e-2, "max_steps": [8, 8]}, {"tau": 1e-2, "min_steps": [0, 0]}):
+        with pytest.raises(ValueError) as info:
+            exits.build("oracle", **kw)
+        assert "oracle takes one value" in str(info.value) and "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("k", [0, -1, 2.5, True, "5", None])
+def test_bad_patience(k):
+    for rule in ("argmax_stability", "stepnorm"):  # typed for every rule, read by one
+        _one_line_value_error(lambda rule=rule: exits.build(rule, 1e-3, patience=k), "exit.patience")
+
+
+@pytest.mark.parametrize("rule", ["entropy_diff", "argmax_stability"])
+def test_new_decoding_rules_without_decode_are_rejected(rule):
+    T = _traj(torch.float64)
+    with pytest.raises(ValueError, match=rule):
+        exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), exits.build(rule, 1e-3, max_steps=5))

@@ -74,3 +74,32 @@ def test_against_a_float64_loop_from_the_definitions():
 def test_zero_step_has_cosine_zero_not_nan():
     traj = torch.zeros(4, 2, 3, dtype=torch.float64)
     assert torch.equal(geo.step_cosines(traj), torch.zeros(2, 2, dtype=torch.float64))
+
+
+def test_state_cosine_distance():
+    """1 − cos∠(x, y) (the `cosine` exit, docs/spec.md §3b): closed forms, a float64 loop
+    from the definition, the zero-state conventions, and float32 near cos = 1, where the
+    direct 1 − x·y/(‖x‖‖y‖) cancels."""
+    x = torch.tensor([[3.0, 4.0], [1.0, 0.0], [1.0, 0.0], [2.0, 2.0]], dtype=torch.float64)
+    y = torch.tensor([[6.0, 8.0], [0.0, 2.0], [-3.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    torch.testing.assert_close(geo.state_cosine_distance(x, y),
+                               torch.tensor([0.0, 1.0, 2.0, 1 - math.cos(math.pi / 4)], dtype=torch.float64))
+    # the planar spiral of the tests above: consecutive states are θ apart, 1 − cos θ (x0 has no other part)
+    traj = spiral(0.8, 0.3, K=5)
+    torch.testing.assert_close(geo.state_cosine_distance(traj[1:], traj[:-1]),
+                               torch.full((5, 3), 1 - math.cos(0.3), dtype=torch.float64))
+    g = torch.Generator().manual_seed(2)
+    a, b = torch.randn(2, 7, 5, generator=g, dtype=torch.float64)
+    for i in range(7):
+        u, v = a[i].tolist(), b[i].tolist()
+        ref = 1 - sum(p * q for p, q in zip(u, v)) / math.sqrt(sum(p * p for p in u) * sum(q * q for q in v))
+        assert geo.state_cosine_distance(a[i], b[i]).item() == pytest.approx(ref, rel=1e-12)
+    z = torch.zeros(2, 3, dtype=torch.float64)
+    assert geo.state_cosine_distance(z, z).tolist() == [0.0, 0.0]  # two zero states: no movement
+    assert geo.state_cosine_distance(z, x[:2, :1].expand(2, 3)).tolist() == [1.0, 1.0]  # no direction: cos 0
+    assert geo.state_cosine_distance(x[:2, :1].expand(2, 3), z).tolist() == [1.0, 1.0]
+    # float32, angle 1e-4 apart: 1 − cos = 5e-9, far below float32's spacing near 1 (6e-8)
+    t = 1e-4
+    p = torch.tensor([[1.0, 0.0, 0.0]], dtype=torch.float32)
+    q = torch.tensor([[math.cos(t), math.sin(t), 0.0]], dtype=torch.float32)
+    assert geo.state_cosine_distance(p, q).item() == pytest.approx(1 - math.cos(t), rel=1e-3)

@@ -22,6 +22,8 @@ DEFAULT = identity()
     (("sampler=fixed",), ("sampler=fixed", "sampler.sigma=0.9")),  # fixed never reads sigma
     ((), ("model.n_embd=128", "model.n_layer=12")),  # the cpu preset, spelled out
     ((), ("exit=kl", "exit.tau=0.5", "eval.tokens=8")),  # evaluation settings
+    ((), ("exit=argmax_stability", "exit.patience=2")),  # ... SPEC §3b rules
+    ((), ("exit=cosine", "exit.tau=[1e-3,1e-2,1e-3]", "exit.max_steps=[4,5,6]")),  # ... one value per group
     ((), ("trainer.val_check_interval=7", "trainer.enable_progress_bar=false")),  # reporting cadence
 ])
 def test_same_weights_same_identity(a, b):

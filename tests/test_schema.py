@@ -128,6 +128,15 @@ def one_line(msg: str, field: str) -> None:
     (["sampler=fixed", "sampler.mean=2.5"], "sampler.mean", "integer loop count"),
     (["exit.max_steps=0"], "exit.max_steps", ">= 1"),
     (["exit=kl", "exit.tau=0"], "exit.tau", "> 0"),
+    (["exit=cosine", "exit.tau=[1e-3,1e-2]"], "exit.tau", "a list of 2 for 3 recurrence groups"),
+    (["exit=kl", "exit.tau=[1e-3,0,1e-3]"], "exit.tau[1]", "> 0"),
+    (["exit.max_steps=[8,8,8,8]"], "exit.max_steps", "a list of 4 for 3 recurrence groups"),
+    (["exit.min_steps=[0,9,0]", "exit.max_steps=8"], "exit.max_steps", "8 (group 1) is smaller than exit.min_steps=9"),
+    (["model=baseline", "callbacks=none", "exit=entropy_diff", "exit.tau=[1e-3]"], "exit.tau",
+     "the model has no recurrence groups"),
+    (["exit.max_steps=abc"], "exit.max_steps", "expected an integer >= 1, got 'abc'"),
+    (["exit=argmax_stability", "exit.patience=0"], "exit.patience", ">= 1"),
+    (["exit=oracle", "exit.tau=[0.1,0.1,0.1]"], "exit.tau", "the oracle takes one value"),
     (["data.val_fraction=1.5"], "data.val_fraction", "(0, 1)"),
     (["data.val_tokens=0"], "data.val_tokens", ">= 1 or null"),
     (["data.source=books"], "data.source", "shakespeare, fineweb, files"),
@@ -163,6 +172,8 @@ def test_an_out_of_range_value_is_refused_in_one_line(overrides, field, expected
     (["ckpt=x.ckpt", "device=gpu"], "device", "auto, cpu, cuda or cuda:<n>"),
     (["ckpt=x.ckpt", "eval.tokens=0"], "eval.tokens", ">= 1"),
     (["ckpt=x.ckpt", "exit.tau=-1"], "exit.tau", "> 0"),
+    (["ckpt=x.ckpt", "exit=argmax_stability", "exit.patience=-1"], "exit.patience", ">= 1"),
+    (["ckpt=x.ckpt", "exit=cosine", "exit.tau=[1e-3,-1]"], "exit.tau[1]", "> 0"),
     ([], "ckpt", "required, the path of a training checkpoint"),
 ])
 def test_evaluate_config_is_checked(overrides, field, expected):
@@ -180,6 +191,8 @@ def test_evaluate_config_is_checked(overrides, field, expected):
     ("trainer.max_steps=1.5", "trainer.max_steps", "expected an integer"),
     ("trainer.compile=maybe", "trainer.compile", "maybe"),
     ("optim.lr=fast", "optim.lr", "expected a number"),
+    ("exit.patience=abc", "exit.patience", "expected an integer, got 'abc'"),
+    ("exit.patience=2.5", "exit.patience", "expected an integer"),
     ("model.groups=[[4],[x]]", "model.groups[1]", "int"),
     ("optim.betas=0.9", "optim.betas", "list"),
     ("trainer.max_step=3", "trainer.max_step", "no such key in trainer (did you mean max_steps?)"),
@@ -348,3 +361,23 @@ def test_objects_are_built_from_the_typed_config():
     assert dm.paths == ["/data/a.txt"] and dm.source == "files" and dm.block_size == 32
     # the composed DictConfig builds the same objects (validated on the way in)
     assert model_config(cfg, vocab_size=100) == m and sampler_args(cfg) == sampler_args(run)
+
+
+def test_per_group_exit_values_build_one_policy_per_group():
+    """`exit.tau`, `exit.min_steps`, `exit.max_steps` take one value per group (SPEC §3b):
+    the training config checks the lists against model.groups; an evaluation's checkpoint
+    is not known yet, so its config takes any length (checked against the checkpoint)."""
+    run = schema.validated(compose_cfg("exit=cosine", "exit.tau=[1e-3,1e-2,1e-3]", "exit.max_steps=[32,16,8]"))
+    p = exit_policy(run)
+    assert (p.tau, p.max_steps, p.n_groups, p.max_steps_bound) == ((1e-3, 1e-2, 1e-3), (32, 16, 8), 3, 32)
+    assert (p.group(1).tau, p.group(1).max_steps) == (1e-2, 16)
+    k = exit_policy(compose_cfg("exit=argmax_stability", "exit.patience=2", "exit.min_steps=[0,3,0]"))
+    assert (k.name, k.patience, k.min_steps, k.tau) == ("argmax_stability", 2, (0, 3, 0), None)
+    single = schema.validated(compose_cfg("model=single", "exit=entropy_diff", "exit.tau=[1e-3]"))
+    assert exit_policy(single).group(0).tau == 1e-3
+    ev = compose_cfg("ckpt=x.ckpt", "exit=cosine", "exit.tau=[1e-3,1e-2]", config="evaluate")
+    assert exit_policy(ev).tau == (1e-3, 1e-2)
+    with pytest.raises(ValueError) as e:
+        exit_policy(ev).check_groups(3)  # what recdepth.evaluate does with the checkpoint's model
+    one_line(str(e.value), "exit.tau")
+

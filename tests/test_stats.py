@@ -376,3 +376,46 @@ def test_sweep_frontier_csv_from_synthetic_token_files_matches_the_slow_referenc
                                 "worse than the fixed frontier" if lo > 0 else "not resolved")
     assert front[4]["verdict"] == "beats the fixed frontier"  # kl: near the deepest CE at ~3 applications
     assert front[5]["verdict"] == "worse than the fixed frontier"  # accel: 0.2 nats worse at ~5
+
+
+def test_sweep_summary_with_per_group_values(tmp_path, caplog):
+    """Jobs with one τ (or max_steps) per group and argmax_stability's k: the summary shows
+    them, the frontier compares them like any rule (by mean applications; a fixed job with
+    one max_steps per group is not a point of the fixed frontier), and Fig. 4 leaves the
+    per-group τ jobs out of its panels against τ, saying so."""
+    import csv
+    import json
+    import logging
+
+    from recdepth import sweep
+
+    rng = np.random.default_rng(41)
+    n_tok, G = 100, 3
+    base = rng.gamma(2.0, 2.0, n_tok)
+    jobs = [("fixed", None, n, {}, base + 0.4 / n, np.full((n_tok, G), n)) for n in (1, 2, 4, 8)]
+    jobs.append(("cosine", [1e-3, 1e-2, 1e-3], 8, {}, base + 0.05, rng.integers(2, 6, (n_tok, G))))
+    jobs.append(("fixed", None, [2, 4, 8], {}, base + 0.1, np.tile([2, 4, 8], (n_tok, 1))))
+    jobs.append(("argmax_stability", None, 8, {"patience": 3}, base + 0.06, rng.integers(4, 8, (n_tok, G))))
+    for j, (rule, tau, n, kw, nll, apps) in enumerate(jobs):
+        d = tmp_path / str(j)
+        d.mkdir()
+        stats.write_tokens(d / "eval_tokens.csv", np.zeros(n_tok, int), np.arange(n_tok), np.arange(n_tok) % 7,
+                           np.arange(n_tok) % 7, nll, apps)
+        ev = {"exit": rule, "tau": tau, "max_steps": n, "ce": float(np.mean(nll)), "ce_ci": [0, 0], "ppl": 1.0,
+              "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),
+              "tokens": n_tok, "tokens_per_s": 1.0, "patience": kw.get("patience", 5)}
+        (d / "metrics.json").write_text(json.dumps({"eval": ev}))
+    with caplog.at_level(logging.INFO, logger="recdepth.sweep"):
+        sweep.summarize(tmp_path)
+    assert "job(s) 4 have one τ per group" in caplog.text
+    rows = {int(r["job"]): r for r in csv.DictReader(open(tmp_path / "sweep_results.csv"))}
+    assert rows[4]["tau"] == "[0.001, 0.01, 0.001]" and rows[5]["max_steps"] == "[2, 4, 8]"
+    assert rows[6]["patience"] == "3" and rows[4]["patience"] == "" and rows[0]["patience"] == ""
+    md = (tmp_path / "sweep_results.md").read_text()
+    assert "| [0.001, 0.01, 0.001] |" in md and "| 2 / 4 / 8 |" in md and "| k = 3 |" in md
+    front = {int(r["job"]): r for r in csv.DictReader(open(tmp_path / "frontier.csv"))}
+    assert sorted(front) == [4, 5, 6]
+    assert float(front[5]["mean_applications"]) == pytest.approx(14 / 3)
+    assert front[4]["tau"] == "[0.001, 0.01, 0.001]" and front[6]["patience"] == "3"
+    assert "k = 3" in (tmp_path / "frontier.md").read_text()
+    assert (tmp_path / "fig4_exits.png").is_file()
