@@ -54,7 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
-from recdepth.documents import FINEWEB_CONFIG, FINEWEB_REPO, SourceSpec, resolve_source
+from recdepth.documents import SourceSpec, resolve_source
 from recdepth.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, gpt2, tokenizer_id
 
 log = logging.getLogger(__name__)
@@ -76,8 +76,9 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("RECDEPTH_CACHE") or "~/.cache/recdepth").expanduser()
 
 
-def cache_key(spec: SourceSpec, val_fraction: float, compact_vocab: bool) -> str:
-    blob = {
+def key_fields(spec: SourceSpec, val_fraction: float, compact_vocab: bool) -> dict:
+    """What a token cache's content depends on: hashed into its key, recorded in meta.json."""
+    return {
         "format": CACHE_FORMAT,
         "source": spec.source,
         "params": spec.params,
@@ -86,6 +87,10 @@ def cache_key(spec: SourceSpec, val_fraction: float, compact_vocab: bool) -> str
         "val_fraction": float(val_fraction),
         "compact_vocab": bool(compact_vocab),
     }
+
+
+def cache_key(spec: SourceSpec, val_fraction: float, compact_vocab: bool) -> str:
+    blob = key_fields(spec, val_fraction, compact_vocab)
     return hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()
 
 
@@ -291,15 +296,11 @@ def build_cache(
             os.replace(tmp["vocab.npy"], path / "vocab.npy")
         else:
             (path / "vocab.npy").unlink(missing_ok=True)
+        fields = key_fields(spec, val_fraction, compact_vocab)
         meta = {
-            "format": CACHE_FORMAT,
+            "format": fields.pop("format"),
             "key": key,
-            "source": spec.source,
-            "params": spec.params,
-            "tokenizer": tokenizer_id(),
-            "content_hash": spec.content_hash,
-            "val_fraction": float(val_fraction),
-            "compact_vocab": bool(compact_vocab),
+            **fields,
             "n_tokens": n,
             "n_train": n_train,
             "n_val": n_val,
@@ -336,35 +337,21 @@ def prepare_tokens(
     cache_dir: str | os.PathLike | None = None,
     val_fraction: float = 0.05,
     compact_vocab: bool | None = None,
-    path: str | os.PathLike | None = None,
-    paths: Sequence[str | os.PathLike] | str | None = None,
-    text_column: str = "text",
-    max_tokens: int | None = None,
-    dataset_name: str = FINEWEB_REPO,
-    dataset_config: str = FINEWEB_CONFIG,
     progress: bool = True,
-    encoding: str = "utf-8",
+    **source_kw,
 ) -> TokenCache:
     """Open the token cache of a source, tokenizing it first if there is no valid one.
 
-    compact_vocab=None means: on for shakespeare, off for the other sources.
+    compact_vocab=None means: on for shakespeare, off for the other sources. `source_kw`
+    are `documents.resolve_source`'s (path, paths, text_column, max_tokens, dataset_name,
+    dataset_config, encoding).
     """
     if not 0.0 < float(val_fraction) < 1.0:
         raise ValueError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
     if compact_vocab is None:
         compact_vocab = source == "shakespeare"
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    spec = resolve_source(
-        source,
-        path=path,
-        paths=paths,
-        text_column=text_column,
-        max_tokens=max_tokens,
-        dataset_name=dataset_name,
-        dataset_config=dataset_config,
-        hf_cache=root / "hf-datasets",
-        encoding=encoding,
-    )
+    spec = resolve_source(source, hf_cache=root / "hf-datasets", **source_kw)
     key = cache_key(spec, val_fraction, compact_vocab)
     name = f"{source}-{key[:16]}"
     cache_path = root / "tokens" / name
