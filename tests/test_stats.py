@@ -2,6 +2,7 @@
 of a mean, coverage on data with a known mean, slow per-resample reference loops written
 here from the definitions, brute force for the oracle, exact CSV round trips."""
 
+import json
 import math
 
 import numpy as np
@@ -335,7 +336,6 @@ def test_sweep_frontier_csv_from_synthetic_token_files_matches_the_slow_referenc
     metrics.json, as recdepth.evaluate writes them): frontier.csv's numbers equal the slow
     per-resample reference computed here from the same per-token values."""
     import csv
-    import json
 
     from recdepth import sweep
 
@@ -347,14 +347,7 @@ def test_sweep_frontier_csv_from_synthetic_token_files_matches_the_slow_referenc
     jobs.append(("kl", 1e-3, 8, base + 0.02 + rng.normal(0, 0.03, n_tok), rng.integers(2, 5, (n_tok, G))))
     jobs.append(("accel", 1e-2, 8, base + 0.2 + rng.normal(0, 0.03, n_tok), rng.integers(3, 8, (n_tok, G))))
     for j, (rule, tau, n, nll, apps) in enumerate(jobs):
-        d = tmp_path / str(j)
-        d.mkdir()
-        stats.write_tokens(d / "eval_tokens.csv", np.zeros(n_tok, int), np.arange(n_tok), np.arange(n_tok) % 7,
-                           np.arange(n_tok) % 7, nll, apps)
-        ev = {"exit": rule, "tau": tau, "max_steps": n, "ce": float(np.mean(nll)), "ce_ci": [0, 0], "ppl": 1.0,
-              "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),
-              "tokens": n_tok, "tokens_per_s": 1.0}
-        (d / "metrics.json").write_text(json.dumps({"eval": ev}))
+        _write_job(tmp_path / str(j), rule, tau, n, nll, apps)
     sweep.summarize(tmp_path)
     front = {int(r["job"]): r for r in csv.DictReader(open(tmp_path / "frontier.csv"))}
     assert sorted(front) == [4, 5]
@@ -384,7 +377,6 @@ def test_sweep_summary_with_per_group_values(tmp_path, caplog):
     one max_steps per group is not a point of the fixed frontier), and Fig. 4 leaves the
     per-group τ jobs out of its panels against τ, saying so."""
     import csv
-    import json
     import logging
 
     from recdepth import sweep
@@ -397,14 +389,7 @@ def test_sweep_summary_with_per_group_values(tmp_path, caplog):
     jobs.append(("fixed", None, [2, 4, 8], {}, base + 0.1, np.tile([2, 4, 8], (n_tok, 1))))
     jobs.append(("argmax_stability", None, 8, {"patience": 3}, base + 0.06, rng.integers(4, 8, (n_tok, G))))
     for j, (rule, tau, n, kw, nll, apps) in enumerate(jobs):
-        d = tmp_path / str(j)
-        d.mkdir()
-        stats.write_tokens(d / "eval_tokens.csv", np.zeros(n_tok, int), np.arange(n_tok), np.arange(n_tok) % 7,
-                           np.arange(n_tok) % 7, nll, apps)
-        ev = {"exit": rule, "tau": tau, "max_steps": n, "ce": float(np.mean(nll)), "ce_ci": [0, 0], "ppl": 1.0,
-              "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),
-              "tokens": n_tok, "tokens_per_s": 1.0, "patience": kw.get("patience", 5)}
-        (d / "metrics.json").write_text(json.dumps({"eval": ev}))
+        _write_job(tmp_path / str(j), rule, tau, n, nll, apps, patience=kw.get("patience", 5))
     with caplog.at_level(logging.INFO, logger="recdepth.sweep"):
         sweep.summarize(tmp_path)
     assert "job(s) 4 have one τ per group" in caplog.text
@@ -419,3 +404,15 @@ def test_sweep_summary_with_per_group_values(tmp_path, caplog):
     assert front[4]["tau"] == "[0.001, 0.01, 0.001]" and front[6]["patience"] == "3"
     assert "k = 3" in (tmp_path / "frontier.md").read_text()
     assert (tmp_path / "fig4_exits.png").is_file()
+
+
+def _write_job(d, rule, tau, n, nll, apps, **extra):
+    """A sweep job directory as an evaluation leaves it: eval_tokens.csv and metrics.json."""
+    n_tok = len(nll)
+    d.mkdir()
+    stats.write_tokens(d / "eval_tokens.csv", np.zeros(n_tok, int), np.arange(n_tok), np.arange(n_tok) % 7,
+                       np.arange(n_tok) % 7, nll, apps)
+    ev = {"exit": rule, "tau": tau, "max_steps": n, "ce": float(np.mean(nll)), "ce_ci": [0, 0], "ppl": 1.0,
+          "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),
+          "tokens": n_tok, "tokens_per_s": 1.0, **extra}
+    (d / "metrics.json").write_text(json.dumps({"eval": ev}))
