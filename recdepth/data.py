@@ -235,14 +235,15 @@ class TokenDataModule(L.LightningDataModule):
         self._require_setup()
         return self.vocab.unigram_ce(self.train_tokens, self.val_targets())
 
-    def heldout_tokens(self, n: int) -> np.ndarray:
-        """The first n val tokens (model ids, int64), for token-by-token evaluation."""
+    def heldout_tokens(self, n: int, start: int = 0) -> np.ndarray:
+        """n val tokens from offset `start` (model ids, int64), for token-by-token evaluation:
+        the test split is the first ones, the calibration split (recdepth.calibrate) follows it."""
         self._require_setup()
-        if not 0 < n <= len(self.val_tokens):
+        if not (0 < n and 0 <= start and start + n <= len(self.val_tokens)):
             raise ValueError(
-                f"data: heldout_tokens(n={n}) outside [1, {len(self.val_tokens)}] val tokens"
+                f"data: heldout_tokens(n={n}, start={start}) outside the {len(self.val_tokens)} val tokens"
             )
-        return np.asarray(self.val_tokens[:n], dtype=np.int64)
+        return np.asarray(self.val_tokens[start : start + n], dtype=np.int64)
 
     def decode(self, ids) -> str:
         """Model ids -> text ("other" shows as U+FFFD, the replacement character)."""

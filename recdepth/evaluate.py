@@ -77,8 +77,9 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
     return module.to(device).eval(), data
 
 
-def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int) -> torch.Tensor:
-    """The first n tokens of the checkpoint's val split, in the model's vocabulary."""
+def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int = 0) -> torch.Tensor:
+    """n tokens of the checkpoint's val split from offset `start` (default: the first n, the
+    test split), in the model's vocabulary."""
     from recdepth.data import TokenDataModule
 
     d = dict(data)
@@ -91,7 +92,7 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int) -> torch.Ten
     theirs = module.vocab_to_gpt2
     if (ours is None) != (theirs is None) or (ours is not None and not torch.equal(ours.cpu(), theirs.cpu())):
         raise ValueError("ckpt: the checkpoint's vocabulary does not match its data's (the corpus changed since training?)")
-    return torch.as_tensor(dm.heldout_tokens(n))
+    return torch.as_tensor(dm.heldout_tokens(n, start))
 
 
 def evaluate(cfg: DictConfig) -> dict:

@@ -40,7 +40,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from recdepth import callbacks, decoding, distributed, exits, sampler
+from recdepth import calibration, callbacks, decoding, distributed, exits, sampler
 from recdepth.documents import SOURCES
 from recdepth.model import check_architecture, shape_of
 
@@ -458,8 +458,52 @@ class EvaluateConfig:
             raise ValueError(f"eval.tokens: expected an integer >= 1 (tokens to score), got {self.eval.tokens}")
 
 
-# The names conf/config.yaml and conf/evaluate.yaml give their schema in their defaults lists.
-ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig}
+@dataclass
+class TargetConfig:
+    """`target` of recdepth.calibrate: set exactly one (recdepth/calibration.py, docs/spec.md §4c)."""
+
+    max_ce_increase: float | None = None
+    """CE at most this many nats above fixed at exit.max_steps (>= 0); minimise applications."""
+    applications: float | None = None
+    """Mean applications per token (over tokens and groups) at most this (> 0); minimise CE."""
+
+    def __post_init__(self):
+        for kind in calibration.TARGETS:
+            if getattr(self, kind) is not None:
+                calibration.Target(kind, getattr(self, kind))
+
+
+@dataclass
+class CalibrationConfig:
+    """`calibration`: the split and the search of recdepth.calibrate."""
+
+    tokens: int = 2048
+    """Calibration tokens, taken from the val split right after the test split's eval.tokens + 1 (>= 1)."""
+    per_group: bool = True
+    """Search one value per recurrence group (false: one value for all groups)."""
+    max_evals: int = 32
+    """At most this many settings decoded on the calibration split (>= 2)."""
+    batch_size: int = 16
+    """Calibration windows decoded side by side (>= 1; each row = its batch-1 result)."""
+
+    def __post_init__(self):
+        _int("calibration.tokens", self.tokens, 1)
+        _int("calibration.max_evals", self.max_evals, 2)
+        _int("calibration.batch_size", self.batch_size, 1)
+
+
+@dataclass
+class CalibrateConfig(EvaluateConfig):
+    """conf/calibrate.yaml: `python -m recdepth.calibrate`, an evaluation whose exit is
+    calibrated to `target` on the calibration split first (`eval` is the test split's)."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+
+
+# The names conf/config.yaml, conf/evaluate.yaml and conf/calibrate.yaml give their schema
+# in their defaults lists.
+ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig}
 for _name, _root in ROOTS.items():
     ConfigStore.instance().store(name=_name, node=_root)
 

@@ -1,0 +1,200 @@
+"""Calibration (recdepth/calibration.py, recdepth/calibrate.py; docs/spec.md §4c): the search
+meets its target on synthetic problems whose answer is known by brute force or in closed
+form, and the calibration split never overlaps the test split (asserted on token offsets
+of the written records)."""
+
+import itertools
+
+import numpy as np
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from recdepth import calibration as cal
+from recdepth.config import conf_dir
+
+N_TOKENS = 50
+
+
+def synthetic(cost, harm, groups, base=3.0, seed=0):
+    """evaluate(setting) of a separable synthetic rule: group g at grid index i costs
+    cost[g][i] applications for every token, and adds harm[g][i] nats to every token's NLL
+    (around a fixed per-token base). Returns (evaluate, calls)."""
+    rng = np.random.default_rng(seed)
+    base_nll = base + rng.normal(0, 0.5, N_TOKENS)
+    calls = []
+
+    def evaluate(setting):
+        calls.append(setting)
+        nll = base_nll + sum(harm[g][i] for g, i in enumerate(setting))
+        apps = np.tile([cost[g][i] for g, i in enumerate(setting)], (N_TOKENS, 1)).astype(float)
+        return nll, apps
+
+    return evaluate, calls, float(base_nll.mean())
+
+
+def brute_force(cost, harm, groups, target, ce_ref, base):
+    """The best setting by enumerating every one (the answer the search must find)."""
+    best = None
+    for s in itertools.product(range(len(cost[0])), repeat=groups):
+        ce = base + sum(harm[g][i] for g, i in enumerate(s))
+        a = float(np.mean([cost[g][i] for g, i in enumerate(s)]))
+        p = cal.Point(s, ce, a, ())
+        if cal.meets(p, target, ce_ref):
+            key = (a, ce) if target.kind == "max_ce_increase" else (ce, a)
+            best = min(best, (key, s)) if best else (key, s)
+    return best
+
+
+def test_shared_bisection_finds_the_closed_form_boundary():
+    """One value for all groups, harm 0.002 nats per grid step and group: δ = 0.0125 allows
+    exactly i = 2 (3 groups · 0.002 · 2 = 0.012; i = 3 gives 0.018); a budget of 20.5
+    applications with cost 32 − 4i allows i >= 3 (20), the dearest being i = 3."""
+    K, G = 9, 3
+    cost = [[32 - 4 * i for i in range(K)]] * G
+    harm = [[0.002 * i for i in range(K)]] * G
+    ev, calls, base = synthetic(cost, harm, G)
+    r = cal.search(ev, K, G, cal.Target("max_ce_increase", 0.0125), base, per_group=False)
+    assert r.met and r.best.setting == (2, 2, 2)
+    assert len(calls) <= 2 + int(np.ceil(np.log2(K)))  # bisection, not a scan
+    ev, calls, base = synthetic(cost, harm, G)
+    r = cal.search(ev, K, G, cal.Target("applications", 20.5), base, per_group=False)
+    assert r.met and r.best.setting == (3, 3, 3) and r.best.applications == 20.0
+
+
+@pytest.mark.parametrize("kind,value", [("max_ce_increase", 0.01), ("max_ce_increase", 0.03),
+                                        ("applications", 10.0), ("applications", 6.0)])
+def test_per_group_search_finds_the_brute_force_optimum(kind, value):
+    """Groups of different sensitivity (harm grows 1x, 4x and 0.25x as fast): the best
+    per-group setting is uneven, and the search must find the brute-force optimum."""
+    K, G = 12, 3
+    cost = [[16 - i for i in range(K)] for _ in range(G)]
+    harm = [[s * 1e-4 * i * i for i in range(K)] for s in (1.0, 4.0, 0.25)]
+    ev, calls, base = synthetic(cost, harm, G)
+    target = cal.Target(kind, value)
+    r = cal.search(ev, K, G, target, base, per_group=True, max_evals=200)
+    (key, s) = brute_force(cost, harm, G, target, base, base)
+    got = (r.best.applications, r.best.ce) if kind == "max_ce_increase" else (r.best.ce, r.best.applications)
+    assert r.met
+    assert got == pytest.approx(key, abs=1e-9), (r.best.setting, s)
+    assert len(set(r.best.setting)) > 1  # the answer is per group, not one shared value
+    # it meets the target by an independent computation of CE and A
+    ce = base + sum(harm[g][i] for g, i in enumerate(r.best.setting))
+    a = np.mean([cost[g][i] for g, i in enumerate(r.best.setting)])
+    assert (ce - base <= value + 1e-12) if kind == "max_ce_increase" else (a <= value)
+    assert len(calls) == len(set(calls))  # each setting decoded once
+
+
+def test_search_respects_max_evals_and_reports_an_unreachable_target():
+    K, G = 12, 3
+    cost = [[16 - i for i in range(K)] for _ in range(G)]
+    harm = [[1e-4 * i * i for i in range(K)] for _ in range(G)]
+    ev, calls, base = synthetic(cost, harm, G)
+    r = cal.search(ev, K, G, cal.Target("max_ce_increase", 0.01), base, max_evals=5)
+    assert len(calls) == 5 and r.met
+    ev, calls, base = synthetic(cost, harm, G)  # 16 − 11 = 5 applications at the cheapest
+    r = cal.search(ev, K, G, cal.Target("applications", 4.0), base)
+    assert not r.met and r.best.setting == (K - 1,) * G
+
+
+@pytest.mark.parametrize("kind,value,msg", [
+    ("max_ce_increase", -0.1, "target.max_ce_increase: expected a finite number >= 0"),
+    ("applications", 0, "target.applications: expected a finite number > 0"),
+    ("budget", 1.0, "target: expected one of max_ce_increase, applications"),
+])
+def test_bad_targets_are_one_line(kind, value, msg):
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
+        cal.Target(kind, value)
+
+
+def test_knob_grids_go_from_expensive_to_cheap():
+    f, g = cal.knob("accel", 32)
+    assert f == "tau" and list(g) == sorted(g) and g[0] <= 1e-8 and g[-1] >= 10
+    assert cal.knob("fixed", 8) == ("max_steps", (8, 7, 6, 5, 4, 3, 2, 1))
+    assert cal.knob("argmax_stability", 6) == ("patience", (5, 4, 3, 2, 1))
+    f, g = cal.knob("gate", 32)
+    assert 0 < g[0] < g[-1] < 1
+
+
+# ------------------------------------------------------------ the entry point
+def compose_cal(*overrides):
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return compose("calibrate", overrides=list(overrides))
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tmp_path_factory, monkeypatch_module):
+    """A checkpoint of `debug=tiny`, trained in-process."""
+    from recdepth.train import train
+
+    d = tmp_path_factory.mktemp("tiny")
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["debug=tiny", f"runs_dir={d / 'runs'}", f"run_dir={d / 'run'}",
+                                           "eval.tokens=0", "callbacks=none", "logger=csv"])
+    train(cfg)
+    return d / "run" / "train" / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module(env):
+    """The CLI tests' environment in-process: their token cache (tokenized once a session), W&B offline."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
+    mp.setenv("WANDB_MODE", "offline")
+    yield mp
+    mp.undo()
+
+
+def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, tmp_path):
+    from recdepth.calibrate import calibrate
+    from recdepth.evaluate import heldout_tokens, load_checkpoint
+    from recdepth.stats import read_tokens
+
+    run = tmp_path / "cal"
+    cfg = compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={run}", "exit=accel", "exit.max_steps=6",
+                      "target.max_ce_increase=0.05", "eval.tokens=40", "eval.latency_tokens=4", "eval.repeats=1",
+                      "eval.warmup_tokens=0", "calibration.tokens=48", "calibration.max_evals=6")
+    out = calibrate(cfg)
+    test = read_tokens(run / "eval_tokens.csv")
+    calib = read_tokens(run / "calibration_tokens.csv")
+    # offsets in the val split: test scores targets 1..40 from inputs 0..39; calibration
+    # inputs start after the last test token (40)
+    assert test["position"].max() + 1 < calib["position"].min()
+    assert set(test["position"]).isdisjoint(set(calib["position"]))
+    assert out["splits"] == {"test": [0, 40], "calibration": [41, 89]}
+    assert len(calib["nll"]) == 48 and len(test["nll"]) == 40
+    # the calibration record's targets are the val split's tokens at those offsets
+    module, data = load_checkpoint(tiny_ckpt, __import__("torch").device("cpu"))
+    val = heldout_tokens(module, data, 90, 1337).numpy()
+    assert np.array_equal(calib["target"], val[calib["position"] + 1])
+    assert np.array_equal(test["target"], val[test["position"] + 1])
+    # what calibration.json says about the answer is what its records show
+    c = out["calibration"]
+    assert c["ce"] == pytest.approx(calib["nll"].mean()) and c["applications"] == pytest.approx(calib["apps"].mean())
+    assert c["met"] == (c["ce_increase"] <= 0.05)
+    assert out["test"]["eval"]["ce"] == pytest.approx(test["nll"].mean())
+    lo, hi = out["test"]["ce_increase_ci"]
+    assert lo <= out["test"]["ce_increase"] <= hi
+    assert out["test"]["verdict"] == ("held" if hi <= 0.05 else "violated" if lo > 0.05 else "not resolved")
+    # the override line, given to recdepth.evaluate's config, selects exactly the answer
+    line = (run / "exit_overrides.txt").read_text().split()
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        ev = compose("evaluate", overrides=[f"ckpt={tiny_ckpt}", "run_dir=/tmp/unused", *line])
+    got = {k: v for k, v in OmegaConf.to_container(ev.exit).items() if k in out["exit"]}
+    assert got == out["exit"] and got["name"] == "accel" and got["max_steps"] == 6
+
+
+@pytest.mark.parametrize("overrides,msg", [
+    ([], "target: set exactly one of target.max_ce_increase"),
+    (["target.max_ce_increase=0.01", "target.applications=4"], "target: set exactly one"),
+    (["target.applications=4", "calibration.tokens=100000"], "calibration.tokens: 100000 calibration tokens"),
+    (["target.applications=4", "exit=oracle", "exit.tau=0.01"], "exit.name: the oracle reads the target"),
+    (["target.applications=-1"], "target.applications: expected a finite number > 0"),
+    (["target.applications=4", "calibration.max_evals=1"], "calibration.max_evals: expected an integer >= 2"),
+])
+def test_calibrate_bad_input_is_one_line(tiny_ckpt, tmp_path, overrides, msg):
+    from recdepth.calibrate import calibrate
+
+    with pytest.raises(ValueError, match=msg.replace("(", r"\(")) as e:
+        calibrate(compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={tmp_path / 'c'}", "eval.tokens=20", *overrides))
+    assert "\n" not in str(e.value)
