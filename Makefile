@@ -8,7 +8,7 @@ TORCH_INDEX ?=
 ARGS        ?=
 
 .DEFAULT_GOAL := help
-.PHONY: help install ensure train test test-slow bench frontier lint clean
+.PHONY: help install ensure train test test-slow bench frontier report lint clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -40,6 +40,10 @@ bench: ensure ## throughput / MFU / cost per layer application, baseline vs grou
 frontier: ensure ## exit frontier of a checkpoint: fixed grid, rules, oracle (CKPT=<last.ckpt> OUT=<dir> [ARGS=...])
 	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make frontier: set CKPT=<path to last.ckpt> and OUT=<new directory>"; exit 2; }
 	$(PYTHON) -m recdepth.evaluate --multirun hydra/sweeper=frontier ckpt=$(CKPT) hydra.sweep.dir=$(OUT) $(ARGS)
+
+report: ensure ## every exit rule on one frontier, calibrated and not, and the gate (CKPT=<last.ckpt> OUT=<new dir>)
+	@test -n "$(CKPT)" -a -n "$(OUT)" || { echo "make report: set CKPT=<path to last.ckpt> and OUT=<new directory>"; exit 2; }
+	$(PYTHON) -m recdepth.report ckpt=$(CKPT) hydra.run.dir=$(OUT) $(ARGS)
 
 lint: ensure ## ruff
 	$(PYTHON) -m ruff check recdepth tests

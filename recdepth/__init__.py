@@ -10,6 +10,8 @@ Core: the math, torch and numpy only
   exits.py        early-exit rules and the reference `iterate` loop
   decoding.py     token-by-token evaluation with a KV cache under an exit rule, batched
                   exactly (per-row noise keys), and the oracle bound
+  calibration.py  the search that calibrates an exit rule per group to a CE-increase or
+                  application target (real decodes of a calibration split)
   stats.py        exit statistics from per-token records: fixed-depth frontier, oracle
                   saving, paired bootstrap CIs, eval_tokens.csv
   diagnostics.py  loop geometry of a model at fixed loops (capture, statistics, PCA)
@@ -36,6 +38,10 @@ Glue: Lightning, Hydra config, data, files, figures
 Entry points: what a user runs
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
   evaluate.py     `python -m recdepth.evaluate ckpt=...` (a checkpoint under an exit rule)
+  calibrate.py    `python -m recdepth.calibrate ckpt=... exit=... target.max_ce_increase=...`
+                  (per-group thresholds on a calibration split, then one test evaluation)
+  report.py       `python -m recdepth.report ckpt=...` (every exit rule on one frontier:
+                  fixed, oracle, τ grids, calibrated rules, the learned gate; table + figure)
   figures.py      `python -m recdepth.figures <run_dir>` (redraw a run's figures)
   sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table,
                   frontier.csv, Fig. 4)

@@ -501,9 +501,80 @@ class CalibrateConfig(EvaluateConfig):
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 
 
-# The names conf/config.yaml, conf/evaluate.yaml and conf/calibrate.yaml give their schema
-# in their defaults lists.
-ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig}
+@dataclass
+class ReportSettings:
+    """`report`: what recdepth.report scores (recdepth/report.py)."""
+
+    max_steps: int = 32
+    """exit.max_steps of every rule, the oracle's N and the calibration's reference (>= 1)."""
+    fixed: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
+    """The fixed-depth frontier: exit=fixed at each n (at least two, each >= 1)."""
+    oracle: float = 0.01
+    """The oracle's ε (>= 0)."""
+    rules: dict[str, list[float]] = field(default_factory=lambda: {
+        "stepnorm": [0.01, 0.03, 0.1, 0.3], "stepnorm_rel": [0.01, 0.03, 0.1], "kl": [1e-4, 1e-3, 1e-2, 3e-2],
+        "accel": [0.01, 0.03, 0.1, 0.3], "accel_rel": [0.01, 0.03, 0.1], "entropy_diff": [1e-4, 1e-3, 1e-2],
+        "cosine": [1e-4, 1e-3, 1e-2]})
+    """Each threshold rule at each τ of its grid."""
+    patience: list[int] = field(default_factory=lambda: [1, 2, 3, 5])
+    """argmax_stability at each k."""
+    gate_tau: list[float] = field(default_factory=lambda: [0.2, 0.5, 0.8])
+    """The learned gate at each probability τ ([] leaves the gate's grid out)."""
+    calibrate: list[str] = field(default_factory=lambda: [
+        "fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
+        "argmax_stability", "gate"])
+    """The rules calibrated per group to each target (fixed: one max_steps per group)."""
+    max_ce_increase: float = 0.01
+    """Target 1: CE at most this many nats above fixed at max_steps (>= 0)."""
+    applications: float = 4.0
+    """Target 2: at most this many mean applications per token (> 0)."""
+    gate: str | None = None
+    """A gate.pt of recdepth.train_gate; null trains one on the train split (`gate` settings)."""
+
+    def __post_init__(self):
+        _int("report.max_steps", self.max_steps, 1)
+        if len(set(self.fixed)) < 2:
+            raise ValueError(f"report.fixed: expected at least two depths (the frontier), got {list(self.fixed)}")
+        for n in self.fixed:
+            _int("report.fixed[]", n, 1)
+        for rule, taus in self.rules.items():
+            for t in taus:
+                exits.build(rule, t, max_steps=self.max_steps)
+        for k in self.patience:
+            _int("report.patience[]", k, 1)
+        for rule in self.calibrate:
+            if exits.ALIASES.get(rule, rule) not in exits.RULES:
+                raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.RULES)})")
+        calibration.Target("max_ce_increase", self.max_ce_increase)
+        calibration.Target("applications", self.applications)
+        exits.build("oracle", self.oracle, max_steps=self.max_steps)
+
+
+@dataclass
+class ReportConfig:
+    """conf/report.yaml: `python -m recdepth.report`, every exit rule on one checkpoint."""
+
+    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
+                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
+    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
+    seed: int = 1337
+    """Initial-state noise of the loops (>= 0)."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:<n>."""
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    """The test split and how each setting is scored on it (as recdepth.evaluate)."""
+    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    report: ReportSettings = field(default_factory=ReportSettings)
+    run_dir: str = "${hydra:runtime.output_dir}"
+
+    def __post_init__(self):
+        EvaluateConfig.__post_init__(self)
+
+
+# The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml and conf/report.yaml
+# give their schema in their defaults lists.
+ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig,
+         "report_schema": ReportConfig}
 for _name, _root in ROOTS.items():
     ConfigStore.instance().store(name=_name, node=_root)
 
