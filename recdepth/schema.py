@@ -471,7 +471,7 @@ def _device(v: str) -> None:
 class GateConfig:
     """`gate`: fitting the learned exit gate on a checkpoint (recdepth/gate.py, SPEC §3c)."""
 
-    tokens: int = 2048
+    tokens: int = 512
     """Train-split tokens whose states and losses are collected (>= 1; whole windows of
     the block size, so rounded up to a multiple of it)."""
     max_steps: int = 32
