@@ -7,7 +7,9 @@ Core: the math, torch and numpy only
   model.py        the looped GPT-2 (config dataclass, recurrence groups, truncated backprop)
   geometry.py     loop-geometry quantities (step norms, cosines, accelerations, DLR)
   sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
-  exits.py        early-exit rules and the reference `iterate` loop
+  gate.py         the learned exit gate: labels, logistic fit, the gate's probability, and
+                  the states and depth-wise losses it is fitted on (SPEC §3c)
+  exits.py        early-exit rules (the gate's too) and the reference `iterate` loop
   decoding.py     token-by-token evaluation with a KV cache under an exit rule, batched
                   exactly (per-row noise keys), and the oracle bound
   calibration.py  the search that calibrates an exit rule per group to a CE-increase or
@@ -38,6 +40,7 @@ Glue: Lightning, Hydra config, data, files, figures
 Entry points: what a user runs
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
   evaluate.py     `python -m recdepth.evaluate ckpt=...` (a checkpoint under an exit rule)
+  train_gate.py   `python -m recdepth.train_gate ckpt=...` (fit a checkpoint's exit gate: gate.pt)
   calibrate.py    `python -m recdepth.calibrate ckpt=... exit=... target.max_ce_increase=...`
                   (per-group thresholds on a calibration split, then one test evaluation)
   report.py       `python -m recdepth.report ckpt=...` (every exit rule on one frontier:

@@ -20,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth import distributed, exits
 from recdepth.data import TokenDataModule
+from recdepth.gate import load_gate
 from recdepth.model import GPTConfig
 from recdepth.schema import EvaluateConfig, TrainConfig, validated
 
@@ -56,11 +57,22 @@ def sampler_args(cfg: TrainConfig | DictConfig) -> dict:
 
 
 def exit_policy(cfg: TrainConfig | EvaluateConfig | DictConfig) -> exits.ExitPolicy:
-    """The exit policy of `exit`; a training config knows its model's groups, so per-group
-    values are checked against them here (an evaluation's checkpoint: `ExitPolicy.check_groups`)."""
+    """The exit policy of `exit`; a training config knows its model's groups and width, so
+    per-group values and a gate are checked against them here (an evaluation's checkpoint:
+    `ExitPolicy.check_model`). exit=gate reads its gate file, `exit.gate` (`gate.load_gate`)."""
     run = typed(cfg)
-    groups = len(run.model.groups) if isinstance(run, TrainConfig) else None
-    return exits.build(**dataclasses.asdict(run.exit), groups=groups)
+    kw = dataclasses.asdict(run.exit)
+    path = kw.pop("gate")
+    if run.exit.name == exits.GATE:
+        if not path:
+            raise ValueError("exit.gate: required for exit=gate (the gate.pt written by python -m "
+                             "recdepth.train_gate ckpt=<path>)")
+        w, b, _ = load_gate(path)
+        kw["gate"] = (w, b)
+    policy = exits.build(**kw)
+    if isinstance(run, TrainConfig):
+        policy.check_model(len(run.model.groups), run.model.shape()["n_embd"])
+    return policy
 
 
 def data_module(cfg: TrainConfig | DictConfig, block_size: int) -> TokenDataModule:

@@ -337,7 +337,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     (a criterion within rounding of τ) and the largest NLL difference.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache)
-    policy.check_groups(model.n_groups)
+    policy.check_model(model.n_groups, model.cfg.n_embd)
     if policy.name == ORACLE:
         return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size)
     was_training = model.training

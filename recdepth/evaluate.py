@@ -80,6 +80,12 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
 def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int = 0) -> torch.Tensor:
     """n tokens of the checkpoint's val split from offset `start` (default: the first n, the
     test split), in the model's vocabulary."""
+    return torch.as_tensor(checkpoint_data(module, data, seed).heldout_tokens(n, start))
+
+
+def checkpoint_data(module: LoopedLM, data: dict, seed: int):
+    """The set-up TokenDataModule of a checkpoint's data config (its train and val splits),
+    checked to have the checkpoint's vocabulary."""
     from recdepth.data import TokenDataModule
 
     d = dict(data)
@@ -92,7 +98,7 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int =
     theirs = module.vocab_to_gpt2
     if (ours is None) != (theirs is None) or (ours is not None and not torch.equal(ours.cpu(), theirs.cpu())):
         raise ValueError("ckpt: the checkpoint's vocabulary does not match its data's (the corpus changed since training?)")
-    return torch.as_tensor(dm.heldout_tokens(n, start))
+    return dm
 
 
 def evaluate(cfg: DictConfig) -> dict:
@@ -107,7 +113,7 @@ def evaluate(cfg: DictConfig) -> dict:
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
     device = resolve_device(cfg.device)
     module, data = load_checkpoint(cfg.ckpt, device)
-    policy.check_groups(module.model.n_groups)  # per-group exit values: one per group of this model
+    policy.check_model(module.model.n_groups, module.config.n_embd)  # per-group values, a gate: this model's
     tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))

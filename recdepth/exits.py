@@ -14,6 +14,7 @@ p^(j) = softmax(decode(x^(j))) (the model's own output head on the state):
     entropy_diff      |H(p^(n)) − H(p^(n−1))| < τ                            2        O(d·V) decodes
     cosine            1 − cos(x^(n), x^(n−1)) < τ                            1        O(d)
     argmax_stability  argmax p^(j) equal for j = n−k … n (k = patience)      k + 1    O(d·V) decodes
+    gate              q^(n) = σ(w_g · x^(n) + b_g) < τ,  τ in (0, 1)          1        O(d)
 
     oracle            (evaluation only) the smallest uniform n whose target NLL is within
                       τ of its NLL at max_steps (SPEC §4b): it reads the answer, so no model
@@ -28,6 +29,13 @@ applications' worth of FLOPs, 12·d² each); the others read the state only, O(d
 `kl_divergence`, `entropy`, `entropy_change`, `argmax_run` (distribution math, below).
 `fixed`, `none` and `argmax_stability` ignore τ; only `argmax_stability` reads `patience`.
 
+`gate` is the learned exit gate (SPEC §3c, `recdepth.gate`): a logistic Linear(d -> 1)
+per group, fitted on a frozen checkpoint by `python -m recdepth.train_gate`; q^(n) is its
+predicted probability that running on to max_steps still lowers the loss by more than
+its margin, so it exits once that is unlikely (a larger τ exits earlier, like the other
+rules). The policy holds every group's gate, weight [G, d] and bias [G]; `group(g)` picks
+group g's.
+
 Every rule also stops at `max_steps` and never before `min_steps`. After the check that
 fires, the newest state x^(n) is kept (deviation from Algorithm 1, which returns x^(n−1)
 after paying for n applications; the decision, and so n, is identical).
@@ -37,7 +45,7 @@ list of one value per recurrence group (SPEC §3b); `policy.group(g)` is the one
 policy that group g loops under.
 
 Public API (used by the decoding engine, the tests and outside checks):
-    policy = build(name, tau, min_steps=0, max_steps=32, patience=5, groups=None)
+    policy = build(name, tau, min_steps=0, max_steps=32, patience=5, groups=None, gate=None)
     x, n = iterate(f, x0, policy.group(g), decode=None)
 and, for engines that drive their own loop, `policy.group(g).monitor(x0, decode)` whose
 `observe(x_new)` returns the rows whose rule fires after that application.
@@ -47,16 +55,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from recdepth import geometry as geo
+from recdepth.gate import gate_probability
 
 RULES = ("fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
-         "argmax_stability")
+         "argmax_stability", "gate")
 ORACLE = "oracle"  # an evaluation bound, not a rule (see the module docstring)
 ALIASES = {"none": "fixed"}
 DECODING = ("kl", "entropy_diff", "argmax_stability")  # decode every check: O(d·V)
@@ -64,6 +73,7 @@ NO_TAU = ("fixed", "argmax_stability")  # rules that ignore exit.tau
 COST = {r: "none" if r == "fixed" else "O(d·V)" if r in DECODING else "O(d)" for r in RULES}
 PER_GROUP = ("tau", "min_steps", "max_steps")  # fields that take one value per group
 PATIENCE = 5  # argmax_stability's default k (Huginn: 5 steps)
+GATE = "gate"  # the learned gate: τ is a probability, and it needs its weights (`build(gate=...)`)
 
 
 def kl_divergence(logp_new: Tensor, logp_old: Tensor) -> Tensor:
@@ -108,13 +118,15 @@ class ExitPolicy:
 
     `tau`, `min_steps` and `max_steps` are each one value for every group or a tuple of
     one value per recurrence group; `group(g)` is group g's one-value policy, the one a
-    loop runs (`monitor`)."""
+    loop runs (`monitor`). `gate` (rule `gate` only): (weight [G, d], bias [G]) of every
+    group's gate, or (weight [d], bias []) of one group's in `group(g)`'s policy."""
 
     name: str
     tau: float | tuple[float, ...] | None
     min_steps: int | tuple[int, ...] = 0
     max_steps: int | tuple[int, ...] = 32
     patience: int = PATIENCE
+    gate: tuple[Tensor, Tensor] | None = field(default=None, compare=False, repr=False)
 
     @property
     def needs_decode(self) -> bool:
@@ -127,10 +139,16 @@ class ExitPolicy:
         return {f: getattr(self, f) for f in read if isinstance(getattr(self, f), tuple)}
 
     @property
+    def gate_groups(self) -> int | None:
+        """The number of groups of an all-group gate (weight [G, d]); None otherwise."""
+        return self.gate[0].shape[0] if self.gate is not None and self.gate[0].dim() == 2 else None
+
+    @property
     def n_groups(self) -> int | None:
-        """The number of groups the per-group values are for; None if every field is one value."""
+        """The number of groups the per-group values (or the gate) are for; None if every
+        field is one value."""
         lists = self.lists()
-        return len(next(iter(lists.values()))) if lists else None
+        return len(next(iter(lists.values()))) if lists else self.gate_groups
 
     @property
     def max_steps_bound(self) -> int:
@@ -138,16 +156,20 @@ class ExitPolicy:
         return max(self.max_steps) if isinstance(self.max_steps, tuple) else self.max_steps
 
     def group(self, g: int) -> ExitPolicy:
-        """The policy of group g: every per-group field at its g-th value (self if none is per group)."""
-        lists = self.lists()
-        if not lists:
+        """The policy of group g: every per-group field at its g-th value, the gate at group
+        g's weight[g], bias[g] (self if nothing is per group)."""
+        lists, G = self.lists(), self.gate_groups
+        if not lists and G is None:
             return self
         n = self.n_groups
         if not 0 <= g < n:
+            if not lists:
+                raise ValueError(f"exit.gate: a gate for {G} recurrence groups, but the model has a group {g}")
             f = next(iter(lists))
             raise ValueError(f"exit.{f}: a list of {n} (one value per recurrence group), but the model has a group {g}")
+        gate = self.gate if G is None else (self.gate[0][g], self.gate[1][g])
         return ExitPolicy(self.name, *(lists[f][g] if f in lists else getattr(self, f) for f in PER_GROUP),
-                          self.patience)
+                          self.patience, gate)
 
     def check_groups(self, n_groups: int) -> ExitPolicy:
         """Self, if its per-group values fit a model with `n_groups` recurrence groups;
@@ -159,6 +181,18 @@ class ExitPolicy:
             if len(v) != n_groups:
                 raise ValueError(f"exit.{f}: a list of {len(v)} for {n_groups} recurrence groups (expected one value "
                                  f"for all groups, or a list of {n_groups}), got {list(v)}")
+        G = self.gate_groups
+        if G is not None and G != n_groups:
+            raise ValueError(f"exit.gate: a gate for {G} recurrence groups, but the model has {n_groups} (a gate "
+                             "trained on another checkpoint?)")
+        return self
+
+    def check_model(self, n_groups: int, n_embd: int) -> ExitPolicy:
+        """`check_groups`, and a gate's width d against the model's (one line naming exit.gate)."""
+        self.check_groups(n_groups)
+        if self.gate is not None and self.gate[0].shape[-1] != n_embd:
+            raise ValueError(f"exit.gate: a gate for states of width d={self.gate[0].shape[-1]}, but the model has "
+                             f"n_embd={n_embd} (a gate trained on another checkpoint?)")
         return self
 
     def monitor(self, x0: Tensor, decode: Callable[[Tensor], Tensor] | None = None) -> ExitMonitor:
@@ -168,6 +202,11 @@ class ExitPolicy:
         if self.lists():
             f = next(iter(self.lists()))
             raise ValueError(f"exit.{f}: one value per group; a loop runs one group, under policy.group(g)")
+        if self.name == GATE and self.gate is None:
+            raise ValueError("exit.gate: rule 'gate' needs a trained gate (train one with python -m "
+                             "recdepth.train_gate ckpt=<path>)")
+        if self.name == GATE and self.gate[0].dim() != 1:
+            raise ValueError("exit.gate: one gate per group; a loop runs one group, under policy.group(g)")
         if self.needs_decode and decode is None:
             raise ValueError(f"exit.name: rule {self.name!r} needs a decode function (state -> logits)")
         return ExitMonitor(self, x0, decode)
@@ -192,6 +231,8 @@ class ExitMonitor:
         # a^(n−2) (accel), log p^(n−1) (kl), H(p^(n−1)) (entropy_diff), argmax p^(n−1) (argmax_stability)
         self.s_prev: Tensor | None = None
         self.run: Tensor | None = None  # argmax_stability: r^(n−1), the argmax's run length
+        if policy.name == GATE:  # the gate's weights where the state is
+            self.gate_w, self.gate_b = (t.to(device=x0.device, dtype=x0.dtype) for t in policy.gate)
 
     def observe(self, x_new: Tensor) -> Tensor:
         p = self.p
@@ -224,6 +265,8 @@ class ExitMonitor:
             h = entropy(logp)  # entropy_diff
             h_prev, self.s_prev = self.s_prev, h
             return None if h_prev is None else entropy_change(h, h_prev) < p.tau
+        if p.name == GATE:
+            return gate_probability(x_new, self.gate_w, self.gate_b) < p.tau
         if p.name == "cosine":
             return geo.state_cosine_distance(x_new, self.x_prev) < p.tau
         d = geo.step(self.x_prev, x_new)  # Δ^(n−1)
@@ -250,6 +293,9 @@ def _check_int(field: str, value, lo: int) -> int:
 def _check_tau(field: str, tau, key: str) -> float:
     ok = isinstance(tau, int | float) and not isinstance(tau, bool) and math.isfinite(tau)
     oracle = key == ORACLE  # the oracle's ε may be 0 (as good as max_steps)
+    if key == GATE and not (ok and 0 < tau < 1):
+        raise ValueError(f"exit.{field}: expected a probability in (0, 1) for rule 'gate' (exit once the gate's "
+                         f"q < τ), got {tau!r}")
     if not (ok and (tau >= 0 if oracle else tau > 0)):
         what = ">= 0 for the oracle's ε" if oracle else f"> 0 for rule {key!r}"
         raise ValueError(f"exit.{field}: expected a finite number {what}, got {tau!r}")
@@ -273,12 +319,42 @@ def _per_group(field: str, value, check, key: str):
 
 
 def build(name: str, tau: float | Sequence[float] | None, min_steps: int | Sequence[int] = 0,
-          max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None) -> ExitPolicy:
-    """Validate and build an exit policy (SPEC §3, §3b). `tau` is ignored by `fixed`/`none`
-    and `argmax_stability`, `patience` (k >= 1) read by `argmax_stability` only. `tau`,
-    `min_steps` and `max_steps` are each one value or a list of one per recurrence group
-    (all lists of one length); with `groups` (the model's number of groups) that length
-    is checked too. Every failure is one line naming the field."""
+          max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None,
+          gate: tuple[Tensor, Tensor] | None = None) -> ExitPolicy:
+    """Validate and build an exit policy (SPEC §3, §3b, §3c). `tau` is ignored by
+    `fixed`/`none` and `argmax_stability`, `patience` (k >= 1) read by `argmax_stability`
+    only. `tau`, `min_steps` and `max_steps` are each one value or a list of one per
+    recurrence group (all lists of one length); with `groups` (the model's number of
+    groups) that length is checked too. Rule `gate` needs `gate` = (weight [G, d], bias
+    [G]) (`recdepth.gate.load_gate`), τ in (0, 1); the other rules ignore it. Every failure
+    is one line naming the field."""
+    policy = validate(name, tau, min_steps, max_steps, patience)
+    if policy.name == GATE:
+        if gate is None:
+            raise ValueError("exit.gate: rule 'gate' needs a trained gate file (train one with python -m "
+                             "recdepth.train_gate ckpt=<path>)")
+        w, b = gate
+        if not (isinstance(w, Tensor) and isinstance(b, Tensor) and w.dim() == 2 and b.shape == (w.shape[0],)
+                and w.shape[0] >= 1 and w.is_floating_point() and b.is_floating_point()):
+            raise ValueError("exit.gate: expected weight [G, d] and bias [G] float tensors, got shapes "
+                             f"{tuple(getattr(w, 'shape', ()))} and {tuple(getattr(b, 'shape', ()))}")
+        if not (torch.isfinite(w).all() and torch.isfinite(b).all()):
+            raise ValueError("exit.gate: the gate's weight or bias is not finite")
+        lists = policy.lists()
+        if lists:
+            f, v = next(iter(lists.items()))
+            if len(v) != w.shape[0]:
+                raise ValueError(f"exit.{f}: a list of {len(v)}, but exit.gate is a gate for {w.shape[0]} recurrence "
+                                 "groups")
+        policy = replace(policy, gate=(w, b))
+    return policy if groups is None else policy.check_groups(groups)
+
+
+def validate(name: str, tau: float | Sequence[float] | None, min_steps: int | Sequence[int] = 0,
+             max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None) -> ExitPolicy:
+    """Every check of `build` but the gate's tensors, which a config names by file
+    (recdepth/schema.py checks a config with it before any file is read): the policy
+    without a gate."""
     key = ALIASES.get(name, name)
     if key not in RULES and key != ORACLE:
         raise ValueError(f"exit.name: unknown exit rule {name!r} (expected one of: none, {', '.join(RULES)}, "

@@ -42,14 +42,23 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import calibration, stats, sweep
-from recdepth.calibrate import CalibrationSplit, calibrate_policy, exit_group, overrides, splits, test_check
+from recdepth.calibrate import (
+    CalibrationSplit,
+    calibrate_policy,
+    exit_group,
+    overrides,
+    splits,
+    test_check,
+)
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
 from recdepth.decoding import evaluate_exit
 from recdepth.evaluate import heldout_tokens, load_checkpoint, resolve_device, write_eval
 from recdepth.exits import build
+from recdepth.gate import load_gate
 from recdepth.runs import write_json
-from recdepth.schema import validated
+from recdepth.schema import TrainGateConfig, validated
+from recdepth.train_gate import train_gate
 
 log = logging.getLogger("recdepth.report")
 
@@ -115,7 +124,7 @@ def report(cfg: DictConfig) -> dict:
     jobs = Jobs(out / "jobs", model, test_tokens, cfg, module.vocab_to_gpt2)
     N, kw = r.max_steps, {"min_steps": 0, "max_steps": r.max_steps}
     gate_path = gate_file(cfg, out) if ("gate" in r.calibrate or r.gate_tau) else None
-    gate = load_gate(gate_path) if gate_path else None
+    gate = load_gate(gate_path)[:2] if gate_path else None
 
     def policy(name, tau=None, patience=5):
         return build(name, tau, patience=patience, groups=model.n_groups, **kw,
@@ -322,12 +331,15 @@ def figure(rows: list[dict], n_max: int):
 
 # ---------------------------------------------------------------- the gate
 def gate_file(cfg: DictConfig, out: Path) -> str:
-    """report.gate, or a gate trained here on the checkpoint's train split (out/gate/gate.pt)."""
-    raise NotImplementedError
-
-
-def load_gate(path: str):
-    raise NotImplementedError
+    """report.gate, or a gate fitted here on the checkpoint's train split with cfg.gate's
+    settings at N = report.max_steps (as `python -m recdepth.train_gate`; out/gate/gate.pt)."""
+    if cfg.report.gate:
+        return str(Path(cfg.report.gate).resolve())
+    g = OmegaConf.merge(OmegaConf.structured(TrainGateConfig), {
+        "ckpt": cfg.ckpt, "seed": cfg.seed, "device": cfg.device, "run_dir": str(out / "gate"),
+        "gate": {**OmegaConf.to_container(cfg.gate), "max_steps": cfg.report.max_steps}})
+    train_gate(g)
+    return str((out / "gate" / "gate.pt").resolve())
 
 
 @hydra.main(config_path=conf_dir(), config_name="report", version_base="1.3")

@@ -1,8 +1,9 @@
 """The config schema: every key of `conf/`, typed, documented and range-checked, in one place.
 
 One dataclass per config group, and a root per entry point, registered in Hydra's
-ConfigStore: `TrainConfig` (conf/config.yaml, `python -m recdepth.train`) and
-`EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`). The YAML files name
+ConfigStore: `TrainConfig` (conf/config.yaml, `python -m recdepth.train`),
+`EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`) and
+`TrainGateConfig` (conf/train_gate.yaml, `python -m recdepth.train_gate`). The YAML files name
 their root first in their defaults lists, so the groups compose onto it: a group file sets
 values; the keys and their types are the schema's.
 
@@ -30,7 +31,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -133,10 +133,10 @@ class ExitConfig:
 
     name: str = "fixed"
     """fixed | none | stepnorm | stepnorm_rel | kl | accel | accel_rel | entropy_diff | cosine |
-    argmax_stability | oracle (evaluation only)."""
+    argmax_stability | gate | oracle (evaluation only)."""
     tau: Any = None
-    """Threshold τ (finite, > 0; the oracle's ε >= 0), one or one per group; fixed, none and
-    argmax_stability ignore it."""
+    """Threshold τ (finite, > 0; gate: a probability in (0, 1); the oracle's ε >= 0), one or
+    one per group; fixed, none and argmax_stability ignore it."""
     min_steps: Any = 0
     """No exit before this many applications (>= 0), one or one per group."""
     max_steps: Any = 32
@@ -144,9 +144,13 @@ class ExitConfig:
     patience: int = 5
     """k of argmax_stability (>= 1): exit once the decoded argmax is the same for k + 1
     applications in a row; the other rules do not read it."""
+    gate: str | None = None
+    """exit=gate only, required there: the gate.pt written by `python -m recdepth.train_gate`
+    (read by `config.exit_policy`); the other rules do not read it."""
 
     def __post_init__(self):
-        exits.build(self.name, self.tau, self.min_steps, self.max_steps, self.patience)
+        # the gate file is read (and required) where the policy is built: config.exit_policy
+        exits.validate(self.name, self.tau, self.min_steps, self.max_steps, self.patience)
 
 
 # Which data keys each source reads (recdepth/documents.py: resolve_source); the others must
@@ -422,7 +426,7 @@ class TrainConfig:
         _int("seed", self.seed, 0)
         _int("batch_size", self.batch_size, 1)
         e = self.exit  # per-group values: one per recurrence group of the model
-        exits.build(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups))
+        exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups))
         c = self.callbacks.loop_dynamics
         if c is not None:
             if not self.model.groups:
@@ -452,10 +456,59 @@ class EvaluateConfig:
 
     def __post_init__(self):
         _int("seed", self.seed, 0)
-        if not (self.device in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", self.device)):
-            raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {self.device!r}")
+        _device(self.device)
         if self.eval.tokens < 1:
             raise ValueError(f"eval.tokens: expected an integer >= 1 (tokens to score), got {self.eval.tokens}")
+
+
+def _device(v: str) -> None:
+    if not (v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v)):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {v!r}")
+
+
+@dataclass
+class GateConfig:
+    """`gate`: fitting the learned exit gate on a checkpoint (recdepth/gate.py, SPEC §3c)."""
+
+    tokens: int = 512
+    """Train-split tokens whose states and losses are collected (>= 1; whole windows of
+    the block size, so rounded up to a multiple of it)."""
+    max_steps: int = 32
+    """N: the gate's depth (>= 2); labels compare each n < N with N (use the evaluation's exit.max_steps)."""
+    margin: float = 0.01
+    """Label 1 ("continue") where the NLL at n exceeds the NLL at N by more than this (nats, >= 0)."""
+    steps: int = 100
+    """L-BFGS iterations of each group's logistic fit (>= 1)."""
+    weight_decay: float = 1.0e-4
+    """L2 penalty on the standardised weights (>= 0)."""
+    batch_size: int = 8
+    """Windows per forward pass (>= 1)."""
+
+    def __post_init__(self):
+        for k, lo in (("tokens", 1), ("max_steps", 2), ("steps", 1), ("batch_size", 1)):
+            _int(f"gate.{k}", getattr(self, k), lo)
+        _number("gate.margin", self.margin)
+        _number("gate.weight_decay", self.weight_decay)
+
+
+@dataclass
+class TrainGateConfig:
+    """conf/train_gate.yaml: fit the exit gate of a checkpoint, `python -m recdepth.train_gate`."""
+
+    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
+                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
+    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
+    seed: int = 1337
+    """The train windows drawn and the loops' initial-state noise (>= 0)."""
+    device: str = "auto"
+    """auto | cpu | cuda | cuda:<n>."""
+    gate: GateConfig = field(default_factory=GateConfig)
+    run_dir: str = "${hydra:runtime.output_dir}"
+    """Where gate.pt and gate.json go (Hydra's output dir)."""
+
+    def __post_init__(self):
+        _int("seed", self.seed, 0)
+        _device(self.device)
 
 
 @dataclass
@@ -539,7 +592,9 @@ class ReportSettings:
             _int("report.fixed[]", n, 1)
         for rule, taus in self.rules.items():
             for t in taus:
-                exits.build(rule, t, max_steps=self.max_steps)
+                exits.validate(rule, t, max_steps=self.max_steps)
+        for t in self.gate_tau:
+            exits.validate("gate", t, max_steps=self.max_steps)
         for k in self.patience:
             _int("report.patience[]", k, 1)
         for rule in self.calibrate:
@@ -565,25 +620,25 @@ class ReportConfig:
     """The test split and how each setting is scored on it (as recdepth.evaluate)."""
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
     report: ReportSettings = field(default_factory=ReportSettings)
+    gate: GateConfig = field(default_factory=GateConfig)
+    """How the gate is fitted when report.gate is null (as recdepth.train_gate; gate.max_steps is report.max_steps)."""
     run_dir: str = "${hydra:runtime.output_dir}"
 
     def __post_init__(self):
         EvaluateConfig.__post_init__(self)
 
 
-# The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml and conf/report.yaml
-# give their schema in their defaults lists.
+# The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml and
+# conf/train_gate.yaml give their schema in their defaults lists.
 ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig,
-         "report_schema": ReportConfig}
-for _name, _root in ROOTS.items():
-    ConfigStore.instance().store(name=_name, node=_root)
+         "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig}
 
 
 # ---------------------------------------------------------------- validation
-def validated(cfg: DictConfig | dict) -> TrainConfig | EvaluateConfig:
+def validated(cfg: DictConfig | dict) -> TrainConfig | EvaluateConfig | TrainGateConfig:
     """The typed config of a composed one, checked before any work (one line naming the
-    field on the first failure). A config Hydra composed onto `EvaluateConfig` gives one;
-    any other (onto `TrainConfig`, a loaded <run_dir>/config.yaml, a dict) a TrainConfig."""
+    field on the first failure). A config Hydra composed onto `EvaluateConfig` or
+    `TrainGateConfig` gives one; any other (onto `TrainConfig`, a loaded <run_dir>/config.yaml, a dict) a TrainConfig."""
     root = OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else None
     if root not in ROOTS.values():
         root = TrainConfig

@@ -18,3 +18,24 @@ def env(tmp_path_factory):
     e["WANDB_MODE"] = "offline"
     e.pop("WANDB_API_KEY", None)
     return e
+
+
+@pytest.fixture(scope="session")
+def tiny_ckpt(env, tmp_path_factory):
+    """A checkpoint of `debug=tiny` trained in-process once a session, with the CLI tests'
+    token cache; RECDEPTH_CACHE and WANDB_MODE stay set for the in-process tests that use it."""
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.config import conf_dir
+    from recdepth.train import train
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
+    mp.setenv("WANDB_MODE", "offline")
+    d = tmp_path_factory.mktemp("tiny")
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["debug=tiny", f"runs_dir={d / 'runs'}", f"run_dir={d / 'run'}",
+                                           "eval.tokens=0", "callbacks=none", "logger=csv"])
+    train(cfg)
+    yield d / "run" / "train" / "checkpoints" / "last.ckpt"
+    mp.undo()

@@ -122,29 +122,6 @@ def compose_cal(*overrides):
         return compose("calibrate", overrides=list(overrides))
 
 
-@pytest.fixture(scope="module")
-def tiny_ckpt(tmp_path_factory, monkeypatch_module):
-    """A checkpoint of `debug=tiny`, trained in-process."""
-    from recdepth.train import train
-
-    d = tmp_path_factory.mktemp("tiny")
-    with initialize_config_dir(conf_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=["debug=tiny", f"runs_dir={d / 'runs'}", f"run_dir={d / 'run'}",
-                                           "eval.tokens=0", "callbacks=none", "logger=csv"])
-    train(cfg)
-    return d / "run" / "train" / "checkpoints" / "last.ckpt"
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module(env):
-    """The CLI tests' environment in-process: their token cache (tokenized once a session), W&B offline."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
-    mp.setenv("WANDB_MODE", "offline")
-    yield mp
-    mp.undo()
-
-
 def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, tmp_path):
     from recdepth.calibrate import calibrate
     from recdepth.evaluate import heldout_tokens, load_checkpoint

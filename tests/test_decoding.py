@@ -219,7 +219,10 @@ def test_kl_is_finite_with_a_padded_vocabulary():
 RULES = [("fixed", None, {}), ("stepnorm", 0.3, {}), ("stepnorm_rel", 0.05, {}), ("kl", 1e-3, {}), ("accel", 0.5, {}),
          ("accel_rel", 0.6, {}), ("entropy_diff", 1e-3, {}), ("cosine", 1e-2, {}),
          ("argmax_stability", None, {"patience": 2}), ("cosine", [1e-2, 1e-3], {}),
-         ("argmax_stability", None, {"patience": 1, "min_steps": [0, 4], "max_steps": [12, 9]})]
+         ("argmax_stability", None, {"patience": 1, "min_steps": [0, 4], "max_steps": [12, 9]}),
+         # the learned gate (recdepth/gate.py): a random one per group, weight [2, 32], bias [2]
+         ("gate", [0.5, 0.3], {"gate": (0.3 * torch.randn(2, 32, generator=torch.Generator().manual_seed(11),
+                                                          dtype=torch.float64), torch.tensor([0.0, 0.5]))})]
 assert {r for r, _, _ in RULES} == set(exits.RULES)
 
 

@@ -1197,10 +1197,15 @@ def test_which_rules_decode(rule):
     """kl, entropy_diff and argmax_stability decode the state at every check (O(d V));
     the others never call decode (O(d)) and run without one."""
     decoding = {"kl", "entropy_diff", "argmax_stability"}
-    policy = exits.build(rule, 1e-3, max_steps=7)
+    T = _traj(torch.float64)
+    if rule == "gate":  # a learned gate (tests/test_gate.py): one group's, on this trajectory's width
+        d = T.params["x0"].shape[1]
+        gate = (torch.linspace(-1, 1, d, dtype=torch.float64)[None], torch.zeros(1, dtype=torch.float64))
+        policy = exits.build(rule, 0.5, max_steps=7, gate=gate).group(0)
+    else:
+        policy = exits.build(rule, 1e-3, max_steps=7)
     assert policy.needs_decode == (rule in decoding)
     assert exits.COST[rule] == ("O(d·V)" if rule in decoding else "none" if rule == "fixed" else "O(d)")
-    T = _traj(torch.float64)
     decode, _ = _make_decode(torch.float64)
     calls = []
 

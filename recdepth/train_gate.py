@@ -1,0 +1,114 @@
+"""`python -m recdepth.train_gate ckpt=<path>`: fit the learned exit gate (SPEC §3c) of a
+frozen checkpoint, one Linear(d -> 1) per recurrence group, on the checkpoint's train split.
+
+    python -m recdepth.train_gate ckpt=<run_dir>/train/checkpoints/last.ckpt gate.max_steps=32
+    python -m recdepth.evaluate ckpt=<same> exit=gate exit.gate=<gate run_dir>/gate.pt exit.tau=0.5
+
+The windows are drawn (seeded by `seed`) from the checkpoint's own train split, never its
+val split, which holds the evaluation's tokens. For every group g and n < N = gate.max_steps
+the state x_g^(n) is a feature and [NLL(n) − NLL(N) > gate.margin] its label
+(`recdepth.gate`). The run directory gets `gate.pt` (what exit=gate reads: weight [G, d],
+bias [G] and the metadata), `gate.json` (the metadata) and `config.yaml`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from pathlib import Path
+
+import hydra
+import numpy as np
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from recdepth.cli import guarded, run_hydra_main
+from recdepth.config import conf_dir
+from recdepth.evaluate import checkpoint_data, load_checkpoint, resolve_device
+from recdepth.gate import collect_gate_data, fit_gate, gate_labels, save_gate
+from recdepth.runs import write_json
+from recdepth.schema import validated
+
+log = logging.getLogger("recdepth.train_gate")
+
+
+def train_windows(train_tokens, n_tokens: int, block_size: int, seed: int) -> torch.Tensor:
+    """ceil(n_tokens / block_size) windows of block_size + 1 tokens at distinct random
+    offsets (seeded) of the train split, in offset order: [W, block_size + 1] int64."""
+    n_avail = len(train_tokens) - block_size
+    if n_avail < 1:
+        raise ValueError(f"data: the train split ({len(train_tokens)} tokens) is shorter than one window")
+    W = min(math.ceil(n_tokens / block_size), n_avail)
+    offsets = np.sort(np.random.default_rng(seed).choice(n_avail, size=W, replace=False))
+    return torch.as_tensor(np.stack([np.asarray(train_tokens[o : o + block_size + 1], dtype=np.int64)
+                                     for o in offsets]))
+
+
+def train_gate(cfg: DictConfig) -> dict:
+    """Fit cfg.ckpt's gate under cfg.gate; write gate.pt, gate.json and config.yaml into
+    cfg.run_dir and return gate.json's dict."""
+    try:
+        run_dir = Path(cfg.run_dir)
+    except Exception:
+        raise ValueError("run_dir: set run_dir=<directory> when calling train_gate(cfg) outside Hydra") from None
+    run = validated(cfg)
+    g = run.gate
+    if (run_dir / "gate.pt").exists():
+        raise FileExistsError(f"run_dir: {run_dir} already holds gate.pt; choose a new run_dir")
+    t0 = time.perf_counter()
+    device = resolve_device(run.device)
+    module, data = load_checkpoint(run.ckpt, device)
+    model = module.model
+    if model.n_groups == 0:
+        raise ValueError(f"ckpt: {run.ckpt} has no recurrence groups (nothing to gate)")
+    T = module.config.block_size
+    dm = checkpoint_data(module, data, run.seed)
+    wins = train_windows(dm.train_tokens, g.tokens, T, run.seed).to(device)
+    batches = [wins[i : i + g.batch_size] for i in range(0, len(wins), g.batch_size)]
+    per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed)
+    t_collect = time.perf_counter() - t0
+    ws, bs, fits = [], [], []
+    for feats, nll_by_n in per_group:
+        labels = gate_labels(nll_by_n, g.margin)
+        w, b, st = fit_gate(feats.reshape(-1, feats.shape[-1]), labels.reshape(-1), steps=g.steps,
+                            weight_decay=g.weight_decay)
+        st["nll_gain_mean"] = float((nll_by_n[:, 0] - nll_by_n[:, -1]).mean())  # NLL(1) − NLL(N)
+        ws.append(w)
+        bs.append(b)
+        fits.append(st)
+    meta = {"ckpt": str(Path(run.ckpt).resolve()), "n_embd": module.config.n_embd, "groups": module.config.groups,
+            "max_steps": g.max_steps, "margin": g.margin, "tokens": int(wins.shape[0] * T), "seed": run.seed,
+            "steps": g.steps, "weight_decay": g.weight_decay,
+            "accuracy": [f["accuracy"] for f in fits], "label_rate": [f["label_rate"] for f in fits],
+            "log_loss": [f["log_loss"] for f in fits], "nll_gain_mean": [f["nll_gain_mean"] for f in fits],
+            "collect_seconds": t_collect, "seconds": time.perf_counter() - t0}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    path = run_dir / "gate.pt"
+    save_gate(path, torch.stack(ws), torch.stack(bs), meta)
+    write_json(run_dir / "gate.json", meta)
+    for i, f in enumerate(fits):
+        log.info("gate of group %d %s: label rate %.3f, train accuracy %.3f, log-loss %.4f", i,
+                 module.config.groups[i], f["label_rate"], f["accuracy"], f["log_loss"])
+    use = f"exit=gate exit.gate={path.resolve()} exit.tau=0.5 exit.max_steps={g.max_steps}"
+    log.info("gate fitted on %d train tokens in %.1f s; use it with: %s", meta["tokens"], meta["seconds"], use)
+    print(use)
+    return meta
+
+
+@hydra.main(config_path=conf_dir(), config_name="train_gate", version_base="1.3")
+def _hydra_main(cfg: DictConfig) -> float:
+    return guarded(train_gate, cfg, "seconds")
+
+
+def main() -> None:
+    run_hydra_main(_hydra_main)
+
+
+if __name__ == "__main__":
+    # As recdepth.evaluate: run the importable module's main (a pickling launcher then
+    # pickles the job by reference).
+    import recdepth.train_gate
+
+    recdepth.train_gate.main()
