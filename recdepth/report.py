@@ -54,7 +54,7 @@ from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
 from recdepth.decoding import evaluate_exit
 from recdepth.evaluate import heldout_tokens, load_checkpoint, resolve_device, write_eval
-from recdepth.exits import build
+from recdepth.exits import NO_TAU, build
 from recdepth.gate import load_gate
 from recdepth.runs import write_json
 from recdepth.schema import TrainGateConfig, validated
@@ -91,6 +91,11 @@ class Jobs:
         log.info("job %d %-10s %s: CE %.4f, %.2f applications, %s ms/token (%.0f s)", k, family, line, ev["ce"],
                  ev["mean_applications"], ms, time.perf_counter() - t0)
         return row
+
+
+def _start_tau(rule: str) -> float | None:
+    """A valid τ to build a rule's policy before calibration replaces it (None: it has none)."""
+    return None if rule in NO_TAU else 0.5 if rule == "gate" else 1e-3
 
 
 def _line(p, gate: str | None = None) -> str:
@@ -158,7 +163,7 @@ def report(cfg: DictConfig) -> dict:
     for rule in r.calibrate:
         for target in targets:
             t0 = time.perf_counter()
-            p, res, _, _ = calibrate_policy(split, policy(rule, 0.5 if rule == "gate" else 1e-3), target,
+            p, res, _, _ = calibrate_policy(split, policy(rule, _start_tau(rule)), target,
                                             c.per_group, c.max_evals, ce_ref)
             line = _line(p, gate_path)
             cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
@@ -294,7 +299,8 @@ def figure(rows: list[dict], n_max: int):
     ref = ref if ref is not None else min(j["eval"]["ce"] for j in rows)
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     rules = sorted({j["eval"]["exit"] for j in rows if j["family"] in ("grid", "calibrated")})
-    colors = dict(zip(rules, plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors))
+    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
+    colors = {rule: palette[i % len(palette)] for i, rule in enumerate(rules)}
     marks = {"max_ce_increase": "*", "applications": "s"}
     for ax, key, xlabel in ((axes[0], "mean_applications", "mean applications per token"),
                             (axes[1], "ms_per_token", "ms / token (batch 1)")):

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
@@ -565,13 +566,13 @@ class ReportSettings:
     oracle: float = 0.01
     """The oracle's ε (>= 0)."""
     rules: dict[str, list[float]] = field(default_factory=lambda: {
-        "stepnorm": [0.01, 0.03, 0.1, 0.3], "stepnorm_rel": [0.01, 0.03, 0.1], "kl": [1e-4, 1e-3, 1e-2, 3e-2],
-        "accel": [0.01, 0.03, 0.1, 0.3], "accel_rel": [0.01, 0.03, 0.1], "entropy_diff": [1e-4, 1e-3, 1e-2],
+        "stepnorm": [0.03, 0.1, 0.3], "stepnorm_rel": [0.01, 0.03, 0.1], "kl": [1e-4, 1e-3, 1e-2],
+        "accel": [0.03, 0.1, 0.3], "accel_rel": [0.01, 0.03, 0.1], "entropy_diff": [1e-4, 1e-3, 1e-2],
         "cosine": [1e-4, 1e-3, 1e-2]})
-    """Each threshold rule at each τ of its grid."""
-    patience: list[int] = field(default_factory=lambda: [1, 2, 3, 5])
+    """Each threshold rule at each τ of its grid (drop one with report.rules.<rule>=[])."""
+    patience: list[int] = field(default_factory=lambda: [1, 2, 5])
     """argmax_stability at each k."""
-    gate_tau: list[float] = field(default_factory=lambda: [0.2, 0.5, 0.8])
+    gate_tau: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
     """The learned gate at each probability τ ([] leaves the gate's grid out)."""
     calibrate: list[str] = field(default_factory=lambda: [
         "fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
@@ -616,9 +617,11 @@ class ReportConfig:
     """Initial-state noise of the loops (>= 0)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:<n>."""
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    """The test split and how each setting is scored on it (as recdepth.evaluate)."""
-    calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
+    eval: EvalConfig = field(default_factory=lambda: EvalConfig(latency_tokens=128, repeats=1))
+    """The test split and how each setting is scored on it (as recdepth.evaluate; latency timed
+    once over 128 tokens: ~60 jobs)."""
+    calibration: CalibrationConfig = field(default_factory=lambda: CalibrationConfig(max_evals=20))
+    """As recdepth.calibrate's, at most 20 decodes per search (bisection + one round of moves)."""
     report: ReportSettings = field(default_factory=ReportSettings)
     gate: GateConfig = field(default_factory=GateConfig)
     """How the gate is fitted when report.gate is null (as recdepth.train_gate; gate.max_steps is report.max_steps)."""
@@ -632,13 +635,15 @@ class ReportConfig:
 # conf/train_gate.yaml give their schema in their defaults lists.
 ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig,
          "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig}
+for _name, _root in ROOTS.items():
+    ConfigStore.instance().store(name=_name, node=_root)
 
 
 # ---------------------------------------------------------------- validation
-def validated(cfg: DictConfig | dict) -> TrainConfig | EvaluateConfig | TrainGateConfig:
+def validated(cfg: DictConfig | dict):
     """The typed config of a composed one, checked before any work (one line naming the
-    field on the first failure). A config Hydra composed onto `EvaluateConfig` or
-    `TrainGateConfig` gives one; any other (onto `TrainConfig`, a loaded <run_dir>/config.yaml, a dict) a TrainConfig."""
+    field on the first failure). A config Hydra composed onto one of `ROOTS` gives that
+    root; any other (a loaded <run_dir>/config.yaml, a dict) a TrainConfig."""
     root = OmegaConf.get_type(cfg) if isinstance(cfg, DictConfig) else None
     if root not in ROOTS.values():
         root = TrainConfig

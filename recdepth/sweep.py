@@ -273,7 +273,8 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
               ("mean_applications", "mean applications per token")]
     fig, axes = plt.subplots(2 if frontier else 1, 4, figsize=(16, 7.4 if frontier else 3.6), squeeze=False)
     rules = sorted({r["exit"] for r in ok})
-    colors = dict(zip(rules, plt.get_cmap("tab10").colors))
+    palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors  # more rules than tab10 has colours
+    colors = {rule: palette[i % len(palette)] for i, rule in enumerate(rules)}
     per_group = [r["job"] for r in ok if isinstance(r["tau"], list)]
     if per_group:
         log.info("fig4: job(s) %s have one τ per group; left out of the panels against τ (the frontier panels "

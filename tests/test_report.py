@@ -12,10 +12,11 @@ from hydra import compose, initialize_config_dir
 from recdepth.config import conf_dir
 from recdepth.stats import read_tokens
 
-SMALL = ["report.max_steps=4", "report.fixed=[1,2,4]", "report.rules={accel:[0.1],kl:[0.01]}", "report.patience=[1]",
-         "report.gate_tau=[0.5]", "report.calibrate=[fixed,accel,kl,gate]", "report.max_ce_increase=0.02",
-         "report.applications=2.5", "gate.tokens=128", "gate.steps=20", "eval.tokens=32", "eval.latency_tokens=4",
-         "eval.repeats=1", "eval.warmup_tokens=0", "calibration.tokens=32", "calibration.max_evals=5"]
+SMALL = ["report.max_steps=4", "report.fixed=[1,4]", "report.rules.accel=[0.1]", "report.rules.kl=[0.01]",
+         *(f"report.rules.{r}=[]" for r in ("stepnorm", "stepnorm_rel", "accel_rel", "entropy_diff", "cosine")), "report.patience=[1]",
+         "report.gate_tau=[0.5]", "report.calibrate=[fixed,accel,gate]", "report.max_ce_increase=0.02",
+         "report.applications=2.5", "gate.tokens=128", "gate.steps=20", "eval.tokens=24", "eval.latency_tokens=2",
+         "eval.repeats=1", "eval.warmup_tokens=0", "calibration.tokens=24", "calibration.max_evals=4"]
 
 
 def compose_report(*overrides):
@@ -35,8 +36,8 @@ def test_every_family_is_scored_and_summarised(done):
     out, res = done
     jobs = sorted((p for p in (out / "jobs").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     fams = [json.loads((p / "metrics.json").read_text())["family"] for p in jobs]
-    # 3 fixed + oracle + 2 grid rules + argmax k=1 + gate τ=0.5 + 4 calibrated rules x 2 targets
-    assert fams == ["fixed"] * 3 + ["oracle"] + ["grid"] * 4 + ["calibrated"] * 8
+    # 2 fixed + oracle + 2 grid rules + argmax k=1 + gate τ=0.5 + 3 calibrated rules x 2 targets
+    assert fams == ["fixed"] * 2 + ["oracle"] + ["grid"] * 4 + ["calibrated"] * 6
     assert (out / "gate" / "gate.pt").is_file()
     for f in ("report.md", "report.png", "report.json", "jobs/frontier.md", "jobs/sweep_results.md",
               "jobs/fig4_exits.png"):
@@ -45,7 +46,7 @@ def test_every_family_is_scored_and_summarised(done):
     assert "## Calibrated to CE increase ≤ 0.02" in md and "## Calibrated to applications ≤ 2.5" in md
     # every scored job read the same test tokens
     pos = {tuple(read_tokens(p / "eval_tokens.csv")["position"]) for p in jobs}
-    assert len(pos) == 1 and len(next(iter(pos))) == 32
+    assert len(pos) == 1 and len(next(iter(pos))) == 24
 
 
 def test_the_winner_follows_its_rule(done):
@@ -78,7 +79,7 @@ def test_a_calibrated_line_reruns_in_evaluate(done, tiny_ckpt, tmp_path):
     out, res = done
     r = next(r for r in res["rows"] if r["rule"] == "accel" and r["target"] == "applications")
     line = r["overrides"].split()
-    ev = evaluate(compose_ev(f"ckpt={tiny_ckpt}", f"run_dir={tmp_path / 'ev'}", "eval.tokens=32",
+    ev = evaluate(compose_ev(f"ckpt={tiny_ckpt}", f"run_dir={tmp_path / 'ev'}", "eval.tokens=24",
                              "eval.latency_tokens=0", "eval.warmup_tokens=0", *line))["eval"]
     mine = read_tokens(out / "jobs" / str(r["job"]) / "eval_tokens.csv")
     theirs = read_tokens(tmp_path / "ev" / "eval_tokens.csv")

@@ -337,6 +337,24 @@ def test_root_and_optional_group_defaults_equal_the_yaml_defaults():
         assert v == eref[k], k
 
 
+@pytest.mark.parametrize("name,root", [("calibrate", "CalibrateConfig"), ("report", "ReportConfig"),
+                                       ("train_gate", "TrainGateConfig")])
+def test_the_other_entry_points_yaml_defaults_equal_their_schema(name, root):
+    """conf/calibrate.yaml, conf/report.yaml and conf/train_gate.yaml against their roots'
+    defaults, key by key (the exit group of calibrate.yaml is checked with the groups)."""
+    y = yaml_of(CONF / f"{name}.yaml")
+    y.pop("hydra")
+    assert y.pop("ckpt") == "???"
+    ref = dataclasses.asdict(getattr(schema, root)(ckpt="x"))
+    assert y, name
+    for k, v in y.items():
+        if isinstance(v, dict):
+            assert v == {kk: ref[k][kk] for kk in v}, k  # a block may leave keys at the schema's default
+        else:
+            assert v == ref[k], k
+    assert set(ref) - set(y) - {"ckpt", "exit"} == set(), name
+
+
 def test_unread_data_keys_default_to_what_the_data_module_does():
     """A source ignores the keys it does not read; their schema defaults are the data
     module's own, so passing them all (config.data_module) changes nothing."""
