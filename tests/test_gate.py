@@ -221,8 +221,8 @@ def test_exit_policy_reads_the_gate_file(tmp_path):
 
 
 # ------------------------------------------------------------------ end to end
-def test_train_gate_then_evaluate_exit_gate(tmp_path, env):
-    """A tiny checkpoint (debug=tiny), `python -m recdepth.train_gate` on it, then the
+def test_train_gate_then_evaluate_exit_gate(tmp_path, env, tiny_ckpt):
+    """The session's tiny checkpoint (debug=tiny), `python -m recdepth.train_gate` on it, then the
     evaluation under exit=gate in-process at τ = 0.05 and 0.95: a larger τ exits no later."""
     from recdepth.evaluate import evaluate
 
@@ -232,8 +232,7 @@ def test_train_gate_then_evaluate_exit_gate(tmp_path, env):
         assert p.returncode == 0, p.stderr[-3000:]
         return p
 
-    cli("recdepth.train", "debug=tiny", "eval.tokens=0", f"hydra.run.dir={tmp_path / 'train'}")
-    (ckpt,) = (tmp_path / "outputs" / "runs").glob("*/checkpoints/last.ckpt")
+    ckpt = tiny_ckpt
     gdir, N = tmp_path / "gate", 6
     p = cli("recdepth.train_gate", f"ckpt={ckpt}", "gate.tokens=256", f"gate.max_steps={N}", "gate.steps=30",
             f"hydra.run.dir={gdir}")
