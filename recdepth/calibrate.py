@@ -159,6 +159,21 @@ def test_check(target: calibration.Target, rec: dict, ref_nll: np.ndarray | None
             "verdict": verdict(lo, hi, target.value)}
 
 
+def load_splits(cfg: DictConfig):
+    """cfg.ckpt's module on cfg.device, the split ranges (`splits`), and the test and
+    calibration token streams (val tokens [0, eval.tokens] and the calibration.tokens + 1
+    after them; one line naming calibration.tokens if the val split is too short)."""
+    module, data = load_checkpoint(cfg.ckpt, resolve_device(cfg.device))
+    c = cfg.calibration
+    sp = splits(cfg.eval.tokens, c.tokens)
+    try:
+        cal_tokens = heldout_tokens(module, data, c.tokens + 1, cfg.seed, start=sp["calibration"][0])
+    except ValueError as e:
+        raise ValueError(f"calibration.tokens: {c.tokens} calibration tokens after the {cfg.eval.tokens + 1} test "
+                         f"tokens do not fit the checkpoint's val split ({e})") from None
+    return module, sp, heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed), cal_tokens
+
+
 def calibrate(cfg: DictConfig) -> dict:
     """Calibrate cfg.exit on the calibration split to cfg.target, evaluate the answer once on
     the test split; write and return calibration.json's dict."""
@@ -173,18 +188,9 @@ def calibrate(cfg: DictConfig) -> dict:
         raise ValueError("exit.name: the oracle reads the target token; there is nothing to calibrate")
     if (run_dir / "calibration.json").exists():
         raise FileExistsError(f"run_dir: {run_dir} already holds calibration.json; choose a new run_dir")
-    device = resolve_device(cfg.device)
-    module, data = load_checkpoint(cfg.ckpt, device)
-    model = module.model
+    module, sp, test_tokens, cal_tokens = load_splits(cfg)
+    model, c = module.model, cfg.calibration
     base.check_groups(model.n_groups)
-    c = cfg.calibration
-    sp = splits(cfg.eval.tokens, c.tokens)
-    try:
-        cal_tokens = heldout_tokens(module, data, c.tokens + 1, cfg.seed, start=sp["calibration"][0])
-    except ValueError as e:
-        raise ValueError(f"calibration.tokens: {c.tokens} calibration tokens after the {cfg.eval.tokens + 1} test "
-                         f"tokens do not fit the checkpoint's val split ({e})") from None
-    test_tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 

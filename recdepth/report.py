@@ -46,14 +46,14 @@ from recdepth.calibrate import (
     CalibrationSplit,
     calibrate_policy,
     exit_group,
+    load_splits,
     overrides,
-    splits,
     test_check,
 )
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
 from recdepth.decoding import evaluate_exit
-from recdepth.evaluate import heldout_tokens, load_checkpoint, resolve_device, write_eval
+from recdepth.evaluate import write_eval
 from recdepth.exits import NO_TAU, build
 from recdepth.gate import load_gate
 from recdepth.runs import write_json
@@ -113,17 +113,8 @@ def report(cfg: DictConfig) -> dict:
     if (out / "report.md").exists() or (out / "jobs").exists():
         raise FileExistsError(f"run_dir: {out} already holds a report; choose a new run_dir")
     t_start = time.perf_counter()
-    device = resolve_device(cfg.device)
-    module, data = load_checkpoint(cfg.ckpt, device)
-    model = module.model
-    c = cfg.calibration
-    sp = splits(cfg.eval.tokens, c.tokens)
-    try:
-        cal_tokens = heldout_tokens(module, data, c.tokens + 1, cfg.seed, start=sp["calibration"][0])
-    except ValueError as e:
-        raise ValueError(f"calibration.tokens: {c.tokens} calibration tokens after the {cfg.eval.tokens + 1} test "
-                         f"tokens do not fit the checkpoint's val split ({e})") from None
-    test_tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
+    module, sp, test_tokens, cal_tokens = load_splits(cfg)
+    model, c = module.model, cfg.calibration
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     jobs = Jobs(out / "jobs", model, test_tokens, cfg, module.vocab_to_gpt2)
