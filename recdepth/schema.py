@@ -439,32 +439,39 @@ class TrainConfig:
                                  f"got {c.seq_len}")
 
 
+def _device(v: str) -> None:
+    if not (v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v)):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {v!r}")
+
+
 @dataclass
-class EvaluateConfig:
-    """conf/evaluate.yaml: a checkpoint under an exit rule, `python -m recdepth.evaluate`."""
+class CheckpointJob:
+    """The keys of every entry point that works on a trained checkpoint (evaluate,
+    calibrate, report, train_gate)."""
 
     ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
                                                              "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
     """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
     seed: int = 1337
-    """Initial-state noise of the loops (>= 0)."""
+    """Initial-state noise of the loops (train_gate: also the train windows it draws) (>= 0)."""
     device: str = "auto"
     """auto | cpu | cuda | cuda:<n>."""
-    exit: ExitConfig = field(default_factory=ExitConfig)
-    eval: EvalConfig = field(default_factory=EvalConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
-    """The evaluation's directory (Hydra's output dir)."""
+    """Where the job writes (Hydra's output dir)."""
 
     def __post_init__(self):
         _int("seed", self.seed, 0)
         _device(self.device)
-        if self.eval.tokens < 1:
+        if getattr(self, "eval", None) is not None and self.eval.tokens < 1:
             raise ValueError(f"eval.tokens: expected an integer >= 1 (tokens to score), got {self.eval.tokens}")
 
 
-def _device(v: str) -> None:
-    if not (v in ("auto", "cpu", "cuda") or re.fullmatch(r"cuda:\d+", v)):
-        raise ValueError(f"device: expected auto, cpu, cuda or cuda:<n>, got {v!r}")
+@dataclass
+class EvaluateConfig(CheckpointJob):
+    """conf/evaluate.yaml: a checkpoint under an exit rule, `python -m recdepth.evaluate`."""
+
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
 
 @dataclass
@@ -493,23 +500,10 @@ class GateConfig:
 
 
 @dataclass
-class TrainGateConfig:
+class TrainGateConfig(CheckpointJob):
     """conf/train_gate.yaml: fit the exit gate of a checkpoint, `python -m recdepth.train_gate`."""
 
-    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
-                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
-    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
-    seed: int = 1337
-    """The train windows drawn and the loops' initial-state noise (>= 0)."""
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:<n>."""
     gate: GateConfig = field(default_factory=GateConfig)
-    run_dir: str = "${hydra:runtime.output_dir}"
-    """Where gate.pt and gate.json go (Hydra's output dir)."""
-
-    def __post_init__(self):
-        _int("seed", self.seed, 0)
-        _device(self.device)
 
 
 @dataclass
@@ -607,16 +601,9 @@ class ReportSettings:
 
 
 @dataclass
-class ReportConfig:
+class ReportConfig(CheckpointJob):
     """conf/report.yaml: `python -m recdepth.report`, every exit rule on one checkpoint."""
 
-    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
-                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
-    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
-    seed: int = 1337
-    """Initial-state noise of the loops (>= 0)."""
-    device: str = "auto"
-    """auto | cpu | cuda | cuda:<n>."""
     eval: EvalConfig = field(default_factory=lambda: EvalConfig(latency_tokens=128, repeats=1))
     """The test split and how each setting is scored on it (as recdepth.evaluate; latency timed
     once over 128 tokens: ~60 jobs)."""
@@ -625,10 +612,6 @@ class ReportConfig:
     report: ReportSettings = field(default_factory=ReportSettings)
     gate: GateConfig = field(default_factory=GateConfig)
     """How the gate is fitted when report.gate is null (as recdepth.train_gate; gate.max_steps is report.max_steps)."""
-    run_dir: str = "${hydra:runtime.output_dir}"
-
-    def __post_init__(self):
-        EvaluateConfig.__post_init__(self)
 
 
 # The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml and
