@@ -20,22 +20,31 @@ def env(tmp_path_factory):
     return e
 
 
+@pytest.fixture(scope="module")
+def ckpt_env(env):
+    """The CLI tests' token cache and W&B offline for in-process tests of a module (the
+    tokens of `tiny_ckpt`'s data are then found, not tokenized again)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
+        mp.setenv("WANDB_MODE", "offline")
+        yield
+
+
 @pytest.fixture(scope="session")
 def tiny_ckpt(env, tmp_path_factory):
-    """A checkpoint of `debug=tiny` trained in-process once a session, with the CLI tests'
-    token cache; RECDEPTH_CACHE and WANDB_MODE stay set for the in-process tests that use it."""
+    """A checkpoint of `debug=tiny`, trained in-process once a session with the CLI tests'
+    token cache (use it with `ckpt_env`)."""
     from hydra import compose, initialize_config_dir
 
     from recdepth.config import conf_dir
     from recdepth.train import train
 
-    mp = pytest.MonkeyPatch()
-    mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
-    mp.setenv("WANDB_MODE", "offline")
     d = tmp_path_factory.mktemp("tiny")
-    with initialize_config_dir(conf_dir(), version_base="1.3"):
-        cfg = compose("config", overrides=["debug=tiny", f"runs_dir={d / 'runs'}", f"run_dir={d / 'run'}",
-                                           "eval.tokens=0", "callbacks=none", "logger=csv"])
-    train(cfg)
-    yield d / "run" / "train" / "checkpoints" / "last.ckpt"
-    mp.undo()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
+        mp.setenv("WANDB_MODE", "offline")
+        with initialize_config_dir(conf_dir(), version_base="1.3"):
+            cfg = compose("config", overrides=["debug=tiny", f"runs_dir={d / 'runs'}", f"run_dir={d / 'run'}",
+                                               "eval.tokens=0", "callbacks=none", "logger=csv"])
+        train(cfg)
+    return d / "run" / "train" / "checkpoints" / "last.ckpt"

@@ -16,6 +16,7 @@ from recdepth.config import conf_dir
 N_TOKENS = 50
 
 
+
 def synthetic(cost, harm, groups, base=3.0, seed=0):
     """evaluate(setting) of a separable synthetic rule: group g at grid index i costs
     cost[g][i] applications for every token, and adds harm[g][i] nats to every token's NLL
@@ -122,7 +123,7 @@ def compose_cal(*overrides):
         return compose("calibrate", overrides=list(overrides))
 
 
-def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, tmp_path):
+def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.calibrate import calibrate
     from recdepth.evaluate import heldout_tokens, load_checkpoint
     from recdepth.stats import read_tokens
@@ -169,7 +170,7 @@ def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_c
     (["target.applications=-1"], "target.applications: expected a finite number > 0"),
     (["target.applications=4", "calibration.max_evals=1"], "calibration.max_evals: expected an integer >= 2"),
 ])
-def test_calibrate_bad_input_is_one_line(tiny_ckpt, tmp_path, overrides, msg):
+def test_calibrate_bad_input_is_one_line(tiny_ckpt, ckpt_env, tmp_path, overrides, msg):
     from recdepth.calibrate import calibrate
 
     with pytest.raises(ValueError, match=msg.replace("(", r"\(")) as e:

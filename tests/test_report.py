@@ -25,7 +25,7 @@ def compose_report(*overrides):
 
 
 @pytest.fixture(scope="module")
-def done(tiny_ckpt, tmp_path_factory):
+def done(tiny_ckpt, ckpt_env, tmp_path_factory):
     from recdepth.report import report
 
     out = tmp_path_factory.mktemp("report") / "r"
@@ -73,7 +73,7 @@ def test_the_winner_follows_its_rule(done):
         assert lo <= r[f"test_{q}"] <= hi and not lo > r["bound"]
 
 
-def test_a_calibrated_line_reruns_in_evaluate(done, tiny_ckpt, tmp_path):
+def test_a_calibrated_line_reruns_in_evaluate(done, tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.evaluate import evaluate
 
     out, res = done
