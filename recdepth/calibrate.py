@@ -25,6 +25,7 @@ The override line (`exit=accel exit.tau=[...] ...`) runs the calibrated rule in
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import logging
 import time
@@ -246,8 +247,6 @@ def _held_line(h: dict) -> str:
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
-    import csv
-
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["decode", "field", "values", "ce", "ce_increase", "applications", "per_group", "meets"])
