@@ -36,6 +36,7 @@ Glue: Lightning, Hydra config, data, files, figures
   config.py       where conf/ is, and the objects built from the validated config
   cli.py          the entry points' command line: argv forms, one-line errors, multirun
                   jobs that fail without stopping the sweep
+  checkpoints.py  opening a trained model (a training checkpoint), its held-out tokens
 
 Entry points: what a user runs
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)

@@ -158,7 +158,7 @@ def bench_exits(args) -> dict:
     tune_cpu_allocator()
     torch.manual_seed(0)
     if args.ckpt:
-        from recdepth.evaluate import heldout_tokens, load_checkpoint
+        from recdepth.checkpoints import heldout_tokens, load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
         model = module.model

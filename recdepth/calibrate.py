@@ -37,10 +37,11 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import calibration, stats
+from recdepth.checkpoints import heldout_tokens, load_checkpoint, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
 from recdepth.decoding import evaluate_exit
-from recdepth.evaluate import heldout_tokens, load_checkpoint, resolve_device, run_eval
+from recdepth.evaluate import run_eval
 from recdepth.exits import ExitPolicy, build
 from recdepth.runs import write_json
 from recdepth.schema import validated

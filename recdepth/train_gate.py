@@ -23,9 +23,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
-from recdepth.evaluate import checkpoint_data, load_checkpoint, resolve_device
 from recdepth.gate import collect_gate_data, fit_gate, gate_labels, save_gate
 from recdepth.runs import write_json
 from recdepth.schema import validated

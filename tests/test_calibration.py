@@ -125,7 +125,7 @@ def compose_cal(*overrides):
 
 def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.calibrate import calibrate
-    from recdepth.evaluate import heldout_tokens, load_checkpoint
+    from recdepth.checkpoints import heldout_tokens, load_checkpoint
     from recdepth.stats import read_tokens
 
     run = tmp_path / "cal"
