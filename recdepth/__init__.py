@@ -46,6 +46,8 @@ Entry points: what a user runs
                   (per-group thresholds on a calibration split, then one test evaluation)
   report.py       `python -m recdepth.report ckpt=...` (every exit rule on one frontier:
                   fixed, oracle, τ grids, calibrated rules, the learned gate; table + figure)
+  diagnose.py     `python -m recdepth.diagnose ckpt=...` (the loop geometry of one model:
+                  diagnostics JSON, Figs. 1, 2, 3, 5)
   figures.py      `python -m recdepth.figures <run_dir>` (redraw a run's figures)
   sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table,
                   frontier.csv, Fig. 4)

@@ -20,9 +20,7 @@ runs on is left out of the throughput figures (`LoopedLM.restart_step_timer`).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,10 +35,10 @@ log = logging.getLogger("recdepth.callbacks")
 
 
 def check_args(every_n_steps: int, loops: int, pca_sequence: int, rows: int, pca_tokens: int,
-               max_state_bytes: int) -> None:
+               max_state_bytes: int, prefix: str = "callbacks.loop_dynamics") -> None:
     """LoopDynamics' settings for a batch of `rows` sequences, checked with one line naming
-    the field each (the run config's schema, recdepth/schema.py, checks
-    `callbacks.loop_dynamics` with it)."""
+    the field each (`<prefix>.<field>`; the run config's schema, recdepth/schema.py, checks
+    `callbacks.loop_dynamics` with it, and recdepth.diagnose's `loop_dynamics`)."""
     checks = [
         (every_n_steps >= 1, "every_n_steps", f">= 1, got {every_n_steps}"),
         (loops >= 3, "loops", f">= 3 (two steps make one cosine), got {loops}"),
@@ -50,7 +48,7 @@ def check_args(every_n_steps: int, loops: int, pca_sequence: int, rows: int, pca
     ]
     for ok, field, expected in checks:
         if not ok:
-            raise ValueError(f"callbacks.loop_dynamics.{field}: expected {expected}")
+            raise ValueError(f"{prefix}.{field}: expected {expected}")
 
 
 class LoopDynamics(L.Callback):
@@ -134,21 +132,12 @@ class LoopDynamics(L.Callback):
         if path.exists():  # a resumed run: this checkpoint was measured before; keep it
             log.info("loop dynamics: %s exists, kept", path)
             return
-        t0 = time.perf_counter()
-        d = diagnostics.loop_dynamics(pl_module.model, self.batch, loops=self.loops, seed=self.seed,
-                                      pca_sequence=self.pca_sequence, pca_tokens=self.pca_tokens,
-                                      max_state_bytes=self.max_state_bytes)
-        d["global_step"] = step
-        d["seconds"] = time.perf_counter() - t0
-        if self.decode is not None and d["pca"] is not None:
-            d["pca"]["text"] = self.decode(d["pca"]["token_ids"])
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(d) + "\n")
-        os.replace(tmp, path)
+        d = diagnostics.measure(pl_module.model, self.batch, self.run_dir, step, self.decode, loops=self.loops,
+                                seed=self.seed, pca_sequence=self.pca_sequence, pca_tokens=self.pca_tokens,
+                                max_state_bytes=self.max_state_bytes)
         self.history.append(d)
         self._log(trainer, d)
-        self.seconds += time.perf_counter() - t0
+        self.seconds += d["seconds"]
         if hasattr(pl_module, "restart_step_timer"):
             pl_module.restart_step_timer()  # keep this step's time out of tokens/s and MFU
         log.info("loop dynamics at step %d: %.2f s, DLR %s", step, d["seconds"],

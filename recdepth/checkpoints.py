@@ -24,7 +24,8 @@ def resolve_device(name: str) -> torch.device:
 
 
 def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, dict]:
-    """The LoopedLM of a training checkpoint and the data config it was trained on."""
+    """The LoopedLM of a training checkpoint (in eval mode, with `checkpoint_step`, the
+    global step it was saved at) and the data config it was trained on."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt: no checkpoint file at {path}")
@@ -55,6 +56,7 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
             raise
         raise ValueError(f"ckpt: {path}: its weights do not fit the model its hyper_parameters describe "
                          f"({detail[:200]})") from e
+    module.checkpoint_step = int(ckpt.get("global_step", 0))  # the optimiser step it was saved at
     return module.to(device).eval(), data
 
 

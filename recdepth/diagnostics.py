@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+import os
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -215,6 +217,25 @@ def summary_scalars(d: dict) -> dict[str, float]:
 def diagnostics_path(run_dir: str | Path, step: int) -> Path:
     """Where the diagnostics of global step `step` live: `<run_dir>/diagnostics/step_<step>.json`."""
     return Path(run_dir) / "diagnostics" / f"step_{step}.json"
+
+
+def measure(model: LoopedGPT, batch: Tensor, run_dir: str | Path, step: int,
+            decode: Callable[[list[int]], str] | None = None, **kw) -> dict:
+    """`loop_dynamics(model, batch, **kw)` at global step `step`, written atomically to
+    `diagnostics_path(run_dir, step)` (with its wall time and, given `decode`, Fig. 1's text)
+    and returned. The training callback and `recdepth.diagnose` both measure through it."""
+    t0 = time.perf_counter()
+    d = loop_dynamics(model, batch, **kw)
+    d["global_step"] = step
+    d["seconds"] = time.perf_counter() - t0
+    if decode is not None and d["pca"] is not None:
+        d["pca"]["text"] = decode(d["pca"]["token_ids"])
+    path = diagnostics_path(run_dir, step)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(d) + "\n")
+    os.replace(tmp, path)
+    return d
 
 
 def diagnostics_files(run_dir: str | Path) -> list[Path]:

@@ -362,12 +362,10 @@ class LoggerConfig:
 
 
 @dataclass
-class LoopDynamicsConfig:
-    """`callbacks.loop_dynamics`: loop-geometry diagnostics at every checkpoint
-    (recdepth/callbacks.py: LoopDynamics; conf/callbacks/loop_dynamics.yaml)."""
+class LoopGeometryConfig:
+    """What a loop-geometry measurement runs (recdepth/diagnostics.py, SPEC §2): the held-out
+    batch, the loops, Fig. 1's sequence, the memory bound, the noise."""
 
-    every_n_steps: int = 200
-    """Measure every this many steps (>= 1); the YAML ties it to trainer.checkpoint_every."""
     sequences: int = 4
     """Rows of the fixed held-out batch (>= 1; the first val tokens)."""
     seq_len: int | None = None
@@ -383,12 +381,22 @@ class LoopDynamicsConfig:
     seed: int = 0
     """Initial-state noise of the diagnostics (the same at every checkpoint)."""
     figures: bool = True
-    """Draw Figs. 1, 2, 3, 5 at the end of training."""
+    """Draw Figs. 1, 2, 3, 5 (at the end of training; after recdepth.diagnose)."""
 
     def __post_init__(self):
-        _int("callbacks.loop_dynamics.sequences", self.sequences, 1)
-        callbacks.check_args(self.every_n_steps, self.loops, self.pca_sequence, self.sequences, self.pca_tokens,
-                             self.max_state_bytes)
+        prefix = "callbacks.loop_dynamics" if isinstance(self, LoopDynamicsConfig) else "loop_dynamics"
+        _int(f"{prefix}.sequences", self.sequences, 1)
+        callbacks.check_args(getattr(self, "every_n_steps", 1), self.loops, self.pca_sequence, self.sequences,
+                             self.pca_tokens, self.max_state_bytes, prefix)
+
+
+@dataclass
+class LoopDynamicsConfig(LoopGeometryConfig):
+    """`callbacks.loop_dynamics`: loop-geometry diagnostics at every checkpoint
+    (recdepth/callbacks.py: LoopDynamics; conf/callbacks/loop_dynamics.yaml)."""
+
+    every_n_steps: int = 200
+    """Measure every this many steps (>= 1); the YAML ties it to trainer.checkpoint_every."""
 
 
 @dataclass
@@ -472,6 +480,13 @@ class EvaluateConfig(CheckpointJob):
 
     exit: ExitConfig = field(default_factory=ExitConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+@dataclass
+class DiagnoseConfig(CheckpointJob):
+    """conf/diagnose.yaml: the loop geometry of one checkpoint, `python -m recdepth.diagnose`."""
+
+    loop_dynamics: LoopGeometryConfig = field(default_factory=LoopGeometryConfig)
 
 
 @dataclass
@@ -617,7 +632,7 @@ class ReportConfig(CheckpointJob):
 # The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml and
 # conf/train_gate.yaml give their schema in their defaults lists.
 ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig,
-         "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig}
+         "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig, "diagnose_schema": DiagnoseConfig}
 for _name, _root in ROOTS.items():
     ConfigStore.instance().store(name=_name, node=_root)
 

@@ -18,7 +18,7 @@ LAYERS = {
              "calibration"},
     "glue": {"tokenizer", "documents", "tokens", "vocab", "windows", "data", "lit", "callbacks", "plots",
              "distributed", "schema", "runs", "config", "cli", "checkpoints"},
-    "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "figures", "bench", "sweep"},
+    "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "diagnose", "figures", "bench", "sweep"},
 }
 RANK = {m: i for i, layer in enumerate(LAYERS.values()) for m in layer}
 CORE_THIRD_PARTY = {"torch", "numpy"}

@@ -338,7 +338,7 @@ def test_root_and_optional_group_defaults_equal_the_yaml_defaults():
 
 
 @pytest.mark.parametrize("name,root", [("calibrate", "CalibrateConfig"), ("report", "ReportConfig"),
-                                       ("train_gate", "TrainGateConfig")])
+                                       ("train_gate", "TrainGateConfig"), ("diagnose", "DiagnoseConfig")])
 def test_the_other_entry_points_yaml_defaults_equal_their_schema(name, root):
     """conf/calibrate.yaml, conf/report.yaml and conf/train_gate.yaml against their roots'
     defaults, key by key (the exit group of calibrate.yaml is checked with the groups)."""
