@@ -379,7 +379,8 @@ def save_hf(model: LoopedGPT, path: str | Path, max_shard_bytes: int = 5 * 2**30
         raise ValueError(f"save_hf: max_shard_bytes: expected a positive integer, got {max_shard_bytes!r}")
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    old = [f for f in d.iterdir() if f.name in (CONFIG, SINGLE, INDEX) or SHARD.fullmatch(f.name)]
+    old = sorted((f for f in d.iterdir() if f.name in (CONFIG, SINGLE, INDEX) or SHARD.fullmatch(f.name)),
+                 key=lambda f: (f.name != CONFIG, f.name))  # the message names config.json first
     if old and not overwrite:
         raise ValueError(f"{old[0]}: exists (the directory already holds a checkpoint; overwrite=True replaces it)")
     for f in old:
