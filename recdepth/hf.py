@@ -58,7 +58,9 @@ RAVEN_DEFAULTS: dict[str, object] = dict(
 FIXED = ("tie_embeddings", "bias", "architecture_class_name", "block_class_name", "norm_class_name",
          "mlp_class_name", "nonlin_name", "state_init", "injection_type", "test_time_noise")
 # Aliases (RavenConfig.attribute_map): config.json may spell a key either way.
-ALIASES = {"n_heads": "num_attention_heads", "n_embd": "hidden_size", "n_layers": "num_hidden_layers"}
+# tie_word_embeddings is the name PretrainedConfig writes for what RavenConfig passes it.
+ALIASES = {"n_heads": "num_attention_heads", "n_embd": "hidden_size", "n_layers": "num_hidden_layers",
+           "tie_embeddings": "tie_word_embeddings"}
 # Tensors a file may hold besides the weights: the tied head (== wte) and the rope table.
 OPTIONAL = ("lm_head.weight", "freqs_cis")
 # One layer: Huginn's SandwichBlock names -> recdepth's Block names.
@@ -117,7 +119,7 @@ def from_hf(cfg: GPTConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     state and input halves: Huginn's adapter reads cat([state, input embeddings]))."""
     sd = {ours: tensors[hf] for hf, ours in name_map(cfg).items()}
     state, inp = tensors[ADAPTER].split(cfg.n_embd, dim=1)
-    sd["adapters.0.state.weight"], sd["adapters.0.input.weight"] = state, inp
+    sd["adapters.0.state.weight"], sd["adapters.0.input.weight"] = state.contiguous(), inp.contiguous()
     return sd
 
 
@@ -183,8 +185,9 @@ def read_config(path: str | Path) -> tuple[GPTConfig, dict, list[str]]:
                          f"got {raw.get('model_type')!r}")
     k = _Keys(raw, f)
     for key in FIXED:
-        if k.get(key) != RAVEN_DEFAULTS[key]:
-            k.fail(key, f"unsupported value {raw[key]!r} (recdepth's model has {RAVEN_DEFAULTS[key]!r} only)")
+        v, want = k.get(key), RAVEN_DEFAULTS[key]
+        if v != want or isinstance(want, bool) != isinstance(v, bool):  # 0 is not false here
+            k.fail(key, f"unsupported value {v!r} (recdepth's model has {want!r} only)")
     heads, d_model = k.int("n_heads", 1), k.int("n_embd", 1)
     if "num_key_value_heads" in raw and raw["num_key_value_heads"] != heads:
         k.fail("num_key_value_heads", f"expected {heads} (= n_heads; grouped-query attention is not supported), "
@@ -228,6 +231,7 @@ def raven_config(cfg: GPTConfig, dtype: torch.dtype) -> dict:
         "n_embd": cfg.n_embd, "n_heads": cfg.n_head, "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_head, "n_layers": cfg.n_layer, "block_size": cfg.block_size,
         "vocab_size": cfg.padded_vocab_size, "padding_multiple": cfg.pad_vocab_multiple, "tie_embeddings": True,
+        "tie_word_embeddings": True,
         "intermediate_size": cfg.mlp_hidden, "bias": False, "architecture_class_name": "RecurrentGPT",
         "block_class_name": "SandwichBlock", "norm_class_name": "RMSNorm_llama", "norm_eps": cfg.norm_eps,
         "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU", "init_strategy": "takase", "state_init": "like-init",

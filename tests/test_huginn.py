@@ -277,6 +277,7 @@ def test_a_hand_written_checkpoint_loads_as_recdepths_own_model(tmp_path, shards
 def test_dtype_and_device_are_the_callers(tmp_path):
     m, _ = load_hf(write_dir(tmp_path, raven_tensors()), device="cpu", dtype=torch.bfloat16)
     assert {p.dtype for p in m.parameters()} == {torch.bfloat16}
+    assert all(p.requires_grad and p.is_contiguous() for p in m.parameters())  # trainable as built
     logits, _ = m(IDX[:1, :4], loops=[2])
     assert torch.isfinite(logits).all()
 
@@ -341,6 +342,7 @@ def test_save_refuses_what_huginn_cannot_express(tmp_path, kw, key):
     ("bias", "config.json", ["bias: unsupported value True"]),
     ("gqa", "config.json", ["num_key_value_heads: expected 4", "got 2"]),
     ("untied", "config.json", ["tie_embeddings: unsupported value False"]),
+    ("untied_hf_name", "config.json", ["tie_embeddings: unsupported value False"]),  # as PretrainedConfig spells it
     ("mlp_class", "config.json", ["mlp_class_name: unsupported value 'BaseMLP'", "'GatedMLP'"]),
     ("norm_class", "config.json", ["norm_class_name: unsupported value 'LayerNorm'"]),
     ("layers", "config.json", ["n_layers: expected", "= 5, got 6"]),
@@ -359,6 +361,9 @@ def test_a_bad_directory_fails_in_one_line_naming_file_and_key(tmp_path, case, f
                "untied": {"tie_embeddings": False}, "mlp_class": {"mlp_class_name": "BaseMLP"},
                "norm_class": {"norm_class_name": "LayerNorm"}, "layers": {"n_layers": 6}}
     cfg.update(changes.get(case, {}))
+    if case == "untied_hf_name":
+        del cfg["tie_embeddings"]
+        cfg["tie_word_embeddings"] = False
     if case == "missing_tensor":
         del t["transformer.core_block.1.mlp.fc.weight"]
     if case == "unexpected_tensor":
