@@ -4,7 +4,8 @@ Where things are, in three layers. Imports point down only (entry -> glue -> cor
 no cycle, function-local imports included (tests/test_layers.py keeps it so).
 
 Core: the math, torch and numpy only
-  model.py        the looped GPT-2 (config dataclass, recurrence groups, truncated backprop)
+  model.py        the looped GPT-2 (config dataclass, recurrence groups, truncated backprop,
+                  Huginn's architecture options: rope, gated MLP, q/k bias, latent norm)
   geometry.py     loop-geometry quantities (step norms, cosines, accelerations, DLR)
   sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
   gate.py         the learned exit gate: labels, logistic fit, the gate's probability, and
@@ -36,6 +37,8 @@ Glue: Lightning, Hydra config, data, files, figures
   config.py       where conf/ is, and the objects built from the validated config
   cli.py          the entry points' command line: argv forms, one-line errors, multirun
                   jobs that fail without stopping the sweep
+  hf.py           Huginn checkpoints in the Hugging Face format (config.json + safetensors
+                  shards): load_hf / save_hf, names and config keys of docs/spec.md §1b
   checkpoints.py  opening a trained model (a training checkpoint), its held-out tokens
 
 Entry points: what a user runs

@@ -47,7 +47,7 @@ def typed(cfg: TrainConfig | EvaluateConfig | DictConfig) -> TrainConfig | Evalu
 def model_config(cfg: TrainConfig | DictConfig, vocab_size: int, n_other: int = 0) -> GPTConfig:
     run = typed(cfg)
     m = run.model
-    return GPTConfig(**m.shape(), groups=m.groups, state_init=m.state_init, logit_bias=m.logit_bias,
+    return GPTConfig(**m.shape(), **m.options(), groups=m.groups, state_init=m.state_init, logit_bias=m.logit_bias,
                      mean_recurrence=run.sampler.mean, vocab_size=vocab_size, n_other=n_other)
 
 

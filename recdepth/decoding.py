@@ -215,6 +215,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
             x = model.h[i](x, caches[i], pos)
         else:
             x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit)
+            x = model.leave_group(i, x)
     return model.decode_logits(x)[:, 0], apps
 
 

@@ -152,7 +152,7 @@ def collect_gate_data(model: LoopedGPT, windows: Iterable[Tensor], max_steps: in
                     s = model.apply_group(i, s, e_proj)
                     traj.append(s)
                 steps.append((kind, i, s0, traj))
-                x = s
+                x = model.leave_group(i, s)
         nll_N = model.nll(model.decode_logits(x), targets)
         for k, (kind, g, _, traj) in enumerate(steps):
             if kind != "group":
@@ -176,7 +176,7 @@ def _finish(model: LoopedGPT, rest: list, x: Tensor, targets: Tensor) -> Tensor:
             e_proj, s = model.adapters[i].input(x), s0
             for _ in range(len(traj)):
                 s = model.apply_group(i, s, e_proj)
-            x = s
+            x = model.leave_group(i, s)
     return model.nll(model.decode_logits(x), targets)
 
 

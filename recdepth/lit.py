@@ -156,8 +156,10 @@ class LoopedLM(L.LightningModule):
     # ----------------------------------------------------------- optimiser
     def configure_optimizers(self):
         o = self.hparams.optim
-        decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.dim() < 2]
+        # no decay on 1-D tensors (norms, logit bias) nor on q/k biases (model.qk_bias, 4-D)
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        decay = [p for n, p in named if p.dim() >= 2 and not n.endswith("qk_bias")]
+        no_decay = [p for n, p in named if p.dim() < 2 or n.endswith("qk_bias")]
         opt = torch.optim.AdamW(
             [{"params": decay, "weight_decay": o["weight_decay"]}, {"params": no_decay, "weight_decay": 0.0}],
             lr=o["lr"], betas=tuple(o["betas"]), eps=o.get("eps", 1e-8),

@@ -5,6 +5,15 @@ RMSNorm as in Huginn) in which some contiguous runs of layers — *recurrence gr
 are applied several times. The paper's pattern is groups = [[4], [5, 6], [7]]; the
 Huginn shape (prelude / one recurrent core / coda) is the case of a single group.
 
+Huginn's own architecture (Geiping et al. 2025, seal-rg/recurrent-pretraining) is a set
+of options of the same model (docs/spec.md §1b): rotary positions (`position: rope`,
+`apply_rope`), a gated SiLU MLP (`mlp: gated_silu`, `gated_silu`), a learned bias on q
+and k before the rotation (`qk_bias`, `add_qk_bias`), embeddings scaled by sqrt(d)
+(`scale_embeddings`) and the final norm applied to the latent as it leaves the loop
+(`latent_norm`, `LoopedGPT.leave_group`). Every option defaults to the GPT-2 model
+above, which they leave bit-identical. recdepth/hf.py reads and writes Huginn's Hugging
+Face checkpoints.
+
 One application of group g (layers l_1..l_m), SPEC §1:
 
     u      = adapter_g(concat(s, e_g))          # Linear(2d -> d, bias=False)
@@ -30,12 +39,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-# Size presets. `cpu` trains in minutes on a 2-core laptop; `paper` is the paper's GPT-2.
+# Size presets. `cpu` trains in minutes on a 2-core laptop; `paper` is the paper's GPT-2;
+# `tiny` is for tests (seconds); `huginn-0125` is Huginn-0125's published shape
+# (recpre/raven_config_minimal.py: RavenConfig defaults; 2 + 4 + 2 layers, with
+# groups [[2, 3, 4, 5]]). A preset may also set intermediate_size.
 SIZES: dict[str, dict[str, int]] = {
     "cpu": dict(n_layer=12, n_head=4, n_embd=128, block_size=128),
     "paper": dict(n_layer=12, n_head=12, n_embd=768, block_size=512),
+    "tiny": dict(n_layer=8, n_head=4, n_embd=64, block_size=64),
+    "huginn-0125": dict(n_layer=8, n_head=55, n_embd=5280, block_size=4096, intermediate_size=17920),
 }
 STATE_INITS = ("normal", "zero", "input")
+POSITIONS = ("learned", "rope")
+MLPS = ("silu", "gated_silu")
+# The architecture options beyond the shape, with the defaults that are the GPT-2 model
+# of SPEC §1 (GPTConfig documents each). intermediate_size belongs with the shape (a
+# size preset may set it).
+OPTION_DEFAULTS: dict[str, object] = dict(position="learned", rope_base=10000.0, mlp="silu", qk_bias=False,
+                                          scale_embeddings=False, latent_norm=False, norm_eps=1e-6)
 
 
 def shape_of(size: str, **overrides) -> dict:
@@ -86,10 +107,38 @@ class GPTConfig:
     pad_vocab_multiple: int = 64
     """The embedding/LM-head rows are padded up to a multiple of this (speed); padded
     logits are masked to -inf so they never take probability mass."""
+    # --- Huginn's architecture options (docs/spec.md §1b); the defaults are SPEC §1's model
+    position: str = "learned"
+    """Positions: `learned` (GPT-2's absolute embedding `wpe`, SPEC §1) or `rope` (rotary
+    embedding of q and k in every attention, adjacent pairs, `apply_rope`; no `wpe`; Huginn)."""
+    rope_base: float = 10000.0
+    """RoPE's base b (> 1): pair i turns by angle p·b^(−2i/head_dim) at position p
+    (Huginn-0125: 50000). Read only with position=rope."""
+    mlp: str = "silu"
+    """`silu`: proj(SiLU(fc(x))) (SPEC §1); `gated_silu`: proj(SiLU(a) ⊙ b) with
+    [a, b] = fc(x) split in halves (`gated_silu`; Huginn's GatedMLP)."""
+    intermediate_size: int | None = None
+    """The MLP's hidden width I (fc: d -> I, or d -> 2I gated; proj: I -> d). None: 4d for
+    `silu`, and for `gated_silu` 8d/3 rounded up to a multiple of 64 (about the 4d MLP's
+    parameter count, LLaMA's rule). Huginn-0125: 17920."""
+    qk_bias: bool = False
+    """A learned bias on queries and keys, per head and channel, added before the rotation
+    (`add_qk_bias`; Huginn). Starts at zero; never weight-decayed."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by sqrt(n_embd) after the lookup (Huginn's emb_scale).
+    The `normal` initial state is unaffected (its std is `state_std` either way)."""
+    latent_norm: bool = False
+    """Apply the final norm `ln_f` to each recurrence group's final state as it leaves the
+    loop, before the layer after the group (`LoopedGPT.leave_group`; Huginn's iterate_forward
+    returns ln_f(x)). It is the same `ln_f` (one weight) that normalises before the LM head;
+    with several groups every group's exit passes through it."""
+    norm_eps: float = 1e-6
+    """ε of every RMSNorm (> 0)."""
 
     def __post_init__(self):
         self.groups = check_architecture(self.n_layer, self.n_head, self.n_embd, self.block_size, self.groups,
-                                         self.state_init)
+                                         self.state_init, self.intermediate_size,
+                                         **{k: getattr(self, k) for k in OPTION_DEFAULTS})
         for name in ("vocab_size", "pad_vocab_multiple"):
             _check_positive(name, getattr(self, name))
         if isinstance(self.n_other, bool) or not isinstance(self.n_other, int) or self.n_other < 0:
@@ -101,6 +150,25 @@ class GPTConfig:
     def other_id(self) -> int | None:
         """The model id of the shared "other" entry (the last one), or None without it."""
         return self.vocab_size - 1 if self.n_other else None
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width I (`intermediate_size`, or its default)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        if self.mlp == "gated_silu":
+            third = -(-8 * self.n_embd // 3)  # ceil(8d/3)
+            return -(-third // 64) * 64
+        return 4 * self.n_embd
+
+    @property
+    def emb_scale(self) -> float:
+        """The factor on token embeddings: sqrt(n_embd) with scale_embeddings, else 1."""
+        return math.sqrt(self.n_embd) if self.scale_embeddings else 1.0
 
     @property
     def padded_vocab_size(self) -> int:
@@ -127,18 +195,41 @@ def _check_positive(name: str, v) -> None:
 
 
 def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, groups,
-                       state_init: str) -> list[list[int]]:
+                       state_init: str, intermediate_size: int | None = None, *, position: str = "learned",
+                       rope_base: float = 10000.0, mlp: str = "silu", qk_bias: bool = False,
+                       scale_embeddings: bool = False, latent_norm: bool = False,
+                       norm_eps: float = 1e-6) -> list[list[int]]:
     """The fields of a GPTConfig that do not depend on the data (shape, recurrence groups,
-    initial state), checked with one line naming the field each; returns the groups as
-    lists of ints. GPTConfig checks itself with it, and the run config's schema
-    (recdepth/schema.py) checks `model` with it before any data is read."""
+    initial state, architecture options), checked with one line naming the field each;
+    returns the groups as lists of ints. GPTConfig checks itself with it, and the run
+    config's schema (recdepth/schema.py) checks `model` with it before any data is read."""
     for name, v in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
         _check_positive(name, v)
     if n_embd % n_head:
         raise ValueError(f"model.n_embd: {n_embd} is not divisible by model.n_head={n_head}")
     if state_init not in STATE_INITS:
         raise ValueError(f"model.state_init: unknown {state_init!r} (expected one of {', '.join(STATE_INITS)})")
+    if intermediate_size is not None:
+        _check_positive("intermediate_size", intermediate_size)
+    if position not in POSITIONS:
+        raise ValueError(f"model.position: unknown {position!r} (expected one of {', '.join(POSITIONS)})")
+    if not _finite(rope_base) or rope_base <= 1:
+        raise ValueError(f"model.rope_base: expected a finite number > 1, got {rope_base!r}")
+    if position == "rope" and (n_embd // n_head) % 2:
+        raise ValueError(f"model.position: rope rotates pairs of channels, but the head dimension "
+                         f"n_embd/n_head = {n_embd // n_head} is odd")
+    if mlp not in MLPS:
+        raise ValueError(f"model.mlp: unknown {mlp!r} (expected one of {', '.join(MLPS)})")
+    for name, v in (("qk_bias", qk_bias), ("scale_embeddings", scale_embeddings), ("latent_norm", latent_norm)):
+        if not isinstance(v, bool):
+            raise ValueError(f"model.{name}: expected true or false, got {v!r}")
+    if not _finite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"model.norm_eps: expected a finite number > 0, got {norm_eps!r}")
     return validate_groups(groups, n_layer)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def validate_groups(groups, n_layer: int) -> list[list[int]]:
@@ -195,19 +286,79 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def rope_angles(positions: Tensor, head_dim: int, base: float) -> Tensor:
+    """RoPE's angles θ[p, i] = p · base^(−2i/head_dim), i = 0 .. head_dim/2 − 1, for the
+    given positions: [len(positions), head_dim/2], float32 (docs/spec.md §1b; reference:
+    recpre/raven_modeling_minimal.py, `precompute_freqs_cis`, whose operations and float32
+    precision these follow, so the angles at large positions round as Huginn's did)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return torch.outer(positions.to(torch.float32), inv_freq.to(positions.device))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each ADJACENT channel pair (x[2i], x[2i+1]) of x [..., T, head_dim] by the
+    angle θ[t, i] whose cosine and sine are cos, sin [T, head_dim/2]:
+
+        (a, b) -> (a cos θ − b sin θ,  b cos θ + a sin θ)
+
+    i.e. the complex product (a + ib)·e^{iθ}; interleaved pairs, not GPT-NeoX's halves.
+    Computed in float32 at least (float64 stays float64), returned in x's dtype
+    (docs/spec.md §1b; reference: recpre/raven_modeling_minimal.py,
+    `apply_rotary_emb_complex_like`)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    pairs = x.to(dt).unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos.to(dt), sin.to(dt)
+    return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2).to(x.dtype)
+
+
+class Rotary:
+    """cos/sin of `rope_angles` for positions 0 .. block_size − 1, computed once on the CPU
+    (as Huginn's buffer is) and kept per device; not a module buffer, so casting the model
+    (`.half()`, `.double()`) never rounds the table and it is not part of the state dict."""
+
+    def __init__(self, head_dim: int, block_size: int, base: float):
+        self.head_dim, self.block_size, self.base = head_dim, block_size, base
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, pos0: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, head_dim/2] of positions pos0 .. pos0 + T − 1."""
+        table = self._tables.get(device)
+        if table is None:
+            theta = rope_angles(torch.arange(self.block_size), self.head_dim, self.base)
+            table = self._tables[device] = (theta.cos().to(device), theta.sin().to(device))
+        return table[0][pos0 : pos0 + T], table[1][pos0 : pos0 + T]
+
+
+def add_qk_bias(q: Tensor, k: Tensor, qk_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """q + qk_bias[0], k + qk_bias[1] for q, k [B, T, n_head, head_dim] and qk_bias
+    [2, 1, n_head, head_dim] (a bias per head and channel, the same at every position),
+    BEFORE the rotary embedding (docs/spec.md §1b; reference:
+    recpre/raven_modeling_minimal.py, `CausalSelfAttention.forward`)."""
+    return (q + qk_bias[0]).to(q.dtype), (k + qk_bias[1]).to(k.dtype)
+
+
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, rotary: Rotary | None = None):
         super().__init__()
         self.n_head = cfg.n_head
-        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # [q; k; v] rows, head-major within each
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_head, cfg.head_dim)) if cfg.qk_bias else None
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.rotary = rotary  # shared by every layer (position=rope), else None
 
     def forward(self, x: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
-        # cache: None (the parallel pass) or one layer's decoding cache (recdepth/decoding.py:
-        # KVCache), which this token's k/v are written to and the attended k/v read from
+        # cache: None (the parallel pass, positions pos .. pos + T − 1) or one layer's
+        # decoding cache (recdepth/decoding.py: KVCache), which this token's k/v (position
+        # `pos`, rotated there) are written to and the attended k/v read from
         B, T, C = x.shape
-        q, k, v = self.qkv(x).split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.qkv(x).split(C, dim=2))
+        if self.qk_bias is not None:
+            q, k = add_qk_bias(q, k, self.qk_bias)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.rotary is not None:
+            cos, sin = self.rotary(pos, T, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:  # one new token at position `pos`, attending to positions 0..pos
@@ -223,25 +374,40 @@ class CausalSelfAttention(nn.Module):
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
+def gated_silu(h: Tensor) -> Tensor:
+    """SiLU(a) ⊙ b for h = [a, b] split into halves along the last dimension (the first
+    half gated by SiLU, the second linear) (docs/spec.md §1b; reference:
+    recpre/raven_modeling_minimal.py, `GatedMLP.forward`)."""
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
 class MLP(nn.Module):
+    """proj(SiLU(fc(x))) (SPEC §1), or with mlp=gated_silu proj(gated_silu(fc(x))), fc
+    then d -> 2I."""
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
-        self.proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+        self.gated = cfg.mlp == "gated_silu"
+        hidden = cfg.mlp_hidden
+        self.fc = nn.Linear(cfg.n_embd, (2 if self.gated else 1) * hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.proj(F.silu(self.fc(x)))
+        h = self.fc(x)
+        return self.proj(gated_silu(h) if self.gated else F.silu(h))
 
 
 class Block(nn.Module):
     """Sandwich-normalised layer (SPEC §1):
     x = norm2(attn(norm1(x)) + x);  x = norm4(mlp(norm3(x)) + x)."""
 
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, rotary: Rotary | None = None):
         super().__init__()
-        self.norm1, self.norm2 = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
-        self.norm3, self.norm4 = RMSNorm(cfg.n_embd), RMSNorm(cfg.n_embd)
-        self.attn = CausalSelfAttention(cfg)
+        d, eps = cfg.n_embd, cfg.norm_eps
+        self.norm1, self.norm2 = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.norm3, self.norm4 = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.attn = CausalSelfAttention(cfg, rotary)
         self.mlp = MLP(cfg)
 
     def forward(self, x: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
@@ -270,10 +436,11 @@ class LoopedGPT(nn.Module):
         self.cfg = cfg
         d = cfg.n_embd
         self.wte = nn.Embedding(cfg.padded_vocab_size, d)
-        self.wpe = nn.Embedding(cfg.block_size, d)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.wpe = nn.Embedding(cfg.block_size, d) if cfg.position == "learned" else None
+        rotary = Rotary(cfg.head_dim, cfg.block_size, cfg.rope_base) if cfg.position == "rope" else None
+        self.h = nn.ModuleList(Block(cfg, rotary) for _ in range(cfg.n_layer))
         self.adapters = nn.ModuleList(Adapter(d) for _ in cfg.groups)
-        self.ln_f = RMSNorm(d)
+        self.ln_f = RMSNorm(d, cfg.norm_eps)
         self.lm_bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size)) if cfg.logit_bias else None
         # Execution plan: ("layer", l) runs layer l once, ("group", g) loops group g.
         starts = {g[0]: i for i, g in enumerate(cfg.groups)}
@@ -290,20 +457,49 @@ class LoopedGPT(nn.Module):
     def n_groups(self) -> int:
         return len(self.cfg.groups)
 
+    # ---------------------------------------- Huginn's names (one recurrence group)
+    def _single_group(self, what: str) -> list[int]:
+        if self.n_groups != 1:
+            raise ValueError(f"model.groups: {what} is defined for exactly one recurrence group (Huginn's "
+                             f"prelude / core / coda), this model has {self.n_groups}: {self.cfg.groups}")
+        return self.cfg.groups[0]
+
+    @property
+    def prelude(self) -> list[int]:
+        """Indices of the layers before the one recurrence group (Huginn's prelude)."""
+        return list(range(self._single_group("prelude")[0]))
+
+    @property
+    def core(self) -> list[int]:
+        """Indices of the layers of the one recurrence group (Huginn's recurrent core block)."""
+        return list(self._single_group("core"))
+
+    @property
+    def coda(self) -> list[int]:
+        """Indices of the layers after the one recurrence group (Huginn's coda)."""
+        return list(range(self._single_group("coda")[-1] + 1, self.cfg.n_layer))
+
     # ------------------------------------------------------------------ init
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Huginn's "takase" init (SPEC §1): truncated normal at ±3σ, σ = sqrt(2/(5d)) for
         embeddings, qkv, adapters and MLP input; σ/sqrt(2·L_eff) for the output
-        projections of attention and MLP; norm weights 1."""
+        projections of attention and MLP; norm weights 1. With mlp=gated_silu the linear
+        half of fc takes σ/sqrt(2·L_eff) too, and qk_bias starts at 0 (Huginn's
+        `init_glu`, `_init_weights`; docs/spec.md §1b)."""
         sigma = math.sqrt(2 / (5 * self.cfg.n_embd))
         sigma_out = sigma / math.sqrt(2 * self.cfg.effective_depth)
         for name, p in self.named_parameters():
-            if name == "lm_bias":
+            if name == "lm_bias" or name.endswith("attn.qk_bias"):
                 nn.init.zeros_(p)
                 continue
             if p.dim() == 1:  # norm weights
                 nn.init.ones_(p)
+                continue
+            if self.cfg.mlp == "gated_silu" and name.endswith("mlp.fc.weight"):
+                # Huginn's init_glu: the SiLU half at σ, the linear half at σ_out
+                for half, s in zip(p.chunk(2, dim=0), (sigma, sigma_out)):
+                    nn.init.trunc_normal_(half, mean=0.0, std=s, a=-3 * s, b=3 * s)
                 continue
             s = sigma_out if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else sigma
             nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
@@ -383,6 +579,14 @@ class LoopedGPT(nn.Module):
                 record.append(s)
         return s
 
+    def leave_group(self, g: int, s: Tensor) -> Tensor:
+        """What group g passes on from its final state s: ln_f(s) with `latent_norm`
+        (Huginn: `iterate_forward` returns ln_f(x); docs/spec.md §1b), else s itself. The
+        one place this happens: the parallel forward and token-by-token decoding
+        (recdepth/decoding.py: decode_step) both call it. The group's trajectory (its
+        recorded states, the exit rules' inputs) is the states before it."""
+        return self.ln_f(s) if self.cfg.latent_norm else s
+
     # --------------------------------------------------------------- forward
     def decode_logits(self, x: Tensor) -> Tensor:
         """The decoding head: final norm + tied LM head (+ logit bias), padded entries
@@ -397,11 +601,20 @@ class LoopedGPT(nn.Module):
         return token_nll(logits, targets, self.cfg.other_id, self.cfg.n_other)
 
     def embed(self, idx: Tensor, pos0: int = 0) -> Tensor:
+        """Token embeddings of idx [B, T] at positions pos0 .. pos0 + T − 1: wte(idx), times
+        sqrt(n_embd) with scale_embeddings (Huginn: `RavenForCausalLM.forward`,
+        input_embeds * emb_scale; docs/spec.md §1b), plus wpe(position) with learned
+        positions (rope rotates q and k in the attention instead)."""
         T = idx.shape[1]
         if pos0 + T > self.cfg.block_size:
             raise ValueError(f"sequence of length {pos0 + T} exceeds model.block_size={self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.cfg.scale_embeddings:
+            x = x * self.cfg.emb_scale
+        if self.wpe is None:
+            return x
         pos = torch.arange(pos0, pos0 + T, device=idx.device)
-        return self.wte(idx) + self.wpe(pos)
+        return x + self.wpe(pos)
 
     def forward(
         self,
@@ -430,7 +643,7 @@ class LoopedGPT(nn.Module):
                 if rec is not None:
                     rec.append(x)
             else:
-                x = self.run_group(i, x, loops[i], backprop_depth, generator, rec)
+                x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec))
             if trace is not None:
                 trace.append((kind, i, rec))
         logits = self.decode_logits(x)
@@ -449,10 +662,12 @@ class LoopedGPT(nn.Module):
         Matmul FLOPs (2 per multiply-add) of every layer application actually run, plus
         attention (nanoGPT's 2·2·T·d per layer application, forward) and the LM head.
         Training counts 3x (forward + backward) for graded work and 1x for the
-        applications that truncated backprop ran under no_grad.
+        applications that truncated backprop ran under no_grad. Element-wise work (norms,
+        activations, RoPE, biases) is not counted.
         """
         d, T = self.cfg.n_embd, seq_len
-        layer = 2 * 12 * d * d + 4 * T * d  # qkv 3d², proj d², mlp 8d²; attention
+        mlp = (3 if self.cfg.mlp == "gated_silu" else 2) * d * self.cfg.mlp_hidden  # fc d->(2)I, proj I->d
+        layer = 2 * (4 * d * d + mlp) + 4 * T * d  # qkv 3d², proj d², mlp (8d² at I = 4d); attention
         fwd_graded = (self.cfg.n_layer - sum(len(g) for g in self.cfg.groups)) * layer
         fwd_graded += 2 * d * self.cfg.padded_vocab_size  # LM head
         fwd_free = 0.0

@@ -36,7 +36,7 @@ import filelock
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.model import SIZES, shape_of
+from recdepth.model import OPTION_DEFAULTS, SIZES, shape_of
 from recdepth.schema import DATA_KEYS, DataConfig
 
 log = logging.getLogger("recdepth.runs")
@@ -67,7 +67,9 @@ def what_trains(training: dict) -> dict:
     NOT_TRAINING keys dropped; `model.name` dropped (a preset's label: `model=single` and
     `model=grouped 'model.groups=[[4,5,6,7]]'` are one network); `model.size` replaced by
     the shape it stands for (n_layer, n_head, n_embd, block_size, each explicit override
-    kept), so `model.n_embd=128` on the cpu preset is the cpu preset; `sampler.sigma`
+    kept), so `model.n_embd=128` on the cpu preset is the cpu preset; the architecture
+    options of docs/spec.md §1b dropped at their defaults (`model.rope_base` under
+    learned positions), so a run from before them keeps its identity; `sampler.sigma`
     dropped under `sampler=fixed`, which never reads it; and `data` reduced to the keys
     its source reads (recdepth/schema.py: DATA_KEYS), a key missing (a config from before
     the schema) taking the schema's default. Also applied to the training config a
@@ -85,6 +87,11 @@ def what_trains(training: dict) -> dict:
         if m.get("size") in SIZES:
             size = m.pop("size")
             m.update(shape_of(size, **{k: m.get(k) for k in SIZES[size]}))
+        if m.get("position", "learned") == "learned":
+            m.pop("rope_base", None)  # read by rope only
+        for k, v in {**OPTION_DEFAULTS, "intermediate_size": None}.items():
+            if k in m and m[k] == v:  # Huginn's options (docs/spec.md §1b) at their defaults: the model before them
+                del m[k]
     s = sub.get("sampler")
     if isinstance(s, dict) and s.get("name") == "fixed":
         s.pop("sigma", None)

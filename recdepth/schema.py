@@ -43,7 +43,7 @@ from omegaconf.errors import (
 
 from recdepth import calibration, callbacks, decoding, distributed, exits, sampler
 from recdepth.documents import SOURCES
-from recdepth.model import check_architecture, shape_of
+from recdepth.model import OPTION_DEFAULTS, check_architecture, shape_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -76,35 +76,61 @@ def _one_of(name: str, v, choices) -> None:
 # ------------------------------------------------------------------ groups
 @dataclass
 class ModelConfig:
-    """`model`: the looped GPT-2 (recdepth/model.py). conf/model/: baseline, grouped, single."""
+    """`model`: the looped GPT-2 (recdepth/model.py). conf/model/: baseline, grouped, single,
+    huginn (Huginn's architecture, docs/spec.md §1b)."""
 
     name: str = "grouped"
-    """A label for the run's records (baseline | grouped | single, or your own); the
+    """A label for the run's records (baseline | grouped | single | huginn, or your own); the
     architecture is the fields below, so it is not part of the training identity."""
     size: str = "cpu"
-    """Size preset: cpu (12L, 4H, d=128, block 128) or paper (12L, 12H, d=768, block 512)."""
+    """Size preset: cpu (12L, 4H, d=128, block 128), paper (12L, 12H, d=768, block 512),
+    tiny (8L, 4H, d=64, block 64; tests) or huginn-0125 (8L, 55H, d=5280, block 4096,
+    intermediate_size 17920)."""
     groups: list[list[int]] = field(default_factory=lambda: [[4], [5, 6], [7]])
     """Recurrence groups: disjoint, contiguous, ordered runs of layer indices; [] = no loops."""
     n_layer: int | None = None
-    """Layers; null takes the size preset's (so do the three below)."""
+    """Layers; null takes the size preset's (so do the four below)."""
     n_head: int | None = None
     """Attention heads per layer; must divide n_embd."""
     n_embd: int | None = None
     """Model width d."""
     block_size: int | None = None
     """Context length in tokens."""
+    intermediate_size: int | None = None
+    """The MLP's hidden width; null: the preset's, else 4d (silu) or 8d/3 rounded up to a
+    multiple of 64 (gated_silu)."""
     state_init: str = "normal"
     """Initial recurrent state: normal (Huginn noise) | zero | input."""
     logit_bias: bool = True
     """LM-head bias initialised to the log unigram prior (deviation from SPEC §1; false = SPEC)."""
+    position: str = "learned"
+    """Positions: learned (GPT-2's absolute embedding) | rope (rotary, Huginn)."""
+    rope_base: float = 10000.0
+    """RoPE's base (> 1; Huginn-0125: 50000); read with position=rope only."""
+    mlp: str = "silu"
+    """silu (proj(SiLU(fc x))) | gated_silu (Huginn's GatedMLP: proj(SiLU(a) * b), [a, b] = fc x)."""
+    qk_bias: bool = False
+    """A learned bias on q and k before the rotation (Huginn)."""
+    scale_embeddings: bool = False
+    """Token embeddings times sqrt(n_embd) (Huginn)."""
+    latent_norm: bool = False
+    """The final norm applied to each recurrence group's final state as it leaves the loop (Huginn)."""
+    norm_eps: float = 1.0e-6
+    """ε of every RMSNorm (> 0)."""
 
     def shape(self) -> dict:
-        """n_layer, n_head, n_embd, block_size: the size preset with the fields set here on top."""
+        """n_layer, n_head, n_embd, block_size (and intermediate_size where the preset or
+        this config sets it): the size preset with the fields set here on top."""
         return shape_of(self.size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
-                        block_size=self.block_size)
+                        block_size=self.block_size, intermediate_size=self.intermediate_size)
+
+    def options(self) -> dict:
+        """The architecture options beyond the shape (recdepth/model.py: OPTION_DEFAULTS)."""
+        return {k: getattr(self, k) for k in OPTION_DEFAULTS}
 
     def __post_init__(self):
-        self.groups = check_architecture(**self.shape(), groups=self.groups, state_init=self.state_init)
+        self.groups = check_architecture(**self.shape(), groups=self.groups, state_init=self.state_init,
+                                         **self.options())
 
 
 @dataclass

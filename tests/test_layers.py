@@ -17,7 +17,7 @@ LAYERS = {
     "core": {"model", "geometry", "sampler", "gate", "exits", "stats", "decoding", "diagnostics", "runtime",
              "calibration"},
     "glue": {"tokenizer", "documents", "tokens", "vocab", "windows", "data", "lit", "callbacks", "plots",
-             "distributed", "schema", "runs", "config", "cli", "checkpoints"},
+             "distributed", "schema", "runs", "config", "cli", "hf", "checkpoints"},
     "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "diagnose", "figures", "bench", "sweep"},
 }
 RANK = {m: i for i, layer in enumerate(LAYERS.values()) for m in layer}
