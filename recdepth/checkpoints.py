@@ -1,19 +1,29 @@
 """Opening a trained model for the entry points that work on one (evaluate, calibrate,
 report, train_gate, diagnose, generate): a recdepth training checkpoint (Lightning's
-`last.ckpt`, which carries its data config and compact vocabulary), its held-out tokens,
-and its text encoding.
+`last.ckpt`, which carries its data config and compact vocabulary) or, for evaluate,
+diagnose and generate, a Hugging Face recurrent-depth checkpoint directory (`hf=`, Huginn's
+format, recdepth/hf.py); its held-out tokens and its text encoding (`open_model`).
 """
 
 from __future__ import annotations
 
 import pickle
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from omegaconf import OmegaConf
+from torch import Tensor
 
+from recdepth.documents import resolve_source
+from recdepth.hf import HFTokenizer, load_hf
 from recdepth.lit import LoopedLM
+from recdepth.model import LoopedGPT
+from recdepth.schema import DataConfig
+from recdepth.tokenizer import gpt2
 
 
 def resolve_device(name: str) -> torch.device:
@@ -84,3 +94,87 @@ def checkpoint_data(module: LoopedLM, data: dict, seed: int):
     return dm
 
 
+
+
+# ------------------------------------------------------------- any trained model
+@dataclass
+class Opened:
+    """A trained model opened for an entry point, from a training checkpoint (`ckpt=`) or a
+    Hugging Face checkpoint directory (`hf=`)."""
+
+    model: LoopedGPT
+    source: str
+    """The resolved path of the checkpoint file or directory."""
+    kind: str
+    """"ckpt" or "hf"."""
+    step: int
+    """The optimiser step the weights were saved at (0 for an hf directory: not recorded)."""
+    heldout: Callable[[int, int], Tensor]
+    """(n, start) -> n held-out model ids from offset start of the held-out split."""
+    decode: Callable[[Sequence[int]], str]
+    encode: Callable[[str], list[int]] | None
+    """Text -> model ids; None where there is no tokenizer (an hf directory without tokenizer.json)."""
+    vocab_to_gpt2: Tensor | None
+    """Compact model ids -> GPT-2 ids (a compact-vocabulary checkpoint), else None."""
+
+
+def open_model(job, device: torch.device) -> Opened:
+    """The model of a validated `ModelJob` (recdepth/schema.py): job.ckpt or job.hf, in
+    job.dtype, on `device`, with its held-out tokens and its tokenizer."""
+    dtype = getattr(torch, job.dtype)
+    if job.ckpt is not None:
+        module, data = load_checkpoint(job.ckpt, device)
+        module.model.to(dtype)
+        dm = None
+
+        def datamodule():
+            nonlocal dm
+            dm = dm or checkpoint_data(module, data, job.seed)
+            return dm
+
+        def encode(text: str) -> list[int]:
+            return datamodule().vocab.from_gpt2(gpt2().encode_ordinary(text)).tolist()
+
+        return Opened(module.model, str(Path(job.ckpt).resolve()), "ckpt", module.checkpoint_step,
+                      lambda n, start=0: torch.as_tensor(datamodule().heldout_tokens(n, start)),
+                      lambda ids: datamodule().decode(list(ids)), encode, module.vocab_to_gpt2)
+
+    model, info = load_hf(job.hf, device, dtype)
+    tok = HFTokenizer(job.hf) if (Path(job.hf) / "tokenizer.json").is_file() else None
+    if tok is not None and tok.vocab_size > model.cfg.vocab_size:
+        raise ValueError(f"hf: {job.hf}/tokenizer.json has {tok.vocab_size} tokens, more than the model's "
+                         f"vocab_size {model.cfg.vocab_size}")
+    stream = None
+
+    def heldout(n: int, start: int = 0) -> Tensor:
+        nonlocal stream
+        if tok is None:
+            raise FileNotFoundError(f"hf: {job.hf} has no tokenizer.json to tokenize data with")
+        if stream is None:
+            stream = heldout_stream(tok, job.data if job.data is not None else DataConfig())
+        if not (0 < n and 0 <= start and start + n <= len(stream)):
+            raise ValueError(f"data: {n} held-out tokens from offset {start} asked of a held-out split of "
+                             f"{len(stream)} tokens (more text, or a larger data.val_fraction)")
+        return torch.as_tensor(stream[start : start + n])
+
+    def no_text(_):
+        raise FileNotFoundError(f"hf: {job.hf} has no tokenizer.json (give token ids instead of text)")
+
+    return Opened(model, str(Path(job.hf).resolve()), "hf", 0, heldout,
+                  tok.decode if tok is not None else lambda ids: " ".join(str(int(i)) for i in ids),
+                  tok.encode if tok is not None else None, None)
+
+
+def heldout_stream(tok: HFTokenizer, data: DataConfig) -> np.ndarray:
+    """The held-out split of `data`'s documents under a checkpoint directory's tokenizer:
+    the documents' token stream (each followed by the end-of-document id, when the tokenizer
+    names one), its last `data.val_fraction` — the same cut as a training run's val split
+    (recdepth/tokens.py). Tokenized in memory; no token cache (the tokenizer is not GPT-2's)."""
+    spec = resolve_source(data.source, path=data.path, paths=data.paths, text_column=data.text_column,
+                          max_tokens=data.max_tokens, dataset_name=data.dataset_name,
+                          dataset_config=data.dataset_config, encoding=data.encoding)
+    ids = tok.stream(spec.documents())
+    if data.max_tokens is not None:
+        ids = ids[: data.max_tokens]
+    n_val = int(round(len(ids) * data.val_fraction))
+    return ids[len(ids) - n_val :]

@@ -1,12 +1,14 @@
-"""`python -m recdepth.diagnose ckpt=<path>`: the paper's loop-geometry diagnostics (SPEC §2;
+"""`python -m recdepth.diagnose ckpt=<path>` (or `hf=<dir>`): the paper's loop-geometry diagnostics (SPEC §2;
 Figs. 1, 2, 3, 5) of one trained model, without training.
 
     python -m recdepth.diagnose ckpt=outputs/runs/<id>/train/checkpoints/last.ckpt
     python -m recdepth.diagnose ckpt=<path> loop_dynamics.loops=64 loop_dynamics.sequences=8
+    python -m recdepth.diagnose hf=/models/huginn-0125 dtype=bfloat16 device=cuda loop_dynamics.seq_len=512
 
 The training run measures the same quantities at every checkpoint (callbacks=loop_dynamics);
 this command measures one model after the fact, on the first `sequences × seq_len` tokens of
-its held-out split, with `loops` applications of every group. It writes into its run dir
+its held-out split (for `hf=`, the tail of `data`'s documents under the directory's
+tokenizer.json, as recdepth.evaluate), with `loops` applications of every group. It writes into its run dir
 `diagnostics/step_<global step>.json` (the training callback's format, so
 `python -m recdepth.figures <run_dir>` redraws it), `figures/fig{1,2,3,5}_*.{png,pdf}` and
 `metrics.json` (the summary scalars: step norms, cosines, DLR per boundary).
@@ -18,11 +20,10 @@ import logging
 from pathlib import Path
 
 import hydra
-import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import diagnostics
-from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_device
+from recdepth.checkpoints import open_model, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
 from recdepth.runs import write_json
@@ -32,7 +33,7 @@ log = logging.getLogger("recdepth.diagnose")
 
 
 def diagnose(cfg: DictConfig) -> dict:
-    """Measure cfg.ckpt's loop geometry; write and return metrics.json's dict."""
+    """Measure the loop geometry of cfg.ckpt (or cfg.hf); write and return metrics.json's dict."""
     try:
         run_dir = Path(cfg.run_dir)
     except Exception:
@@ -40,22 +41,21 @@ def diagnose(cfg: DictConfig) -> dict:
     run = validated(cfg)
     if (run_dir / "metrics.json").exists() or diagnostics.diagnostics_files(run_dir):
         raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics; choose a new run_dir")
-    module, data = load_checkpoint(run.ckpt, resolve_device(run.device))
-    model = module.model
+    opened = open_model(run, resolve_device(run.device))
+    model = opened.model
     if model.n_groups == 0:
-        raise ValueError(f"ckpt: {run.ckpt} has no recurrence groups (model.groups is empty): nothing loops")
+        raise ValueError(f"{opened.kind}: {opened.source} has no recurrence groups (model.groups is empty): nothing loops")
     c = run.loop_dynamics
     T = c.seq_len or model.cfg.block_size
     if not 2 <= T <= model.cfg.block_size:
         raise ValueError(f"loop_dynamics.seq_len: expected 2..{model.cfg.block_size} (the block size), got {T}")
-    dm = checkpoint_data(module, data, run.seed)
-    batch = torch.as_tensor(dm.heldout_tokens(c.sequences * T)).view(c.sequences, T)
+    batch = opened.heldout(c.sequences * T, 0).view(c.sequences, T)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    d = diagnostics.measure(model, batch.to(next(model.parameters()).device), run_dir, module.checkpoint_step,
-                            dm.decode, loops=c.loops, seed=c.seed, pca_sequence=c.pca_sequence,
+    d = diagnostics.measure(model, batch.to(next(model.parameters()).device), run_dir, opened.step,
+                            opened.decode, loops=c.loops, seed=c.seed, pca_sequence=c.pca_sequence,
                             pca_tokens=c.pca_tokens, max_state_bytes=c.max_state_bytes)
-    metrics = {"ckpt": str(Path(run.ckpt).resolve()), "global_step": module.checkpoint_step,
+    metrics = {opened.kind: opened.source, "global_step": opened.step,
                "groups": model.cfg.groups, "loops": c.loops, "tokens": c.sequences * T,
                "seconds": d["seconds"], "geometry": diagnostics.summary_scalars(d)}
     if c.figures:
@@ -64,7 +64,7 @@ def diagnose(cfg: DictConfig) -> dict:
         metrics["figures"] = [str(p) for p in plots.draw_all(run_dir)]
     write_json(run_dir / "metrics.json", metrics)
     log.info("loop geometry of %s (step %d, %d loops, %d tokens) in %.1f s: DLR %s; figures in %s",
-             run.ckpt, module.checkpoint_step, c.loops, c.sequences * T, d["seconds"],
+             opened.source, opened.step, c.loops, c.sequences * T, d["seconds"],
              [round(b["mean"], 2) for b in d["dlr"]], run_dir / "figures")
     return metrics
 

@@ -4,9 +4,13 @@ under an exit rule, token by token with a KV cache (SPEC §4), without training 
     python -m recdepth.evaluate ckpt=outputs/2026-11-22/10-00-00/train/checkpoints/last.ckpt exit=kl
     python -m recdepth.evaluate ckpt=<path> --multirun exit=fixed,stepnorm,kl,accel exit.tau=1e-5,1e-4,1e-3,1e-2
 
+    python -m recdepth.evaluate hf=/models/huginn-0125 dtype=bfloat16 device=cuda exit=kl data=files data.paths=/text
+
 The held-out text is the checkpoint's own val split: the data config and the compact
 vocabulary travel in the checkpoint, so the tokens are exactly those the training run
-held out. Each run directory gets `config.yaml`, `metrics.json` with the same `eval`
+held out. A Hugging Face checkpoint directory (`hf=`, Huginn's format) brings its own
+tokenizer.json; its held-out text is the tail (data.val_fraction) of the documents of
+`data` (default: the shipped Shakespeare), tokenized with it (`checkpoints.open_model`). Each run directory gets `config.yaml`, `metrics.json` with the same `eval`
 block as a training run, and `eval_tokens.csv`, one row per scored token (`write_eval`);
 a multirun also gets the sweep summary (`recdepth.sweep`), with the fixed-depth frontier
 when the sweep has fixed-depth jobs (`make frontier`).
@@ -22,7 +26,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
-from recdepth.checkpoints import heldout_tokens, load_checkpoint, resolve_device
+from recdepth.checkpoints import heldout_tokens, load_checkpoint, open_model, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
 from recdepth.decoding import evaluate_exit
@@ -34,24 +38,25 @@ log = logging.getLogger("recdepth.evaluate")
 
 
 def evaluate(cfg: DictConfig) -> dict:
-    """Evaluate cfg.ckpt under cfg.exit; write and return metrics.json's dict."""
+    """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict."""
     try:
         run_dir = Path(cfg.run_dir)
     except Exception:
         raise ValueError("run_dir: set run_dir=<directory> when calling evaluate(cfg) outside Hydra") from None
-    validated(cfg)  # every field, before any work (recdepth/schema.py)
+    run = validated(cfg)  # every field, before any work (recdepth/schema.py)
     policy = exit_policy(cfg)
     if (run_dir / "metrics.json").exists():
         raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
     device = resolve_device(cfg.device)
-    module, data = load_checkpoint(cfg.ckpt, device)
-    policy.check_model(module.model.n_groups, module.config.n_embd)  # per-group values, a gate: this model's
-    tokens = heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed)
+    opened = open_model(run, device)
+    model = opened.model
+    policy.check_model(model.n_groups, model.cfg.n_embd)  # per-group values, a gate: this model's
+    tokens = opened.heldout(cfg.eval.tokens + 1, 0)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    ev = run_eval(module.model, tokens, policy, cfg, run_dir, module.vocab_to_gpt2)
-    metrics = {"ckpt": str(Path(cfg.ckpt).resolve()), "groups": module.config.groups,
-               "params": module.model.num_params(), "device": str(device), "eval": ev}
+    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2)
+    metrics = {opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
+               "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)
     return metrics
 

@@ -27,11 +27,13 @@ vocabulary size under the padded embedding, the shared "other" entry, the initia
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
 from pathlib import Path
 
+import numpy as np
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
@@ -414,3 +416,50 @@ def save_hf(model: LoopedGPT, path: str | Path, max_shard_bytes: int = 5 * 2**30
     w_dtype = dtype or next(model.parameters()).dtype
     (d / CONFIG).write_text(json.dumps(raven_config(cfg, w_dtype), indent=2) + "\n")
     return {"files": [CONFIG, *files], "total_size": total}
+
+
+# ------------------------------------------------------------------------- text
+class HFTokenizer:
+    """A checkpoint directory's `tokenizer.json` (the `tokenizers` library), with the
+    end-of-document id named by its `tokenizer_config.json` (`eos_token`), if any."""
+
+    def __init__(self, directory: str | Path):
+        from tokenizers import Tokenizer
+
+        d = Path(directory)
+        f = d / "tokenizer.json"
+        if not f.is_file():
+            raise FileNotFoundError(f"hf: {d} has no tokenizer.json (give prompt_ids=[...] to generate "
+                                    "without it; evaluation needs it to tokenize data)")
+        try:
+            self.tok = Tokenizer.from_file(str(f))
+        except Exception as e:  # the Rust side raises its own exception types
+            raise ValueError(f"hf: {f} is not a readable tokenizer.json ({str(e).splitlines()[0][:200]})") from None
+        self.eos_id = None
+        cfg = d / "tokenizer_config.json"
+        if cfg.is_file():
+            eos = json.loads(cfg.read_text()).get("eos_token")
+            if isinstance(eos, dict):
+                eos = eos.get("content")
+            if isinstance(eos, str):
+                self.eos_id = self.tok.token_to_id(eos)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.tok.get_vocab_size()
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def stream(self, docs) -> np.ndarray:
+        """The token stream of documents: each one's ids followed by the end-of-document id
+        (when the tokenizer names one), as one int64 array."""
+        parts = []
+        docs = iter(docs)
+        while batch := list(itertools.islice(docs, 256)):
+            for enc in self.tok.encode_batch(batch, add_special_tokens=False):
+                parts.append(np.asarray(enc.ids + ([] if self.eos_id is None else [self.eos_id]), dtype=np.int64))
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)

@@ -479,13 +479,9 @@ def _device(v: str) -> None:
 
 
 @dataclass
-class CheckpointJob:
-    """The keys of every entry point that works on a trained checkpoint (evaluate,
-    calibrate, report, train_gate)."""
+class JobKeys:
+    """The keys every entry point that works on a trained model shares."""
 
-    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
-                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
-    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
     seed: int = 1337
     """Initial-state noise of the loops (train_gate: also the train windows it draws) (>= 0)."""
     device: str = "auto"
@@ -501,7 +497,47 @@ class CheckpointJob:
 
 
 @dataclass
-class EvaluateConfig(CheckpointJob):
+class CheckpointJob(JobKeys):
+    """An entry point that works on a recdepth training checkpoint only (calibrate, report,
+    train_gate: they read its train/val splits)."""
+
+    ckpt: str = field(default=MISSING, metadata={"required": "the path of a training checkpoint "
+                                                             "(e.g. <run_dir>/train/checkpoints/last.ckpt)"})
+    """<run_dir>/train/checkpoints/last.ckpt of a training run (required)."""
+
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass
+class ModelJob(JobKeys):
+    """An entry point that works on a trained model given as a recdepth training checkpoint
+    (`ckpt=`) or a Hugging Face recurrent-depth checkpoint directory (`hf=`, Huginn's
+    format: recdepth/hf.py, docs/spec.md §1b): evaluate, diagnose, generate."""
+
+    ckpt: str | None = None
+    """<run_dir>/train/checkpoints/last.ckpt of a training run; or give hf."""
+    hf: str | None = None
+    """A Huginn checkpoint directory (config.json, *.safetensors, tokenizer.json); or give ckpt."""
+    data: DataConfig | None = None
+    """hf only: the documents to score or measure, tokenized with the directory's tokenizer.json
+    (their held-out tail, data.val_fraction); null = data=shakespeare. A training checkpoint
+    carries its own."""
+    dtype: str = "float32"
+    """float32 | bfloat16 | float16: the parameters' dtype (bfloat16 halves a large model's memory)."""
+
+    def __post_init__(self):
+        if (self.ckpt is None) == (self.hf is None):
+            raise ValueError("ckpt: give exactly one of ckpt=<training checkpoint> or hf=<Hugging Face "
+                             f"checkpoint directory>, got {'both' if self.ckpt else 'neither'}")
+        if self.ckpt is not None and self.data is not None:
+            raise ValueError("data: a training checkpoint carries its own data config; data= is read with hf=<dir> only")
+        _one_of("dtype", self.dtype, DTYPES)
+        super().__post_init__()
+
+
+@dataclass
+class EvaluateConfig(ModelJob):
     """conf/evaluate.yaml: a checkpoint under an exit rule, `python -m recdepth.evaluate`."""
 
     exit: ExitConfig = field(default_factory=ExitConfig)
@@ -509,7 +545,7 @@ class EvaluateConfig(CheckpointJob):
 
 
 @dataclass
-class DiagnoseConfig(CheckpointJob):
+class DiagnoseConfig(ModelJob):
     """conf/diagnose.yaml: the loop geometry of one checkpoint, `python -m recdepth.diagnose`."""
 
     loop_dynamics: LoopGeometryConfig = field(default_factory=LoopGeometryConfig)
@@ -582,10 +618,12 @@ class CalibrationConfig:
 
 
 @dataclass
-class CalibrateConfig(EvaluateConfig):
+class CalibrateConfig(CheckpointJob):
     """conf/calibrate.yaml: `python -m recdepth.calibrate`, an evaluation whose exit is
     calibrated to `target` on the calibration split first (`eval` is the test split's)."""
 
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     target: TargetConfig = field(default_factory=TargetConfig)
     calibration: CalibrationConfig = field(default_factory=CalibrationConfig)
 

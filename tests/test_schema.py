@@ -174,7 +174,10 @@ def test_an_out_of_range_value_is_refused_in_one_line(overrides, field, expected
     (["ckpt=x.ckpt", "exit.tau=-1"], "exit.tau", "> 0"),
     (["ckpt=x.ckpt", "exit=argmax_stability", "exit.patience=-1"], "exit.patience", ">= 1"),
     (["ckpt=x.ckpt", "exit=cosine", "exit.tau=[1e-3,-1]"], "exit.tau[1]", "> 0"),
-    ([], "ckpt", "required, the path of a training checkpoint"),
+    ([], "ckpt", "give exactly one of ckpt=<training checkpoint> or hf=<Hugging Face checkpoint directory>, got neither"),
+    (["ckpt=x.ckpt", "hf=/d"], "ckpt", "got both"),
+    (["ckpt=x.ckpt", "data=shakespeare"], "data", "a training checkpoint carries its own data config"),
+    (["hf=/d", "dtype=int8"], "dtype", "expected one of float32, bfloat16, float16"),
 ])
 def test_evaluate_config_is_checked(overrides, field, expected):
     cfg = compose_cfg(*overrides, config="evaluate")
@@ -331,7 +334,7 @@ def test_root_and_optional_group_defaults_equal_the_yaml_defaults():
     assert yaml_of(CONF / "callbacks" / "none.yaml") in ({}, None) and schema.CallbacksConfig().loop_dynamics is None
     ev = yaml_of(CONF / "evaluate.yaml")
     ev.pop("hydra")
-    assert ev.pop("ckpt") == "???"  # required: no default in either
+    assert ev.pop("ckpt") is None and ev.pop("hf") is None  # one of them is required (ModelJob)
     eref = dataclasses.asdict(schema.EvaluateConfig(ckpt="x"))
     for k, v in ev.items():
         assert v == eref[k], k
@@ -344,15 +347,19 @@ def test_the_other_entry_points_yaml_defaults_equal_their_schema(name, root):
     defaults, key by key (the exit group of calibrate.yaml is checked with the groups)."""
     y = yaml_of(CONF / f"{name}.yaml")
     y.pop("hydra")
-    assert y.pop("ckpt") == "???"
-    ref = dataclasses.asdict(getattr(schema, root)(ckpt="x"))
+    root = getattr(schema, root)
+    if issubclass(root, schema.ModelJob):  # ckpt or hf (one of them required)
+        assert y.pop("ckpt") is None and y.pop("hf") is None
+    else:
+        assert y.pop("ckpt") == "???"
+    ref = dataclasses.asdict(root(ckpt="x"))
     assert y, name
     for k, v in y.items():
         if isinstance(v, dict):
             assert v == {kk: ref[k][kk] for kk in v}, k  # a block may leave keys at the schema's default
         else:
             assert v == ref[k], k
-    assert set(ref) - set(y) - {"ckpt", "exit"} == set(), name
+    assert set(ref) - set(y) - {"ckpt", "hf", "exit", "data"} == set(), name
 
 
 def test_unread_data_keys_default_to_what_the_data_module_does():
