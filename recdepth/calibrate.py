@@ -93,15 +93,17 @@ def exit_group(p: ExitPolicy, gate: str | None = None) -> dict:
 class CalibrationSplit:
     """Decodes a policy on the calibration tokens for real; remembers what it decoded."""
 
-    def __init__(self, model, tokens: torch.Tensor, n_tokens: int, seed: int, cache: str, batch_size: int):
+    def __init__(self, model, tokens: torch.Tensor, n_tokens: int, seed: int, cache: str, batch_size: int,
+                 warm_start: bool = False):
         self.model, self.tokens, self.n_tokens = model, tokens, n_tokens
-        self.seed, self.cache, self.batch_size = seed, cache, batch_size
+        self.seed, self.cache, self.batch_size, self.warm_start = seed, cache, batch_size, warm_start
         self.seconds = 0.0
 
     def decode(self, policy: ExitPolicy) -> dict:
         t0 = time.perf_counter()
         _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, warmup_tokens=0, seed=self.seed,
-                               cache=self.cache, batch_size=self.batch_size, latency_tokens=0)
+                               cache=self.cache, batch_size=self.batch_size, latency_tokens=0,
+                               warm_start=self.warm_start)
         self.seconds += time.perf_counter() - t0
         return rec
 
@@ -196,7 +198,8 @@ def calibrate(cfg: DictConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    split = CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size)
+    split = CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size,
+                             cfg.eval.warm_start)
     t0 = time.perf_counter()
     policy, res, cal_rec, rows = calibrate_policy(split, base, target, c.per_group, c.max_evals)
     search_s = time.perf_counter() - t0
@@ -220,7 +223,7 @@ def calibrate(cfg: DictConfig) -> dict:
     if target.kind == "max_ce_increase":  # the test split's own full-depth reference, paired per token
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), cfg.eval.tokens,
                                warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
-                               batch_size=cfg.eval.batch_size, latency_tokens=0)
+                               batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start)
         ref_nll = ref["nll"]
     held = test_check(target, test_rec, ref_nll)
     out = {

@@ -17,6 +17,12 @@ position p in group g is drawn from a generator seeded by `noise_seed(seed, sequ
 g)` alone (SPEC §4, noise and batches), so a window's result does not depend on the
 other windows decoded beside it: batch B reproduces batch 1.
 
+Continuous compute (`warm_start`, SPEC §4, recdepth's continuous compute): row b's loop
+for the token at position p > 0 in group g starts from the state group g's loop ended
+with for row b at position p − 1 (the group's output there) instead of the initial state;
+position 0 of a window starts as above. The carried states are per row, so batch B still
+reproduces batch 1.
+
 `evaluate_exit` scores held-out windows `batch_size` at a time (quality, cost, a per-token
 record), then times the first `latency_tokens` tokens again at batch 1, `repeats` times
 (latency). `evaluate_oracle` computes the oracle bound of SPEC §4b.
@@ -125,7 +131,7 @@ def check_cache(sharing: str) -> None:
 
 
 def check_settings(n_tokens: int, warmup_tokens: int = 8, batch_size: int = 1, latency_tokens: int | None = None,
-                   repeats: int = 1, cache: str = "latest") -> None:
+                   repeats: int = 1, cache: str = "latest", warm_start: bool = False) -> None:
     """`evaluate_exit`'s settings (the run config's `eval` block), checked with one line
     naming the field each; the run config's schema (recdepth/schema.py) checks `eval` with it."""
     for field, v, lo in (("tokens", n_tokens, 0), ("warmup_tokens", warmup_tokens, 0), ("batch_size", batch_size, 1),
@@ -135,6 +141,8 @@ def check_settings(n_tokens: int, warmup_tokens: int = 8, batch_size: int = 1, l
         if isinstance(v, bool) or not isinstance(v, int) or v < lo:
             raise ValueError(f"eval.{field}: expected an integer >= {lo}, got {v!r}")
     check_cache(cache)
+    if not isinstance(warm_start, bool):
+        raise ValueError(f"eval.warm_start: expected true or false, got {warm_start!r}")
 
 
 def noise_seed(seed: int, sequence: int, position: int, group: int) -> int:
@@ -157,7 +165,8 @@ class RowNoise:
 
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
                pos: int, generator: torch.Generator | None = None, compact: bool = True,
-               noise: RowNoise | None = None, limit: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               noise: RowNoise | None = None, limit: Tensor | None = None,
+               init: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
     Returns the final states [B, 1, d] and applications per row [B].
 
@@ -166,12 +175,19 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     is wall-clock saved; without it, exited rows are computed and masked out. Either way a
     row's result is exactly its batch-1 result. `noise` keys each row's initial state
     (otherwise all rows draw from `generator`); `limit` [B], if given, stops row b after
-    limit[b] applications at the latest (a per-row max_steps). A per-group `policy` loops
-    group g under its group-g values (`policy.group(g)`)."""
+    limit[b] applications at the latest (a per-row max_steps). `init` [B, 1, d], if given,
+    is row b's starting state instead of `model.initial_state` (no noise is drawn; the warm
+    start of continuous compute). A per-group `policy` loops group g under its group-g
+    values (`policy.group(g)`)."""
     policy = policy.group(g)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
-    s = model.initial_state(e, generator, None if noise is None else noise.seeds(pos, g))
+    if init is None:
+        s = model.initial_state(e, generator, None if noise is None else noise.seeds(pos, g))
+    elif init.shape != e.shape:
+        raise ValueError(f"loop_group: initial state of shape {tuple(init.shape)} for input {tuple(e.shape)}")
+    else:
+        s = init
     decode = model.decode_logits if policy.needs_decode else None
     monitor = policy.monitor(s[:, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=e.device)
@@ -205,17 +221,28 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
 @torch.no_grad()
 def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
                 generator: torch.Generator | None = None, compact: bool = True,
-                noise: RowNoise | None = None, limit: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                noise: RowNoise | None = None, limit: Tensor | None = None,
+                warm: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
-    next token and applications [B, G] per group (`noise`, `limit`: see `loop_group`)."""
+    next token and applications [B, G] per group (`noise`, `limit`: see `loop_group`).
+
+    `warm` (continuous compute): one entry per group, read and replaced in place. Group g
+    starts from warm[g] [B, 1, d] when it is not None (else from its initial state), and
+    warm[g] becomes the state its loop ended with, for the next position of the same rows.
+    Start a window with `[None] * model.n_groups`."""
+    if warm is not None and len(warm) != model.n_groups:
+        raise ValueError(f"decode_step: {len(warm)} warm states for {model.n_groups} recurrence groups")
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     for kind, i in model.plan:
         if kind == "layer":
             x = model.h[i](x, caches[i], pos)
         else:
-            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit)
+            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit,
+                                       None if warm is None else warm[i])
             x = model.leave_group(i, x)
+            if warm is not None:  # the state leaving the group (after a latent norm: Huginn's latent_states)
+                warm[i] = x
     return model.decode_logits(x)[:, 0], apps
 
 
@@ -235,11 +262,12 @@ def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
 
 def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
                     cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
-                    timed: bool = False) -> tuple[Tensor, Tensor, list[float]]:
+                    timed: bool = False, warm_start: bool = False) -> tuple[Tensor, Tensor, list[float]]:
     """Decode windows side by side, `reps` rows per window (row r is window r // reps).
     Returns nll [R, L], applications [R, L, G] and, with `timed`, the seconds of each
     position. With reps > 1 the rows of a window share their history: after each position
-    every row takes the cache entries of the window's last row (the oracle's max_steps)."""
+    every row takes the cache entries of the window's last row (the oracle's max_steps),
+    and with `warm_start` that row's final group states too (`decode_step`'s `warm`)."""
     device, T = tokens.device, model.cfg.block_size
     L = max(n for _, n in wins)
     R = len(wins) * reps
@@ -249,17 +277,20 @@ def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]
     noise = RowNoise(seed, [wins[r // reps][0] // T for r in range(R)])
     caches = new_caches(model, R, T, cache, policy.max_steps_bound)
     src = torch.arange(R, device=device) // reps * reps + reps - 1
+    warm = [None] * model.n_groups if warm_start else None
     nll = torch.empty(R, L, dtype=torch.float64)
     apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
     seconds = []
     for pos in range(L):
         t0 = time.perf_counter()
-        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit)
+        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm)
         if timed and device.type == "cuda":
             torch.cuda.synchronize()
         seconds.append(time.perf_counter() - t0)
         if reps > 1:
             _sync_rows(caches, pos, src)
+            if warm is not None:
+                warm[:] = [w[src] for w in warm]
         nll[:, pos] = model.nll(logits, idx[:, pos + 1]).double().cpu()
         apps[:, pos] = a.cpu()
     return nll, apps, seconds
@@ -291,14 +322,16 @@ def _prepare(model: LoopedGPT, tokens: Tensor, n_tokens: int) -> tuple[Tensor, i
     return tokens, n_tokens, windows(n_tokens, model.cfg.block_size)
 
 
-def _warmup(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int) -> None:
+def _warmup(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int,
+            warm_start: bool = False) -> None:
     """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels."""
     n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
     if n:
         caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps_bound)
         noise = RowNoise(seed, [-1])
+        warm = [None] * model.n_groups if warm_start else None
         for pos in range(n):
-            decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise)
+            decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise, warm=warm)
 
 
 def _plain(v):
@@ -306,7 +339,8 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, resamples: int = 1000) -> dict:
+def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, warm_start: bool = False,
+             resamples: int = 1000) -> dict:
     nll, apps = rec["nll"], rec["apps"]
     ce, lo, hi = stats.mean_ci(nll, stats.bootstrap_indices(len(nll), resamples))
     per_group = apps.mean(axis=0).tolist()
@@ -316,17 +350,19 @@ def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, resampl
         "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ppl": math.exp(ce),
         "applications_per_token": per_group,
         "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
-        "tokens": len(nll), "cache": cache, "batch_size": batch_size,
+        "tokens": len(nll), "cache": cache, "warm_start": bool(warm_start), "batch_size": batch_size,
     }
 
 
 @torch.no_grad()
 def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, warmup_tokens: int = 8,
                   seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
-                  repeats: int = 1) -> tuple[dict, dict]:
+                  repeats: int = 1, warm_start: bool = False) -> tuple[dict, dict]:
     """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
-    `cache` sharing "latest" or "per_step" (see `new_caches`). Returns the `eval` block of
-    metrics.json and the per-token record (`_records`, plus `ms`).
+    `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
+    from the previous token's final state with `warm_start` (continuous compute; see
+    `decode_step`). Returns the `eval` block of metrics.json and the per-token record
+    (`_records`, plus `ms`).
 
     `tokens` is a 1-D id tensor, cut into `windows`. Quality and cost: `batch_size`
     windows decoded side by side (each row exactly its batch-1 result; throughput
@@ -335,27 +371,29 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     `ms_per_token` is the median over repeats of the mean ms per token, with the min and
     max; each timed token's record carries its median ms. The batch-1 pass is also checked
     against the batched one: `batch_check` counts timed tokens whose applications differ
-    (a criterion within rounding of τ) and the largest NLL difference.
+    (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
+    batched, batch 1) uses the same `warm_start`.
     """
-    check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache)
+    check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     if policy.name == ORACLE:
-        return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size)
+        return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size,
+                               warm_start=warm_start)
     was_training = model.training
     model.eval()
     T = model.cfg.block_size
     tokens, n_tokens, wins = _prepare(model, tokens, n_tokens)
-    _warmup(model, tokens, policy, cache, warmup_tokens, seed)
+    _warmup(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
 
     parts, t0 = [], time.perf_counter()
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
-        nll, apps, _ = _decode_windows(model, tokens, ws, policy, cache, seed)
+        nll, apps, _ = _decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start)
         parts.append(_records(ws, nll, apps, tokens, T))
     batch_seconds = time.perf_counter() - t0
     rec = _merge(parts)
     rec["ms"] = np.full(n_tokens, np.nan)
-    ev = _summary(policy, rec, cache, batch_size)
+    ev = _summary(policy, rec, cache, batch_size, warm_start)
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
     n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
@@ -365,7 +403,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
         for _ in range(repeats):
             secs, nll1, apps1 = [], [], []
             for w in lat_wins:
-                nll, apps, s = _decode_windows(model, tokens, [w], policy, cache, seed, timed=True)
+                nll, apps, s = _decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
+                                               warm_start=warm_start)
                 r = _records([w], nll, apps, tokens, T)
                 secs += s[: w[1]]
                 nll1.append(r["nll"])
@@ -387,15 +426,16 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
 
 @torch.no_grad()
 def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, seed: int = 0,
-                    cache: str = "latest", batch_size: int = 1) -> tuple[dict, dict]:
+                    cache: str = "latest", batch_size: int = 1, warm_start: bool = False) -> tuple[dict, dict]:
     """The oracle bound of SPEC §4b at ε = policy.tau, N = policy.max_steps: per token, the
     smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
     at N, with every earlier token computed at N.
 
     Each window is decoded as N rows side by side, row n stopping every group after n
     applications, all with the window's noise; after each position every row takes the
-    cache entries of row N, so the history is always the N-application one. Row N is then
-    exactly `exit=fixed max_steps=N`. The record carries `nll_by_n` [tokens, N], from which
+    cache entries of row N, so the history is always the N-application one; with
+    `warm_start` every row also starts the next position from row N's final group states.
+    Row N is then exactly `exit=fixed max_steps=N` (with the same `warm_start`). The record carries `nll_by_n` [tokens, N], from which
     the oracle at any other ε follows without decoding again (`recdepth.stats.oracle_n`).
     No latency: the oracle reads the target, so it cannot run for real."""
     was_training = model.training
@@ -408,7 +448,8 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
-        nll, _, _ = _decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit)
+        nll, _, _ = _decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
+                                    warm_start=warm_start)
         nll = nll.view(len(ws), N, -1)  # [window, n, position]
         by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
         parts.append(_records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
@@ -420,7 +461,7 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     rec["nll"] = rec["nll_by_n"][np.arange(n_tokens), n - 1]
     rec["apps"] = np.repeat(n[:, None], model.n_groups, axis=1)
     rec["ms"] = np.full(n_tokens, np.nan)
-    ev = _summary(policy, rec, cache, batch_size)
+    ev = _summary(policy, rec, cache, batch_size, warm_start)
     ev.update(ms_per_token=None, latency_tokens=0, repeats=0, tokens_per_s=n_tokens / seconds,
               ce_at_max_steps=float(rec["nll_by_n"][:, -1].mean()))
     model.train(was_training)

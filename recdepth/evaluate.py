@@ -68,7 +68,7 @@ def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path
     e = cfg.eval
     ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
                             cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
-                            repeats=e.repeats)
+                            repeats=e.repeats, warm_start=e.warm_start)
     write_eval(run_dir, rec, vocab_to_gpt2)
     log_eval(ev)
     return ev

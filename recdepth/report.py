@@ -80,7 +80,7 @@ class Jobs:
         t0 = time.perf_counter()
         ev, rec = evaluate_exit(self.model, self.tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens,
                                 seed=self.cfg.seed, cache=e.cache, batch_size=e.batch_size,
-                                latency_tokens=e.latency_tokens, repeats=e.repeats)
+                                latency_tokens=e.latency_tokens, repeats=e.repeats, warm_start=e.warm_start)
         (d / ".hydra").mkdir(parents=True, exist_ok=True)
         (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(line.split())))
         write_eval(d, rec, self.v2g)
@@ -140,14 +140,15 @@ def report(cfg: DictConfig) -> dict:
         p = policy("gate", float(tau))
         jobs.run("grid", p, _line(p, gate_path))
 
-    split = CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size)
+    split = CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size,
+                             cfg.eval.warm_start)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     fixed_ref = next(j for j in jobs.rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"] \
         if N in r.fixed else None
     if fixed_ref is None:
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=N), cfg.eval.tokens,
                                warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
-                               batch_size=cfg.eval.batch_size, latency_tokens=0)
+                               batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start)
         fixed_ref = ref["nll"]
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("applications", r.applications)]

@@ -352,10 +352,13 @@ class EvalConfig:
     """Untimed decode steps before timing starts (>= 0)."""
     cache: str = "latest"
     """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application)."""
+    warm_start: bool = False
+    """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
+    ended with for the previous token of the window (the first token: the usual initial state)."""
 
     def __post_init__(self):
         decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
-                                self.repeats, self.cache)
+                                self.repeats, self.cache, self.warm_start)
 
 
 @dataclass

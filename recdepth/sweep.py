@@ -6,14 +6,17 @@ every job and at the end of the sweep it reads every job directory of the sweep 
 into the sweep directory,
 
     sweep_results.csv   one row per job: job, overrides, status, exit, tau (a list when
-                        one per group), patience (argmax_stability), max_steps, ce
+                        one per group), patience (argmax_stability), max_steps,
+                        warm_start (eval.warm_start, continuous compute), ce
                         with its 95% CI, ppl, ms_per_token (median, min, max), applications
                         per group and their mean, tokens, tokens_per_s (batched), the
                         batch-1 check (tokens whose applications differ between batch 1
                         and batch B, largest NLL difference), reused, error
     sweep_results.md    the same as a Markdown table
     frontier.csv / .md  when the sweep has fixed-depth jobs at two or more n (SPEC §4b): for
-                        every other job, its CE with a 95% bootstrap CI, the best fixed CE
+                        every other job (its `family`: the rule, "fixed (warm start)" for
+                        the fixed grid under eval.warm_start, see `family`), its CE with
+                        a 95% bootstrap CI, the best fixed CE
                         at no more applications and the paired CE difference, the fixed
                         frontier at exactly its applications (`stats.hull_ce`) and the
                         paired CE difference to it (the verdict), the same at the job's
@@ -25,7 +28,12 @@ into the sweep directory,
                         token against τ (log-x), one line per exit rule (`fixed` dashed;
                         jobs with one τ per group are left out of these panels, logged);
                         with a frontier also CE against mean applications and against
-                        ms/token, every rule a curve, the fixed frontier and the oracle drawn
+                        ms/token, every family a curve, the fixed frontier and the oracle drawn
+
+The fixed frontier is the cold fixed grid (eval.warm_start=false); fixed jobs with warm
+start are a family of their own, compared with it like a rule. Only a sweep whose fixed
+jobs are all warm-started (eval.warm_start=true given for the whole sweep) has the warm
+grid as its frontier (`_reference_warm`).
 
 and, at the end, a W&B table with the same rows when the sweep's config has `logger.wandb`.
 A job that raised is recorded as `failed` (its error in `<job>/error.txt`); the others are
@@ -50,7 +58,7 @@ log = logging.getLogger("recdepth.sweep")
 
 
 # -------------------------------------------------------------- aggregation
-COLUMNS = ["job", "overrides", "status", "exit", "tau", "patience", "max_steps", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
+COLUMNS = ["job", "overrides", "status", "exit", "tau", "patience", "max_steps", "warm_start", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
            "ms_min", "ms_max", "applications_per_token", "mean_applications", "tokens", "tokens_per_s", "batch1_apps_mismatch",
            "batch1_max_abs_dnll", "reused", "error"]
 
@@ -62,9 +70,12 @@ def _job_row(job_dir: Path) -> dict:
     if ov.is_file():
         row["overrides"] = " ".join(OmegaConf.to_container(OmegaConf.load(ov)))
     cfg_file = job_dir / ".hydra" / "config.yaml"
+    row["warm_start"] = False
     if cfg_file.is_file():
-        ex = OmegaConf.load(cfg_file).get("exit") or {}
+        job_cfg = OmegaConf.load(cfg_file)
+        ex = job_cfg.get("exit") or {}
         row["exit"], row["tau"] = ex.get("name", ""), ex.get("tau")
+        row["warm_start"] = bool(OmegaConf.select(job_cfg, "eval.warm_start", default=False))
         if OmegaConf.is_list(row["tau"]):  # one per group
             row["tau"] = list(row["tau"])
     m_file = job_dir / "metrics.json"
@@ -77,7 +88,7 @@ def _job_row(job_dir: Path) -> dict:
             apps = ev["applications_per_token"]
             lo, hi = ev.get("ce_ci", ["", ""])
             row.update(exit=ev["exit"], tau=ev["tau"], max_steps=ev.get("max_steps", ""), ce=ev["ce"], ce_lo=lo, ce_hi=hi,
-                       ppl=ev["ppl"], ms_per_token=ev["ms_per_token"], ms_min=ev.get("ms_per_token_min", ""),
+                       warm_start=bool(ev.get("warm_start", False)), ppl=ev["ppl"], ms_per_token=ev["ms_per_token"], ms_min=ev.get("ms_per_token_min", ""),
                        ms_max=ev.get("ms_per_token_max", ""), applications_per_token=apps,
                        mean_applications=sum(apps) / len(apps) if apps else 0.0, tokens=ev.get("tokens", ""),
                        tokens_per_s=ev.get("tokens_per_s", ""),
@@ -94,9 +105,14 @@ def _job_row(job_dir: Path) -> dict:
 
 
 def collect(sweep_dir: str | Path) -> list[dict]:
-    """One row per job directory (`<sweep_dir>/<n>/`), by job number."""
+    """One row per job directory (`<sweep_dir>/<n>/`), by job number; each row's
+    `frontier` says whether it is a point of the fixed frontier (`_reference_warm`)."""
     jobs = [p for p in Path(sweep_dir).iterdir() if p.is_dir() and p.name.isdigit()]
-    return [_job_row(p) for p in sorted(jobs, key=lambda p: int(p.name))]
+    rows = [_job_row(p) for p in sorted(jobs, key=lambda p: int(p.name))]
+    warm = _reference_warm(rows)
+    for r in rows:
+        r["frontier"] = _uniform_fixed(r) and r["warm_start"] is warm
+    return rows
 
 
 def _fmt(v, digits=4) -> str:
@@ -116,9 +132,34 @@ def _num(v) -> bool:
 
 
 def _uniform_fixed(r: dict) -> bool:
-    """A fixed-depth job of the frontier: exit=fixed with one max_steps for every group (a
-    fixed job with one max_steps per group is compared against it like a rule)."""
+    """A fixed-depth job: exit=fixed with one max_steps for every group (a fixed job with
+    one max_steps per group is compared against the frontier like a rule)."""
     return r["exit"] == "fixed" and _num(r["max_steps"])
+
+
+def _reference_warm(rows: list[dict]) -> bool:
+    """Whether the fixed frontier is the warm-start grid (eval.warm_start=true): only when
+    the sweep has fewer than two cold fixed depths and at least two warm ones, i.e. the
+    user ran the whole sweep warm. Otherwise it is the cold grid (docs/spec.md §4), and
+    warm fixed jobs are the family "fixed (warm start)", compared with it like a rule."""
+    def depths(warm: bool) -> set:
+        return {r["max_steps"] for r in rows
+                if r["status"] == "ok" and r["ce"] != "" and _uniform_fixed(r) and r["warm_start"] is warm}
+    return len(depths(False)) < 2 and len(depths(True)) >= 2
+
+
+def family(r: dict) -> str:
+    """The curve a job belongs to in frontier.csv/.md and Fig. 4: its exit rule, "fixed (per
+    group)" for exit=fixed with one max_steps per group, and "(warm start)" added when it
+    ran with eval.warm_start=true (continuous compute): "fixed (warm start)", "kl (warm start)"."""
+    quals = ["per group"] if r["exit"] == "fixed" and isinstance(r["max_steps"], list) else []
+    quals += ["warm start"] if r.get("warm_start") is True else []
+    return r["exit"] + (f" ({', '.join(quals)})" if quals else "")
+
+
+def _exit_label(r: dict) -> str:
+    """The exit column of sweep_results.md: the rule, "(warm start)" added under eval.warm_start."""
+    return _fmt(r["exit"]) + (" (warm start)" if r.get("warm_start") is True else "")
 
 
 def _ci(v, lo, hi, digits=4) -> str:
@@ -145,7 +186,7 @@ def markdown(rows: list[dict]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = r["status"] + (f": {r['error']}" if r["error"] else "") + (" (reused checkpoint)" if r["reused"] is True else "")
-        out.append("| " + " | ".join([str(r["job"]), _fmt(r["exit"]), _tau(r), _fmt(r["max_steps"]),
+        out.append("| " + " | ".join([str(r["job"]), _exit_label(r), _tau(r), _fmt(r["max_steps"]),
                                       _ci(r["ce"], r["ce_lo"], r["ce_hi"]), _fmt(r["ppl"], 2),
                                       _ci(r["ms_per_token"], r["ms_min"], r["ms_max"], 2),
                                       _fmt(r["applications_per_token"]), _fmt(r["mean_applications"], 2),
@@ -154,7 +195,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 # ------------------------------------------------------------ frontier (SPEC §4b)
-FRONTIER_COLUMNS = ["job", "exit", "tau", "patience", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
+FRONTIER_COLUMNS = ["job", "exit", "family", "warm_start", "tau", "patience", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
                     "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
                     "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
                     "oracle_saving_lo", "oracle_saving_hi", "verdict"]
@@ -185,7 +226,7 @@ def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.n
             raise ValueError(f"frontier: {f} scores other tokens than the sweep's first job; "
                              "every job of a frontier must score the same held-out tokens (same eval.tokens)")
         tokens[r["job"]] = t
-        if _uniform_fixed(r):
+        if r["frontier"]:
             fixed.setdefault(int(r["max_steps"]), t)
         if r["exit"] == "oracle" and by_n is None and (f.parent / "oracle_nll.npy").is_file():
             by_n = np.load(f.parent / "oracle_nll.npy")
@@ -201,16 +242,16 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
     one set shared by every job."""
     tokens, fixed, by_n = inputs
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
-    fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if _uniform_fixed(r) and r["ce"] != ""}
+    fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if r["frontier"] and r["ce"] != ""}
     fixed_by_ms = {fixed_ms[n]: t["nll"] for n, t in fixed.items() if _num(fixed_ms.get(n))}
     out = []
     for r in rows:
-        if r["job"] not in tokens or _uniform_fixed(r):  # the frontier itself
+        if r["job"] not in tokens or r["frontier"]:  # the frontier itself
             continue
         t = tokens[r["job"]]
         c = stats.compare(t["nll"], t["apps"], fixed_nll, idx)
         row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
-        row.update(job=r["job"], exit=r["exit"], tau=r["tau"], patience=r.get("patience", ""), ms_per_token=r["ms_per_token"],
+        row.update(job=r["job"], exit=r["exit"], family=family(r), warm_start=r["warm_start"], tau=r["tau"], patience=r.get("patience", ""), ms_per_token=r["ms_per_token"],
                    fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict="bound (reads the target)" if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
         if _num(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
             v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, idx)
@@ -237,7 +278,7 @@ def frontier_markdown(rows: list[dict]) -> str:
         osav = "—" if r["oracle_saving"] == "" else (f"{pct(r['oracle_saving'])} [{pct(r['oracle_saving_lo'])}, "
                                                     f"{pct(r['oracle_saving_hi'])}]")
         ms = f"{_fmt(r['ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
-        out.append("| " + " | ".join([str(r["job"]), r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
+        out.append("| " + " | ".join([str(r["job"]), r.get("family") or r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
                                       _fmt(r["mean_applications"], 2), fr,
                                       _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), _fmt(r["hull_ce"]),
                                       _ci(r["d_hull"], r["d_hull_lo"], r["d_hull_hi"]),
@@ -258,21 +299,22 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
          paired: dict | None = None):
     """The paper's Fig. 4: latency, PPL, CE and compute against τ, one line per rule; with
     fixed jobs at two or more depths and `paired` (`paired_vs_max`), a second row: CE
-    against mean applications and against ms/token, every rule a curve, the fixed-depth
-    frontier in black and the oracle (`oracle`: (ε, applications, CE) points) dashed,
-    and each rule's CE minus the frontier at equal applications (`front`: frontier_rows)."""
+    against mean applications and against ms/token, every `family` a curve (the fixed
+    grid under warm start is "fixed (warm start)"), the fixed-depth frontier in black and
+    the oracle (`oracle`: (ε, applications, CE) points) dashed, and each family's CE minus
+    the frontier at equal applications (`front`: frontier_rows)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     ok = [r for r in rows if r["status"] == "ok" and r["ce"] != ""]
-    fixed = sorted((r for r in ok if _uniform_fixed(r)), key=lambda r: r["max_steps"])
+    fixed = sorted((r for r in ok if r["frontier"]), key=lambda r: r["max_steps"])
     frontier = len({r["max_steps"] for r in fixed}) >= 2 and bool(paired)
     panels = [("ms_per_token", "ms / token"), ("ppl", "PPL"), ("ce", "CE (nats)"),
               ("mean_applications", "mean applications per token")]
     fig, axes = plt.subplots(2 if frontier else 1, 4, figsize=(16, 7.4 if frontier else 3.6), squeeze=False)
-    rules = sorted({r["exit"] for r in ok})
+    rules = sorted({family(r) for r in ok})  # one line per family: a rule, with or without warm start
     palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors  # more rules than tab10 has colours
     colors = {rule: palette[i % len(palette)] for i, rule in enumerate(rules)}
     per_group = [r["job"] for r in ok if isinstance(r["tau"], list)]
@@ -283,15 +325,15 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     taus = sorted({r["tau"] for r in on_tau if _num(r["tau"])})
     for ax, (key, label) in zip(axes[0], panels):
         for rule in rules:
-            pts = sorted((r["tau"], r[key]) for r in on_tau if r["exit"] == rule and _num(r["tau"]) and _num(r[key]))
+            pts = sorted((r["tau"], r[key]) for r in on_tau if family(r) == rule and _num(r["tau"]) and _num(r[key]))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[rule], label=rule)
             flat: dict[str, list] = {}  # one level across τ (fixed at one depth; argmax_stability per k)
             for r in on_tau:
-                if r["exit"] == rule and not _num(r["tau"]) and _num(r[key]):
+                if family(r) == rule and not _num(r["tau"]) and _num(r[key]):
                     flat.setdefault(f"{rule} (k = {r['patience']})" if r.get("patience", "") != "" else f"{rule} (no τ)",
                                     []).append(r[key])
-            for i, (name, vs) in enumerate(sorted(flat.items()) if not (rule == "fixed" and frontier) else []):
+            for i, (name, vs) in enumerate(sorted(flat.items()) if not (rule.startswith("fixed") and frontier) else []):
                 ax.axhline(sum(vs) / len(vs), color=colors[rule], ls=("--", ":", "-.")[i % 3], label=name)
         if taus:
             ax.set_xscale("log")
@@ -331,11 +373,11 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
         return np.array([[paired[r["job"]][0] - paired[r["job"]][1] for r in rs],
                          [paired[r["job"]][2] - paired[r["job"]][0] for r in rs]])
 
-    groups = [("fixed (frontier)", fixed, "k", "s-")]
-    others = [r for r in ok if not _uniform_fixed(r)]  # rules, and fixed with one max_steps per group
-    groups += [(rule if rule != "fixed" else "fixed (per group)",
-                sorted((r for r in others if r["exit"] == rule), key=lambda r: r["mean_applications"]),
-                colors[rule], "o-") for rule in sorted({r["exit"] for r in others})]
+    frontier = "fixed, warm start (frontier)" if fixed and fixed[0]["warm_start"] else "fixed (frontier)"
+    groups = [(frontier, fixed, "k", "s-")]
+    others = [r for r in ok if not r["frontier"]]  # rules, fixed per group, the fixed grid's other family
+    groups += [(fam, sorted((r for r in others if family(r) == fam), key=lambda r: r["mean_applications"]),
+                colors[fam], "s--" if fam == "fixed (warm start)" else "o-") for fam in sorted({family(r) for r in others})]
     shown = []
     for ax, xkey, xlabel in ((axes[0], "mean_applications", "mean applications per token"),
                              (axes[1], "ms_per_token", "ms / token (batch 1, median of repeats)")):
@@ -344,7 +386,7 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
             if not rs:
                 continue
             ys = [paired[r["job"]][0] for r in rs]
-            shown += ys if label != "fixed (frontier)" else [y for r, y in zip(rs, ys) if r["max_steps"] >= 3]
+            shown += ys if label != frontier else [y for r, y in zip(rs, ys) if r["max_steps"] >= 3]
             ax.errorbar([r[xkey] for r in rs], ys, yerr=yerr(rs), fmt=style, color=color, ms=4, capsize=2, lw=1.2,
                         label=label)
             if label.startswith("fixed"):
@@ -370,15 +412,14 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
         for ax in axes[:2]:
             ax.set_ylim(lo - pad, hi + pad)
     ax = axes[2]
-    for rule in sorted({r["exit"] for r in front} - {"oracle"}):
-        rs = sorted((r for r in front if r["exit"] == rule and _num(r["d_hull"]) and _num(r["d_hull_lo"])),
+    for fam in sorted({r["family"] for r in front} - {"oracle", "oracle (warm start)"}):
+        rs = sorted((r for r in front if r["family"] == fam and _num(r["d_hull"]) and _num(r["d_hull_lo"])),
                     key=lambda r: r["mean_applications"])
         if rs:
             d = np.array([r["d_hull"] for r in rs])
-            ax.errorbar([r["mean_applications"] for r in rs], d, fmt="o-", color=colors[rule], ms=4, capsize=2,
-                        yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d],
-                        label=rule if rule != "fixed" else "fixed (per group)")
-    ax.axhline(0, color="k", lw=1, label="fixed frontier")
+            ax.errorbar([r["mean_applications"] for r in rs], d, fmt="o-", color=colors[fam], ms=4, capsize=2,
+                        yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d], label=fam)
+    ax.axhline(0, color="k", lw=1, label="fixed frontier" + (" (warm start)" if fixed and fixed[0]["warm_start"] else ""))
     ax.set_xlabel("mean applications per token")
     ax.set_ylabel("CE − fixed frontier at equal applications")
     ax.grid(alpha=0.3, which="both")

@@ -387,6 +387,7 @@ def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle
          "eval.latency_tokens=4", "eval.repeats=2", "eval.warmup_tokens=1", "hydra.sweeper.fixed=[1,2,4]",
          "hydra.sweeper.rules.accel=[0.5]",
          "hydra.sweeper.rules.stepnorm=[1.0]", "hydra.sweeper.rules.kl=[]", "hydra.sweeper.oracle=[0.01]",
+         "hydra.sweeper.warm_start=false",  # the warm-start family: tests/test_warm_start.py
          "exit.max_steps=4"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
     assert q.returncode == 0, q.stderr[-3000:]

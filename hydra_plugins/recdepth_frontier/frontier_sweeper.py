@@ -4,12 +4,16 @@ frontier (SPEC §4b), for `make frontier`:
     python -m recdepth.evaluate --multirun hydra/sweeper=frontier ckpt=<path> hydra.sweep.dir=<dir>
 
 runs, as jobs of one sweep, the fixed-depth grid (`exit=fixed exit.max_steps=n` for each
-n of `hydra.sweeper.fixed`), every rule at every τ of `hydra.sweeper.rules.<rule>`, and
-the oracle at every ε of `hydra.sweeper.oracle`. Its grids live in
+n of `hydra.sweeper.fixed`), with `hydra.sweeper.warm_start` (default true) the same grid
+again with `eval.warm_start=true` (continuous compute, its own family "fixed (warm
+start)" in the summary), every rule at every τ of `hydra.sweeper.rules.<rule>`, and the
+oracle at every ε of `hydra.sweeper.oracle`. Its grids live in
 `conf/hydra/sweeper/frontier.yaml`. Any other override, including a sweep of your own
 (`eval.cache=latest,per_step`), applies to every job (its cartesian product with the
-frontier's jobs); the frontier's own `exit.*` overrides come last, so they win. The
-sweep summary (`recdepth.sweep.SweepSummary`) then writes `frontier.csv`.
+frontier's jobs); the frontier's own `exit.*` overrides come last, so they win. A user
+override of `eval.warm_start` sets it for every job, and the warm-start copy of the grid
+is then left out (it would repeat the fixed grid). The sweep summary
+(`recdepth.sweep.SweepSummary`) then writes `frontier.csv`.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ from collections.abc import Mapping, Sequence
 
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 
+WARM = "eval.warm_start=true"
+
 
 def frontier_jobs(fixed: Sequence[int], rules: Mapping[str, Sequence[float]],
-                  oracle: Sequence[float]) -> list[list[str]]:
-    """The overrides of each frontier job, in order: fixed grid, rules, oracle."""
+                  oracle: Sequence[float], warm_start: bool = False) -> list[list[str]]:
+    """The overrides of each frontier job, in order: fixed grid, with `warm_start` the fixed
+    grid again under continuous compute, rules, oracle."""
     jobs = [["exit=fixed", f"exit.max_steps={int(n)}"] for n in fixed]
+    jobs += [["exit=fixed", f"exit.max_steps={int(n)}", WARM] for n in fixed] if warm_start else []
     jobs += [[f"exit={rule}", f"exit.tau={float(tau)!r}"] for rule, taus in rules.items() for tau in taus]
     jobs += [["exit=oracle", f"exit.tau={float(eps)!r}"] for eps in oracle]
     return jobs
@@ -32,15 +40,24 @@ class FrontierSweeper(BasicSweeper):
     """Hydra's basic sweeper, with the frontier's jobs crossed with the user's overrides."""
 
     def __init__(self, fixed: Sequence[int], rules: Mapping[str, Sequence[float]], oracle: Sequence[float],
-                 max_batch_size: int | None = None, params: Mapping[str, str] | None = None) -> None:
+                 warm_start: bool = True, max_batch_size: int | None = None,
+                 params: Mapping[str, str] | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=dict(params or {}))
         bad = [n for n in fixed if isinstance(n, bool) or not isinstance(n, int) or n < 1]
         if bad or not fixed:
             raise ValueError(f"hydra.sweeper.fixed: expected a non-empty list of integers >= 1, got {list(fixed)!r}")
-        self.jobs = frontier_jobs(fixed, rules or {}, oracle or [])
+        if not isinstance(warm_start, bool):
+            raise ValueError(f"hydra.sweeper.warm_start: expected true or false, got {warm_start!r}")
+        self.jobs = frontier_jobs(fixed, rules or {}, oracle or [], warm_start)
 
     def split_arguments(self, overrides, max_batch_size):  # an instance method here (a staticmethod upstream)
         user = BasicSweeper.split_arguments(overrides, None)[0]
-        batches = [u + job for u in user for job in self.jobs]
+        batches = [u + job for u in user for job in self.jobs
+                   if not (WARM in job and any(_key(o) == "eval.warm_start" for o in u))]
         n = len(batches) if max_batch_size in (None, -1) else max_batch_size
         return [batches[i : i + n] for i in range(0, len(batches), n)]
+
+
+def _key(override: str) -> str:
+    """The key of a command-line override (`+eval.warm_start=true` -> `eval.warm_start`)."""
+    return override.split("=", 1)[0].lstrip("+~")
