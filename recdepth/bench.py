@@ -239,10 +239,94 @@ def bench_exits(args) -> dict:
     return results
 
 
+HUGINN_0125 = dict(n_embd=5280, n_head=55, intermediate_size=17920, vocab_size=65536, block_size=4096)
+
+
+def huginn_shape(d: int, vocab: int, block_size: int) -> GPTConfig:
+    """Huginn-0125's shape (prelude 2, core 4, coda 2; head_dim 96; I/d = 17920/5280) at width d."""
+    inter = max(64, round(d * HUGINN_0125["intermediate_size"] / HUGINN_0125["n_embd"] / 64) * 64)
+    return GPTConfig(n_layer=8, n_head=max(1, d // 96), n_embd=d, block_size=block_size, vocab_size=vocab,
+                     groups=[[2, 3, 4, 5]], mean_recurrence=32, logit_bias=False, position="rope", mlp="gated_silu",
+                     intermediate_size=inter, qk_bias=True, scale_embeddings=True, latent_norm=True)
+
+
+def _core_params(cfg: GPTConfig) -> int:
+    """Parameters one application of the core reads: its layers and the adapter's state half."""
+    d, inter = cfg.n_embd, cfg.intermediate_size
+    per_layer = 4 * d * d + 3 * d * inter + 4 * d + 2 * d  # qkv, proj, gated MLP, norms, q/k bias
+    return len(cfg.groups[0]) * per_layer + d * d
+
+
+def _decode_seconds(model: LoopedGPT, tokens, n: int, reps: int) -> float:
+    """Median seconds of one decode step at batch 1 with n applications per group, for the
+    last of `tokens` after the others filled the cache (at one application each: cheap)."""
+    from recdepth.decoding import decode_step, new_caches
+    from recdepth.exits import build
+
+    caches = new_caches(model, 1, model.cfg.block_size, "latest")
+    one, policy = build("fixed", None, max_steps=1), build("fixed", None, max_steps=n)
+    pos = len(tokens) - 1
+    for p in range(pos):
+        decode_step(model, tokens[p : p + 1], p, caches, one)
+    return _median_time(lambda: decode_step(model, tokens[pos:], pos, caches, policy), reps=reps, warmup=1)
+
+
+@torch.no_grad()
+def bench_huginn(args) -> dict:
+    """Decode cost of Huginn's shape at widths that fit this machine, fitted against the
+    bytes an application reads and extrapolated to Huginn-0125 (an estimate: batch-1 decoding
+    reads every weight once per application, so it scales with the weights' bytes)."""
+    tune_cpu_allocator()
+    torch.manual_seed(0)
+    rows = []
+    for d in args.widths:
+        cfg = huginn_shape(d, args.vocab_huginn, args.context + 8)
+        model = LoopedGPT(cfg).eval()
+        tokens = torch.randint(0, cfg.vocab_size, (args.context + 1,))
+
+        n1, n2 = args.slope_loops
+        t1, t2 = (_decode_seconds(model, tokens, n, args.huginn_reps) for n in (n1, n2))
+        app = (t2 - t1) / (n2 - n1)
+        rows.append({"d": d, "params": model.num_params(), "core_params": _core_params(cfg),
+                     "ms_per_application": 1000 * app, "ms_rest": 1000 * (t1 - n1 * app)})
+        print(f"d={d:5d}  params {model.num_params() / 1e6:7.1f}M  core {rows[-1]['core_params'] / 1e6:7.1f}M  "
+              f"{rows[-1]['ms_per_application']:8.2f} ms/application  {rows[-1]['ms_rest']:8.2f} ms rest", flush=True)
+        del model
+    # least squares: ms per application = a + b * core bytes (fp32); rest = c + e * other bytes
+    import numpy as np
+
+    x = np.array([r["core_params"] * 4 for r in rows], dtype=float)
+    y = np.array([r["ms_per_application"] for r in rows])
+    b, a = np.polyfit(x, y, 1)
+    xr = np.array([(r["params"] - r["core_params"]) * 4 for r in rows], dtype=float)
+    e, c = np.polyfit(xr, np.array([r["ms_rest"] for r in rows]), 1)
+    hcfg = huginn_shape(HUGINN_0125["n_embd"], HUGINN_0125["vocab_size"], HUGINN_0125["block_size"])
+    h_core = _core_params(hcfg)
+    with torch.device("meta"):
+        h_params = LoopedGPT(hcfg).num_params()
+    est = {}
+    for name, nbytes in (("float32", 4), ("bfloat16", 2)):
+        app_ms = a + b * h_core * 4  # measured in fp32: fp32 bytes; bf16 on CPU is not faster here
+        rest_ms = c + e * (h_params - h_core) * 4
+        est[name] = {"weights_GB": h_params * nbytes / 1e9, "ms_per_application": app_ms,
+                     "ms_per_token_32": rest_ms + 32 * app_ms,
+                     "kv_MB_per_token_latest": 8 * 2 * hcfg.n_embd * nbytes / 1e6,
+                     "kv_MB_per_token_per_step_32": (4 + 4 * 32) * 2 * hcfg.n_embd * nbytes / 1e6}
+    print(f"Huginn-0125: {h_params / 1e9:.2f}B parameters, core application reads {h_core / 1e9:.2f}B")
+    print(f"fit: ms/application = {a:.3f} + {b * 1e9:.3f} ms/GB of core weights; rest = {c:.3f} + {e * 1e9:.3f} ms/GB")
+    for name, v in est.items():
+        print(f"ESTIMATE {name:8s}: weights {v['weights_GB']:.1f} GB, {v['ms_per_application']:.0f} ms/application, "
+              f"{v['ms_per_token_32'] / 1000:.1f} s/token at 32 applications (CPU, batch 1, fp32 timings); "
+              f"K/V {v['kv_MB_per_token_latest']:.2f} MB/token (latest), "
+              f"{v['kv_MB_per_token_per_step_32']:.1f} MB/token (per_step, 32)")
+    return {"rows": rows, "fit": {"a_ms": a, "b_ms_per_byte": b, "c_ms": c, "e_ms_per_byte": e}, "huginn_0125": est,
+            "params": h_params, "core_params": h_core}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits"])
+    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -262,9 +346,15 @@ def main(argv=None):
     p.add_argument("--large-tokens", type=int, default=32, help="exits: tokens per row of the batched run")
     p.add_argument("--max-steps", type=int, default=32, help="exits: exit.max_steps")
     p.add_argument("--reps", type=int, default=200, help="exits: repetitions of the micro-timings")
+    p.add_argument("--widths", type=int, nargs="+", default=[384, 768, 1152, 1536],
+                   help="huginn: widths of Huginn's shape to time (head_dim 96)")
+    p.add_argument("--context", type=int, default=64, help="huginn: cached positions before the timed token")
+    p.add_argument("--vocab-huginn", type=int, default=65536, help="huginn: vocabulary (Huginn's 65536)")
+    p.add_argument("--huginn-reps", type=int, default=5, help="huginn: timed decode steps per measurement")
     p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
     args = p.parse_intermixed_args(argv)
-    return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train}[args.what](args)
+    return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train,
+            "huginn": bench_huginn}[args.what](args)
 
 
 if __name__ == "__main__":
