@@ -14,6 +14,9 @@ Core: the math, torch and numpy only
                   exactly (per-row noise keys), and the oracle bound
   calibration.py  the search that calibrates an exit rule per group to a CE-increase or
                   application target (real decodes of a calibration split)
+  generation.py   generation under an exit rule: greedy token by token with a per-token
+                  record of depth, and self-speculative decoding (draft at few
+                  applications, verify in one chunk pass), exactly greedy's tokens
   stats.py        exit statistics from per-token records: fixed-depth frontier, oracle
                   saving, paired bootstrap CIs, eval_tokens.csv
   diagnostics.py  loop geometry of a model at fixed loops (capture, statistics, PCA)
