@@ -48,6 +48,8 @@ Entry points: what a user runs
                   (per-group thresholds on a calibration split, then one test evaluation)
   report.py       `python -m recdepth.report ckpt=...` (every exit rule on one frontier:
                   fixed, oracle, τ grids, calibrated rules, the learned gate; table + figure)
+  generate.py     `python -m recdepth.generate ckpt=... prompt=...` (greedy or self-speculative
+                  generation; tokens.csv, generation.json, depth.html, depth.png)
   figures.py      `python -m recdepth.figures <run_dir>` (redraw a run's figures)
   sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table,
                   frontier.csv, Fig. 4)

@@ -1,15 +1,26 @@
 """Generation under an exit rule (docs/spec.md §4d): greedy decoding, self-speculative
-decoding and its exactness, the chunk pass."""
+decoding and its exactness, the chunk pass, and `python -m recdepth.generate`."""
 
+import csv
+import dataclasses
+import html
+import json
 import math
+import re
+import subprocess
+import sys
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from recdepth import exits, generation
+from recdepth import exits, generation, schema
+from recdepth.config import conf_dir
 from recdepth.decoding import RowNoise, decode_step, new_caches
 from recdepth.generation import accepted, chunk_step, greedy, new_chunk_caches, speculative
 from recdepth.model import GPTConfig, LoopedGPT
+from tests.conftest import REPO
 
 V = 50
 N = 6  # full depth of the test rules
@@ -47,14 +58,14 @@ def test_speculative_equals_greedy_with_per_step_cache(rule):
     m, policy = model(), RULES[rule]
     apps_seen = set()
     for p, prompt in enumerate(PROMPTS):
-        ref = greedy(m, prompt, policy, 12, cache="per_step", seed=p)
+        ref = greedy(m, prompt, policy, 10, cache="per_step", seed=p)
         apps_seen |= {a for r in ref.records for a in r.apps}
         for lookahead in (1, 3, 8):
             for draft_steps in (1, 2):
-                got = speculative(m, prompt, policy, 12, draft_steps, lookahead, seed=p)
+                got = speculative(m, prompt, policy, 10, draft_steps, lookahead, seed=p)
                 assert same(got, ref), (rule, p, lookahead, draft_steps)
-                assert [r.position for r in got.records] == list(range(len(prompt), len(prompt) + 12))
-                assert got.stats["rounds"] + got.stats["accepted"] + 1 == 12  # each round: accepted + 1 token
+                assert [r.position for r in got.records] == list(range(len(prompt), len(prompt) + 10))
+                assert got.stats["rounds"] + got.stats["accepted"] + 1 == 10  # each round: accepted + 1 token
     if rule == "accel":
         assert len(apps_seen) > 1  # the rule really exits at different depths
 
@@ -200,3 +211,130 @@ def test_generation_stops_at_the_block_size():
         greedy(m, list(range(13)), policy, 1)
     with pytest.raises(ValueError, match=r"^prompt: empty"):
         greedy(m, [], policy, 1)
+
+
+# ------------------------------------------------------------ the command
+def compose_generate(*overrides):
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return compose("generate", overrides=list(overrides))
+
+
+def read_csv(path):
+    with open(path, newline="", encoding="utf-8") as f:
+        return list(csv.DictReader(f))
+
+
+def html_tokens(path):
+    """(index, applications per group, the title's total) of each generated token's span."""
+    doc = path.read_text(encoding="utf-8")
+    out = []
+    for m in re.finditer(r'<span class="t"[^>]*data-index="(\d+)" data-apps="([\d ]+)" title="([^"]*)"', doc):
+        total = int(re.search(r"applications (\d+) ", html.unescape(m.group(3))).group(1))
+        out.append((int(m.group(1)), [int(a) for a in m.group(2).split()], total))
+    return out
+
+
+def check_outputs(run_dir, n_groups=3):
+    """The four files agree with each other; returns generation.json."""
+    gen = json.loads((run_dir / "generation.json").read_text())
+    rows = read_csv(run_dir / "tokens.csv")
+    assert [int(r["token"]) for r in rows] == gen["ids"] and len(rows) == gen["tokens"] > 0
+    assert [int(r["token_gpt2"]) for r in rows] == gen["ids_gpt2"]
+    assert [int(r["index"]) for r in rows] == list(range(len(rows)))
+    P = len(gen["prompt_ids"])
+    assert [int(r["position"]) for r in rows] == list(range(P, P + len(rows)))
+    apps = [[int(r[f"apps_{g}"]) for g in range(n_groups)] for r in rows]
+    assert [int(r["applications"]) for r in rows] == [sum(a) for a in apps]
+    for r, a in zip(rows, apps):
+        cap = gen["settings"]["exit"]["max_steps"]
+        assert [r[f"exit_{g}"] for g in range(n_groups)] == ["max_steps" if x == cap else "rule" for x in a]
+    assert html_tokens(run_dir / "depth.html") == [(i, a, sum(a)) for i, a in enumerate(apps)]
+    assert "".join(r["text"] for r in rows) == gen["text"]  # ASCII here: token texts add up
+    assert gen["applications"]["total"] == sum(map(sum, apps))
+    png = (run_dir / "depth.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+    return gen
+
+
+def test_generate_command_writes_agreeing_files(tiny_ckpt, env, tmp_path):
+    """The real CLI with prompt text and speculative decoding: stdout is the generated
+    text, the files agree, and the comparison with greedy decoding ran."""
+    out = tmp_path / "gen"
+    cmd = [sys.executable, "-m", "recdepth.generate", f"ckpt={tiny_ckpt}", 'prompt="ROMEO: What, ho!"',
+           "max_new_tokens=10", "exit=accel", "exit.tau=1e-2", "cache=per_step", "speculative.draft_steps=2",
+           "speculative.lookahead=4", "device=cpu", f"hydra.run.dir={out}"]
+    p = subprocess.run(cmd, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    gen = check_outputs(out)
+    assert gen["prompt"] == "ROMEO: What, ho!" and p.stdout == gen["text"] + "\n"
+    assert "speculative:" in p.stderr
+    s = gen["speculative"]
+    assert s["drafted"] > 0 and 0 <= s["acceptance_rate"] <= 1 and s["greedy_seconds"] > 0
+    assert s["rounds"] + s["accepted"] + 1 == gen["tokens"] == 10
+    assert {r["source"] for r in read_csv(out / "tokens.csv")} <= {"draft", "verify"}
+
+
+def test_generate_with_prompt_ids_in_process(tiny_ckpt, ckpt_env, tmp_path):
+    from recdepth.generate import generate
+
+    cfg = compose_generate(f"ckpt={tiny_ckpt}", "prompt_ids=[1,2,3]", "max_new_tokens=6", "exit=accel",
+                           "exit.tau=1e-2", "stream=false", "device=cpu", f"run_dir={tmp_path / 'g'}")
+    gen = generate(cfg)
+    assert check_outputs(tmp_path / "g") == json.loads(json.dumps(gen))
+    assert gen["prompt_ids"] == [1, 2, 3] and gen["speculative"] is None
+    with pytest.raises(FileExistsError, match="^run_dir: "):
+        generate(cfg)
+    long = compose_generate(f"ckpt={tiny_ckpt}", f"prompt_ids=[{','.join(['5'] * 129)}]", "device=cpu",
+                            f"run_dir={tmp_path / 'long'}")
+    with pytest.raises(ValueError, match=r"^prompt: 129 tokens, more than the model's block_size=128"):
+        generate(long)
+    assert not (tmp_path / "long").exists()
+
+
+@pytest.mark.parametrize("overrides, field, expected", [
+    (["ckpt=a.ckpt", "hf=some/dir", "prompt=x"], "ckpt", "exactly one of ckpt"),
+    (["prompt=x"], "ckpt", "got neither"),
+    (["ckpt=a.ckpt", "prompt=''"], "prompt", "empty"),
+    (["ckpt=a.ckpt"], "prompt", "exactly one of prompt"),
+    (["ckpt=a.ckpt", "prompt=x", "prompt_ids=[1]"], "prompt", "got both"),
+    (["ckpt=a.ckpt", "prompt_ids=[1,-2]"], "prompt_ids[]", ">= 0"),
+    (["ckpt=a.ckpt", "prompt=x", "max_new_tokens=0"], "max_new_tokens", ">= 1"),
+    (["ckpt=a.ckpt", "prompt=x", "speculative.draft_steps=2"], "cache", "needs cache=per_step"),
+    (["ckpt=a.ckpt", "prompt=x", "cache=per_step", "speculative.draft_steps=0"], "speculative.draft_steps", ">= 1"),
+])
+def test_bad_generate_settings_fail_in_one_line(overrides, field, expected):
+    cfg = compose_generate(*overrides, "run_dir=unused")
+    assert OmegaConf.get_type(cfg) is schema.GenerateConfig
+    with pytest.raises(ValueError) as e:
+        schema.validated(cfg)
+    msg = str(e.value)
+    assert msg.startswith(f"{field}: ") and "\n" not in msg and expected in msg, msg
+
+
+def test_the_command_line_prints_a_bad_setting_in_one_line(monkeypatch, tmp_path):
+    """`python -m recdepth.generate ckpt=a.ckpt hf=b prompt=x`, in-process: one line, exit 1."""
+    from hydra.core.global_hydra import GlobalHydra
+
+    from recdepth.generate import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["recdepth.generate", "ckpt=a.ckpt", "hf=b", "prompt=x",
+                                      f"hydra.run.dir={tmp_path / 'g'}"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+    assert e.value.code.startswith("error: ckpt: set exactly one of ckpt") and "\n" not in e.value.code
+    assert not (tmp_path / "g" / "generation.json").exists()
+
+
+def test_generate_yaml_defaults_equal_the_schema():
+    y = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "generate.yaml"))
+    y.pop("hydra"), y.pop("defaults")
+    ref = dataclasses.asdict(schema.GenerateConfig(ckpt="x", prompt="y"))
+    ref.update(ckpt=None, prompt=None)
+    assert {k: v for k, v in y.items()} == {k: ref[k] for k in y}
+    assert set(ref) - set(y) == {"exit"}

@@ -18,7 +18,7 @@ LAYERS = {
              "calibration", "generation"},
     "glue": {"tokenizer", "documents", "tokens", "vocab", "windows", "data", "lit", "callbacks", "plots",
              "distributed", "schema", "runs", "config", "cli"},
-    "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "figures", "bench", "sweep"},
+    "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "generate", "figures", "bench", "sweep"},
 }
 RANK = {m: i for i, layer in enumerate(LAYERS.values()) for m in layer}
 CORE_THIRD_PARTY = {"torch", "numpy"}
