@@ -205,7 +205,7 @@ def _ink(rgb) -> str:
 
 
 def write_html(path: Path, gen: Generation, prompt_texts: list[str], texts: list[str], title: str,
-               groups: list[list[int]]) -> None:
+               groups: list[list[int]], source: str) -> None:
     """depth.html: the prompt in grey, each generated token on a background coloured by its
     applications summed over groups; hovering shows its record. Each token's span carries
     data-index and data-apps (per group) for tools."""
@@ -238,6 +238,7 @@ body {{ font-family: sans-serif; max-width: 60em; margin: 2em auto; }}
 .legend, .meta {{ font-size: 13px; color: #333; }}
 </style></head><body>
 <h3>{html.escape(title)}</h3>
+<p class="meta">{html.escape(source)}</p>
 <p class="legend">applications per token, summed over the groups {html.escape(", ".join(names))}:
 {lo:g}<span class="bar"></span>{hi:g} &nbsp; (grey: the prompt; hover a token for its record)</p>
 <div class="text"><span class="prompt">{prompt}</span>{"".join(spans)}</div>
@@ -400,18 +401,19 @@ def generate(cfg: DictConfig) -> dict:
                             "argmax tie (docs/spec.md §4d)", spec["first_token_mismatch"], spec["apps_mismatch"])
         out["speculative"] = spec
         log.info("speculative: %d drafted, %d accepted (rate %s), %.2f tokens per verify pass over %d passes; "
-                 "applications %d draft + %d verify%s", spec["drafted"], spec["accepted"],
+                 "applications %d draft + %d verify (%d one after another)%s", spec["drafted"], spec["accepted"],
                  "—" if spec["acceptance_rate"] is None else f"{spec['acceptance_rate']:.3f}",
                  spec["tokens_per_pass"] or 0.0, spec["rounds"], spec["draft_applications"],
-                 spec["verify_applications"],
+                 spec["verify_applications"], spec["verify_steps"],
                  "" if not s.compare else f"; {gen.seconds:.2f} s against {spec['greedy_seconds']:.2f} s greedy "
                  f"({spec['speedup']:.2f}x), same tokens: {spec['matches_greedy']}")
 
-    title = (f"{Path(loaded.info['path']).name}: exit={policy.name} "
-             f"tau={_exit_settings(policy)['tau']} max_steps={_exit_settings(policy)['max_steps']}, "
-             f"{len(gen.ids)} tokens, {out['applications']['per_token']:.1f} applications per token")
+    ex = _exit_settings(policy)
+    title = (f"exit={policy.name} tau={ex['tau']} max_steps={ex['max_steps']}, {len(gen.ids)} tokens, "
+             f"{out['applications']['per_token']:.1f} applications per token"
+             + ("" if s.draft_steps is None else f" (speculative, draft_steps={s.draft_steps})"))
     write_tokens(run_dir / "tokens.csv", gen, texts, gpt2_ids, G)
-    write_html(run_dir / "depth.html", gen, prompt_texts, texts, title, model.cfg.groups)
+    write_html(run_dir / "depth.html", gen, prompt_texts, texts, title, model.cfg.groups, loaded.info["path"])
     draw_png(run_dir / "depth.png", gen, prompt_texts, texts, title)
     write_json(run_dir / "generation.json", out)
     log.info("%d tokens in %.2f s (%s), %.1f applications per token; wrote %s", len(gen.ids), gen.seconds,

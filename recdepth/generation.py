@@ -284,12 +284,12 @@ def new_chunk_caches(model: LoopedGPT, max_len: int, max_steps: int) -> list[KVC
 
 
 def _chunk_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache], pos: int,
-                 noise: RowNoise, work: list[int]) -> tuple[Tensor, Tensor]:
+                 noise: RowNoise, work: list[int], steps: list[int]) -> tuple[Tensor, Tensor]:
     """Loop group g over a chunk (e: [1, T, d] at positions pos..pos+T−1), each position
     under the rule with its own noise key and its own exit; returns the final states
     [1, T, d] and applications [T]. Each application runs the positions from the first
     to the last still looping (exited ones inside that range are computed, masked out and
-    write nothing); `work` gets the positions computed."""
+    write nothing); work[g] gets the positions computed, steps[g] the applications run."""
     policy = policy.group(g)
     T = e.shape[1]
     e_proj = model.adapters[g].input(e)
@@ -325,28 +325,31 @@ def _chunk_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches
         lo, hi = int(live[0]), int(live[-1]) + 1
     for c in step_caches:
         c.active = None
+    steps[g] += j
     return s, n
 
 
 @torch.no_grad()
 def chunk_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
-               noise: RowNoise, work: list[int] | None = None) -> tuple[Tensor, Tensor]:
+               noise: RowNoise, work: list[int] | None = None, steps: list[int] | None = None) -> tuple[Tensor, Tensor]:
     """The chunk pass: tokens [T] of one row at positions pos..pos+T−1 through the model in
     one pass, every group looping under `policy` per position (exited positions frozen),
     with per-step chunk caches (`new_chunk_caches`) holding positions 0..pos−1. Returns
     logits [T, V_padded] and applications [T, G]: what `decode_step` returns position by
-    position with cache="per_step", up to floating-point rounding. `work[g]`, if given, is
-    increased by the positions computed in group g (applications × chunk width)."""
+    position with cache="per_step", up to floating-point rounding. `work[g]` and `steps[g]`,
+    if given, are increased by the positions computed in group g (summed over its
+    applications) and by the applications it ran (those of its slowest position)."""
     tokens = tokens.reshape(-1)
     T = tokens.numel()
     work = [0] * model.n_groups if work is None else work
+    steps = [0] * model.n_groups if steps is None else steps
     x = model.embed(tokens[None], pos0=pos)
     apps = torch.zeros(T, model.n_groups, dtype=torch.long, device=tokens.device)
     for kind, i in model.plan:
         if kind == "layer":
             x = model.h[i](x, caches[i], pos)
         else:
-            x, apps[:, i] = _chunk_group(model, i, x, policy, caches, pos, noise, work)
+            x, apps[:, i] = _chunk_group(model, i, x, policy, caches, pos, noise, work, steps)
     return model.decode_logits(x)[0], apps
 
 
@@ -376,9 +379,13 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
     accepted drafts plus the verifier's token after them (1 to L + 1 tokens per round).
     The result equals `greedy(..., cache="per_step")` with the same seed and sequence (up
     to floating-point rounding). `stats`: rounds (verify passes after the prompt's),
-    drafted, accepted, acceptance_rate (accepted / drafted), tokens_per_pass, the
-    applications of the drafts, of the verify passes (per position, rejected ones
-    included) and the chunk work, and the seconds of each part."""
+    drafted, accepted, acceptance_rate (accepted / drafted), tokens_per_pass (tokens
+    committed per verify pass), draft_applications, verify_applications (per position,
+    rejected ones included), verify_work (positions computed, summed over applications:
+    exited positions inside the looping range count too), verify_steps (the applications
+    the passes ran one after another: per pass and group, its slowest position's), the
+    same three for the prompt's pass, and the seconds of the prompt pass, drafts and
+    verify passes."""
     check_speculative(cache, draft_steps, lookahead)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     prompt = _prompt_tensor(prompt_ids, model)
@@ -394,7 +401,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
     noise = RowNoise(seed, [sequence])
     draft = build("fixed", None, max_steps=draft_steps)
     G = model.n_groups
-    work_prefill, work = [0] * G, [0] * G
+    work_prefill, work, steps_prefill, steps = [0] * G, [0] * G, [0] * G, [0] * G
     ids: list[int] = []
     recs: list[TokenRecord] = []
     seq = prompt.tolist()
@@ -410,7 +417,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
 
     _sync(device)
     t0 = time.perf_counter()
-    logits, pa = chunk_step(model, prompt, 0, caches, policy, noise, work_prefill)
+    logits, pa = chunk_step(model, prompt, 0, caches, policy, noise, work_prefill, steps_prefill)
     first = int(_next_token(logits[-1]))
     pa = pa.cpu()
     _sync(device)
@@ -431,7 +438,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
         _sync(device)
         t2 = time.perf_counter()
         chunk = torch.tensor([seq[-1], *drafts], device=device)
-        lg, va = chunk_step(model, chunk, P_ - 1, caches, policy, noise, work)
+        lg, va = chunk_step(model, chunk, P_ - 1, caches, policy, noise, work, steps)
         verified = _next_token(lg).tolist()
         _sync(device)
         t3 = time.perf_counter()
@@ -447,8 +454,8 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
         "accepted": n_accepted, "acceptance_rate": n_accepted / drafted if drafted else None,
         "tokens_per_pass": (len(ids) - 1) / rounds if rounds else None,
         "draft_applications": draft_apps, "verify_applications": verify_apps,
-        "verify_work": sum(work), "prefill_applications": int(pa.sum()),
-        "prefill_work": sum(work_prefill),
+        "verify_work": sum(work), "verify_steps": sum(steps), "prefill_applications": int(pa.sum()),
+        "prefill_work": sum(work_prefill), "prefill_steps": sum(steps_prefill),
         "prefill_seconds": t_prefill, "draft_seconds": t_draft, "verify_seconds": t_verify,
     }
     return Generation(prompt.tolist(), ids, recs, stopped, seconds, cache, pa[:-1].tolist(), stats)

@@ -83,7 +83,8 @@ def test_speculative_with_full_depth_drafts_accepts_every_draft():
                                                                                    rounds * lookahead)
         assert s["tokens_per_pass"] == lookahead + 1
         assert s["draft_applications"] == rounds * lookahead * N * m.n_groups
-        assert s["verify_applications"] == rounds * (lookahead + 1) * N * m.n_groups
+        assert s["verify_applications"] == s["verify_work"] == rounds * (lookahead + 1) * N * m.n_groups
+        assert s["verify_steps"] == rounds * N * m.n_groups  # a chunk's positions loop side by side
         assert [r.source for r in got.records] == ["verify"] + (["draft"] * lookahead + ["verify"]) * rounds
         assert same(got, greedy(m, PROMPTS[1], policy, n_new, cache="per_step", seed=0))
 
