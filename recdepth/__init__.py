@@ -15,6 +15,9 @@ Core: the math, torch and numpy only
                   exactly (per-row noise keys), and the oracle bound
   calibration.py  the search that calibrates an exit rule per group to a CE-increase or
                   application target (real decodes of a calibration split)
+  generation.py   generation under an exit rule: greedy token by token with a per-token
+                  record of depth, and self-speculative decoding (draft at few
+                  applications, verify in one chunk pass), exactly greedy's tokens
   stats.py        exit statistics from per-token records: fixed-depth frontier, oracle
                   saving, paired bootstrap CIs, eval_tokens.csv
   diagnostics.py  loop geometry of a model at fixed loops (capture, statistics, PCA)
@@ -51,6 +54,8 @@ Entry points: what a user runs
                   fixed, oracle, τ grids, calibrated rules, the learned gate; table + figure)
   diagnose.py     `python -m recdepth.diagnose ckpt=...` (the loop geometry of one model:
                   diagnostics JSON, Figs. 1, 2, 3, 5)
+  generate.py     `python -m recdepth.generate ckpt=... prompt=...` (greedy or self-speculative
+                  generation; tokens.csv, generation.json, depth.html, depth.png)
   figures.py      `python -m recdepth.figures <run_dir>` (redraw a run's figures)
   sweep.py        SweepSummary: the Hydra callback that aggregates a multirun (table,
                   frontier.csv, Fig. 4)

@@ -361,6 +361,12 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif T > 1:  # a chunk: T new tokens at positions pos..pos+T-1, each attending to 0..its own
+            # position (recdepth/generation.py's verify pass; its chunk caches write all T entries)
+            cache.write(pos, k, v, rows)
+            ck, cv = cache.read(pos + T - 1)
+            mask = torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
         else:  # one new token at position `pos`, attending to positions 0..pos
             cache.write(pos, k, v, rows)
             ck, cv = cache.read(pos)

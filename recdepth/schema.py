@@ -2,8 +2,10 @@
 
 One dataclass per config group, and a root per entry point, registered in Hydra's
 ConfigStore: `TrainConfig` (conf/config.yaml, `python -m recdepth.train`),
-`EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`) and
-`TrainGateConfig` (conf/train_gate.yaml, `python -m recdepth.train_gate`). The YAML files name
+`EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`),
+`TrainGateConfig` (conf/train_gate.yaml, `python -m recdepth.train_gate`) and
+`GenerateConfig` (conf/generate.yaml, `python -m recdepth.generate`), besides the
+calibrate and report roots. The YAML files name
 their root first in their defaults lists, so the groups compose onto it: a group file sets
 values; the keys and their types are the schema's.
 
@@ -41,7 +43,7 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from recdepth import calibration, callbacks, decoding, distributed, exits, sampler
+from recdepth import calibration, callbacks, decoding, distributed, exits, generation, sampler
 from recdepth.documents import SOURCES
 from recdepth.model import OPTION_DEFAULTS, check_architecture, shape_of
 
@@ -696,10 +698,72 @@ class ReportConfig(CheckpointJob):
     """How the gate is fitted when report.gate is null (as recdepth.train_gate; gate.max_steps is report.max_steps)."""
 
 
-# The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml and
-# conf/train_gate.yaml give their schema in their defaults lists.
+@dataclass
+class SpeculativeConfig:
+    """`speculative` of recdepth.generate: self-speculative decoding (recdepth/generation.py,
+    docs/spec.md §4d); off while draft_steps is null."""
+
+    draft_steps: int | None = None
+    """Draft with this many applications per group (exit=fixed; >= 1), verify with the exit
+    rule; null = ordinary greedy decoding. Needs cache=per_step."""
+    lookahead: int = 8
+    """Tokens drafted per verify pass (>= 1)."""
+    compare: bool = True
+    """Also decode greedily token by token (cache=per_step) in the same run: check that the
+    tokens are the same and time both."""
+
+    def __post_init__(self):
+        _int("speculative.draft_steps", self.draft_steps, 1, null=True)
+        _int("speculative.lookahead", self.lookahead, 1)
+
+
+@dataclass
+class GenerateConfig(ModelJob):
+    """conf/generate.yaml: `python -m recdepth.generate`, greedy generation from a prompt
+    under an exit rule, with per-token depth (recdepth/generation.py, docs/spec.md §4d)."""
+
+    prompt: str | None = None
+    """The prompt text (this or prompt_ids)."""
+    prompt_ids: list[int] | None = None
+    """The prompt as model ids, for a checkpoint whose tokenizer is not at hand (this or prompt)."""
+    max_new_tokens: int = 64
+    """Tokens to generate (>= 1); fewer if the model's block_size comes first."""
+    cache: str = "latest"
+    """K/V of looped layers: latest (SPEC §4) | per_step (needed by speculative decoding)."""
+    exit: ExitConfig = field(default_factory=ExitConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    stream: bool = True
+    """Print the generated text to stdout as the tokens come."""
+    warm_start: bool = False
+    """Continuous compute (spec §4, eval.warm_start): each group's loop starts from its state
+    at the previous token. Greedy only: a parallel verify pass cannot know that state."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.warm_start and self.speculative.draft_steps is not None:
+            raise ValueError("warm_start: not with speculative decoding (the verify pass runs the drafted positions "
+                             "in parallel, so a position cannot start from the previous one's final state)")
+        if (self.prompt is None) == (self.prompt_ids is None):
+            raise ValueError("prompt: set exactly one of prompt=<text> or prompt_ids=[<model ids>], got "
+                             f"{'both' if self.prompt is not None else 'neither'}")
+        if self.prompt is not None and not self.prompt:
+            raise ValueError("prompt: empty (generation needs at least one prompt token)")
+        if self.prompt_ids is not None:
+            if not self.prompt_ids:
+                raise ValueError("prompt_ids: empty (generation needs at least one prompt token)")
+            for i in self.prompt_ids:
+                _int("prompt_ids[]", i, 0)
+        _int("max_new_tokens", self.max_new_tokens, 1)
+        decoding.check_cache(self.cache)
+        if self.speculative.draft_steps is not None:
+            generation.check_speculative(self.cache, self.speculative.draft_steps, self.speculative.lookahead)
+
+
+# The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml,
+# conf/train_gate.yaml and conf/generate.yaml give their schema in their defaults lists.
 ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig,
-         "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig, "diagnose_schema": DiagnoseConfig}
+         "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig, "diagnose_schema": DiagnoseConfig,
+         "generate_schema": GenerateConfig}
 for _name, _root in ROOTS.items():
     ConfigStore.instance().store(name=_name, node=_root)
 
