@@ -200,6 +200,26 @@ def test_greedy_is_the_argmax_of_the_decoding_engine_and_records_why_loops_stopp
     assert {x for r in greedy(m, prompt, RULES["fixed"], 3).records for x in r.reasons} == {"fixed"}
 
 
+def test_warm_start_greedy_carries_each_groups_state_to_the_next_token():
+    """greedy(warm_start=True) is the engine with a warm list carried across positions (spec
+    §4, eval.warm_start): the same tokens and applications as a hand-written loop, and
+    different from the cold greedy run after the first token (so the option does something)."""
+    m = model()
+    policy = exits.build("accel", 5.0, max_steps=N)
+    prompt = [5, 6, 7]
+    gen = greedy(m, prompt, policy, 8, cache="latest", seed=9, warm_start=True)
+    caches, noise, seq = new_caches(m, 1, 32), RowNoise(9, [0]), prompt + gen.ids
+    warm = [None] * m.n_groups
+    for pos in range(len(seq) - 1):
+        logits, apps = decode_step(m, torch.tensor([seq[pos]]), pos, caches, policy, noise=noise, warm=warm)
+        assert all(w is not None for w in warm)
+        if pos >= len(prompt) - 1:
+            r = gen.records[pos - len(prompt) + 1]
+            assert (r.token, r.apps) == (int(logits.argmax()), apps[0].tolist())
+    cold = greedy(m, prompt, policy, 8, cache="latest", seed=9)
+    assert [r.apps for r in cold.records] != [r.apps for r in gen.records]
+
+
 def test_generation_stops_at_the_block_size():
     m, policy = model(block_size=12), RULES["accel"]
     prompt = list(range(1, 10))  # 9 tokens: room for 12 + 1 − 9 = 4 new ones
@@ -338,4 +358,4 @@ def test_generate_yaml_defaults_equal_the_schema():
     ref = dataclasses.asdict(schema.GenerateConfig(ckpt="x", prompt="y"))
     ref.update(ckpt=None, prompt=None)
     assert {k: v for k, v in y.items()} == {k: ref[k] for k in y}
-    assert set(ref) - set(y) == {"exit"}
+    assert set(ref) - set(y) == {"exit", "data"}

@@ -139,3 +139,36 @@ def test_bad_hf_input_fails_in_one_line(hf_dir, tmp_path):
     with pytest.raises(ValueError, match=r"^data: .* held-out split of"):
         evaluate(compose_job("evaluate", f"hf={d}", f"run_dir={tmp_path / 'd'}", *base[:2], "eval.tokens=100000",
                              "eval.latency_tokens=0", "device=cpu"))
+
+
+def test_generate_accepts_hf_with_its_tokenizer_and_without_one(hf_dir, tmp_path):
+    """The prompt is encoded by the directory's tokenizer.json, and the generated ids are
+    the core's greedy decoding of the loaded weights (run here directly); without a
+    tokenizer, prompt_ids still work and text fails in one line."""
+    from recdepth import exits
+    from recdepth.generate import generate
+    from recdepth.generation import greedy
+    from recdepth.hf import load_hf
+
+    d, _, tok, _ = hf_dir
+    gen = generate(compose_job("generate", f"hf={d}", "prompt='the quick brown fox'", "max_new_tokens=5",
+                               "exit=fixed", "exit.max_steps=3", "stream=false", "device=cpu",
+                               f"run_dir={tmp_path / 'g'}"))
+    ids = tok.encode("the quick brown fox", add_special_tokens=False).ids
+    assert gen["prompt_ids"] == ids
+    loaded, _ = load_hf(d)
+    ref = greedy(loaded, ids, exits.build("fixed", None, max_steps=3), 5, cache="latest", seed=1337)
+    assert gen["ids"] == ref.ids
+    assert gen["text"] == tok.decode(ref.ids, skip_special_tokens=False)
+
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for f in d.iterdir():
+        if f.suffix in (".json", ".safetensors") and not f.name.startswith("tokenizer"):
+            (bare / f.name).write_bytes(f.read_bytes())
+    g2 = generate(compose_job("generate", f"hf={bare}", f"prompt_ids={ids}", "max_new_tokens=5", "exit=fixed",
+                              "exit.max_steps=3", "stream=false", "device=cpu", f"run_dir={tmp_path / 'g2'}"))
+    assert g2["ids"] == ref.ids and g2["text"] is None
+    with pytest.raises(ValueError, match=r"^prompt: .*prompt_ids"):
+        generate(compose_job("generate", f"hf={bare}", "prompt=hello", "stream=false", "device=cpu",
+                             f"run_dir={tmp_path / 'g3'}"))
