@@ -17,6 +17,11 @@ batch 1, tokens/s at batch 16 and their ratio, mean applications per token and C
 the cost of one exit check relative to one loop application, and the cost of one layer
 application inside the decode loop.
 
+`python -m recdepth.bench speculative --ckpt PATH` compares self-speculative with ordinary
+greedy decoding (cache=per_step) on held-out prompts: acceptance rate, speedup, CIs over
+prompts. `python -m recdepth.bench huginn` times Huginn's shape at small widths and
+extrapolates the decode cost and memory of Huginn-0125 (an estimate).
+
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
 `callbacks=none` and with the default `callbacks=loop_dynamics` (diagnostics at step 0,
@@ -323,10 +328,62 @@ def bench_huginn(args) -> dict:
             "params": h_params, "core_params": h_core}
 
 
+@torch.no_grad()
+def bench_speculative(args) -> dict:
+    """Self-speculative vs ordinary greedy decoding (cache=per_step) on a checkpoint's
+    held-out text: per exit rule and (draft_steps, lookahead), the acceptance rate and the
+    wall-clock speedup, both pooled over prompts with 95% bootstrap intervals over prompts;
+    every prompt's speculative tokens are checked against greedy's."""
+    import numpy as np
+
+    from recdepth import stats
+    from recdepth.checkpoints import heldout_tokens, load_checkpoint
+    from recdepth.exits import build
+    from recdepth.generation import greedy, speculative
+
+    tune_cpu_allocator()
+    module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
+    model = module.model
+    P, n = args.prompt_len, args.prompts
+    stride = model.cfg.block_size  # prompts from different windows of the test split
+    val = heldout_tokens(module, data, n * stride, seed=0)
+    prompts = [val[i * stride : i * stride + P].tolist() for i in range(n)]
+    rules = {"fixed": build("fixed", None, max_steps=args.max_steps),
+             "accel": build("accel", 1e-3, max_steps=args.max_steps)}
+    out = []
+    for rname, policy in rules.items():
+        ref = [greedy(model, pr, policy, args.new_tokens, cache="per_step", seed=0, sequences=[i])
+               for i, pr in enumerate(prompts)]  # ordinary decoding, timed once per prompt
+        gs = np.array([g.seconds for g in ref])
+        for ds in args.draft_steps:
+            for la in args.lookaheads:
+                runs = [speculative(model, pr, policy, args.new_tokens, ds, la, cache="per_step", seed=0, sequence=i)
+                        for i, pr in enumerate(prompts)]
+                same = sum(g.ids == sp.ids for g, sp in zip(ref, runs))
+                d = np.array([sp.stats["drafted"] for sp in runs], dtype=float)
+                a = np.array([sp.stats["accepted"] for sp in runs], dtype=float)
+                ss = np.array([sp.seconds for sp in runs])
+                idx = stats.bootstrap_indices(n, 2000)
+                rate = [a[j].sum() / d[j].sum() for j in idx]
+                speed = [gs[j].sum() / ss[j].sum() for j in idx]
+                row = {"exit": rname, "draft_steps": ds, "lookahead": la, "acceptance": a.sum() / d.sum(),
+                       "acceptance_ci": list(np.percentile(rate, [2.5, 97.5])), "speedup": gs.sum() / ss.sum(),
+                       "speedup_ci": list(np.percentile(speed, [2.5, 97.5])), "identical": f"{same}/{n}",
+                       "greedy_ms_per_token": 1000 * gs.sum() / sum(len(g.ids) for g in ref),
+                       "tokens_per_pass": float(np.mean([sp.stats["tokens_per_pass"] for sp in runs]))}
+                out.append(row)
+                print(f"{rname:6s} draft {ds} lookahead {la}: acceptance {row['acceptance']:.3f} "
+                      f"[{row['acceptance_ci'][0]:.3f}, {row['acceptance_ci'][1]:.3f}]  speedup {row['speedup']:.2f}x "
+                      f"[{row['speedup_ci'][0]:.2f}, {row['speedup_ci'][1]:.2f}]  {row['tokens_per_pass']:.2f} "
+                      f"tokens/pass  tokens identical {same}/{n}  (greedy {row['greedy_ms_per_token']:.1f} ms/token)",
+                      flush=True)
+    return {"rows": out}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn"])
+    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -346,6 +403,11 @@ def main(argv=None):
     p.add_argument("--large-tokens", type=int, default=32, help="exits: tokens per row of the batched run")
     p.add_argument("--max-steps", type=int, default=32, help="exits: exit.max_steps")
     p.add_argument("--reps", type=int, default=200, help="exits: repetitions of the micro-timings")
+    p.add_argument("--prompts", type=int, default=8, help="speculative: prompts (one per test window)")
+    p.add_argument("--prompt-len", type=int, default=16, help="speculative: tokens per prompt")
+    p.add_argument("--new-tokens", type=int, default=64, help="speculative: tokens generated per prompt")
+    p.add_argument("--draft-steps", type=int, nargs="+", default=[2, 4], help="speculative: draft depths")
+    p.add_argument("--lookaheads", type=int, nargs="+", default=[4, 8], help="speculative: drafted tokens per pass")
     p.add_argument("--widths", type=int, nargs="+", default=[384, 768, 1152, 1536],
                    help="huginn: widths of Huginn's shape to time (head_dim 96)")
     p.add_argument("--context", type=int, default=64, help="huginn: cached positions before the timed token")
@@ -354,7 +416,7 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
     args = p.parse_intermixed_args(argv)
     return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train,
-            "huginn": bench_huginn}[args.what](args)
+            "huginn": bench_huginn, "speculative": bench_speculative}[args.what](args)
 
 
 if __name__ == "__main__":
