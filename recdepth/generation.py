@@ -354,6 +354,7 @@ def chunk_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache]
             x = model.h[i](x, caches[i], pos)
         else:
             x, apps[:, i] = _chunk_group(model, i, x, policy, caches, pos, noise, work, steps)
+            x = model.leave_group(i, x)  # as decode_step: ln_f on the state leaving the loop (latent_norm)
     return model.decode_logits(x)[0], apps
 
 

@@ -35,11 +35,20 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-def model(state_init="normal", seed=0, block_size=32, dtype=torch.float64):
+HUGINN_OPTIONS = dict(position="rope", mlp="gated_silu", qk_bias=True, scale_embeddings=True, latent_norm=True,
+                      logit_bias=False)
+
+
+def model(state_init="normal", seed=0, block_size=32, dtype=torch.float64, **options):
     torch.manual_seed(seed)
     cfg = GPTConfig(n_layer=5, n_head=2, n_embd=32, block_size=block_size, vocab_size=V, groups=[[1], [2, 3]],
-                    mean_recurrence=3, state_init=state_init)
-    return LoopedGPT(cfg).to(dtype).eval()
+                    mean_recurrence=3, state_init=state_init, **options)
+    m = LoopedGPT(cfg).to(dtype).eval()
+    if options.get("qk_bias"):  # a bias that starts at zero would not test where it is added
+        with torch.no_grad():
+            for layer in m.h:
+                layer.attn.qk_bias.normal_(0, 0.5)
+    return m
 
 
 RULES = {"fixed": exits.build("none", None, max_steps=N), "accel": exits.build("accel", 5.0, max_steps=N)}
@@ -53,9 +62,10 @@ def same(a, b):
 
 
 # -------------------------------------------------------------- exactness
+@pytest.mark.parametrize("options", [{}, HUGINN_OPTIONS], ids=["gpt2", "huginn"])
 @pytest.mark.parametrize("rule", RULES)
-def test_speculative_equals_greedy_with_per_step_cache(rule):
-    m, policy = model(), RULES[rule]
+def test_speculative_equals_greedy_with_per_step_cache(rule, options):
+    m, policy = model(**options), RULES[rule]
     apps_seen = set()
     for p, prompt in enumerate(PROMPTS):
         ref = greedy(m, prompt, policy, 10, cache="per_step", seed=p)
