@@ -44,10 +44,11 @@ def model(state_init="normal", seed=0, block_size=32, dtype=torch.float64, **opt
     cfg = GPTConfig(n_layer=5, n_head=2, n_embd=32, block_size=block_size, vocab_size=V, groups=[[1], [2, 3]],
                     mean_recurrence=3, state_init=state_init, **options)
     m = LoopedGPT(cfg).to(dtype).eval()
-    if options.get("qk_bias"):  # a bias that starts at zero would not test where it is added
-        with torch.no_grad():
+    if options.get("qk_bias"):  # weights at their init would hide where they act: a zero q/k bias,
+        with torch.no_grad():  # and ln_f at ones on a state the layer's own norm left at RMS 1
             for layer in m.h:
                 layer.attn.qk_bias.normal_(0, 0.5)
+            m.ln_f.weight.uniform_(0.5, 1.5)
     return m
 
 
