@@ -352,13 +352,14 @@ def bench_speculative(args) -> dict:
              "accel": build("accel", 1e-3, max_steps=args.max_steps)}
     out = []
     for rname, policy in rules.items():
-        ref = [greedy(model, pr, policy, args.new_tokens, cache="per_step", seed=0, sequences=[i])
-               for i, pr in enumerate(prompts)]  # ordinary decoding, timed once per prompt
-        gs = np.array([g.seconds for g in ref])
         for ds in args.draft_steps:
             for la in args.lookaheads:
-                runs = [speculative(model, pr, policy, args.new_tokens, ds, la, cache="per_step", seed=0, sequence=i)
-                        for i, pr in enumerate(prompts)]
+                ref, runs = [], []
+                for i, pr in enumerate(prompts):  # greedy and speculative side by side, prompt by prompt
+                    ref.append(greedy(model, pr, policy, args.new_tokens, cache="per_step", seed=0, sequences=[i]))
+                    runs.append(speculative(model, pr, policy, args.new_tokens, ds, la, cache="per_step", seed=0,
+                                            sequence=i))
+                gs = np.array([g.seconds for g in ref])
                 same = sum(g.ids == sp.ids for g, sp in zip(ref, runs))
                 d = np.array([sp.stats["drafted"] for sp in runs], dtype=float)
                 a = np.array([sp.stats["accepted"] for sp in runs], dtype=float)
