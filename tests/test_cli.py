@@ -149,7 +149,7 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
 
 @pytest.mark.parametrize("args, message", [
     (["ckpt=/nonexistent/last.ckpt"], "ckpt: no checkpoint file at /nonexistent/last.ckpt"),
-    ([], "ckpt: required"),
+    ([], "ckpt: give exactly one of ckpt=<training checkpoint> or hf=<Hugging Face checkpoint directory>"),
     (["ckpt=/etc/hostname"], "is not a readable Lightning checkpoint"),
 ])
 def test_evaluate_refuses_bad_checkpoints(tmp_path, env, args, message):
