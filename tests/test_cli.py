@@ -103,6 +103,7 @@ def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
     assert "reused" not in a and b["reused"] is True
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
 def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
     """exit settings are not part of a training run's identity: a sweep over them trains
     once; a job that fails (τ = −1) is recorded as failed and the others are aggregated."""
@@ -316,6 +317,7 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     assert [0, "4→5-6", d0["dlr"][0]["mean"]] in t["data"] and {r[0] for r in t["data"]} == {0, 3}
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
 def test_sweep_summary_goes_to_a_wandb_table_offline(tmp_path, env):
     sweep = tmp_path / "sweep"
     run(["logger=wandb", "callbacks=none", "eval.tokens=4", f"hydra.sweep.dir={sweep}", *TINY, "--multirun",

@@ -122,6 +122,7 @@ def test_the_same_command_resumes_a_killed_run_exactly(tmp_path, env, straight):
     assert json.loads((tmp_path / "again" / "metrics.json").read_text())["reused"] is True
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
 def test_a_kill_in_the_middle_of_a_checkpoint_write_loses_nothing(tmp_path, env, straight):
     ref, _ = straight
     args = [*ARGS, f"run_dir={tmp_path / 'run'}"]
@@ -137,6 +138,7 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_loses_nothing(tmp_path, env,
     assert steps_of(train_dir) == [0, 4, 8, 12, 16]
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
 def test_a_run_killed_before_its_first_and_after_its_last_checkpoint_reruns_in_place(tmp_path, env, straight):
     """A requeued job reruns: killed before any checkpoint (only step 0's diagnostics
     written), then after the final checkpoint but before validation and metrics.json."""

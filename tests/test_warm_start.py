@@ -227,6 +227,7 @@ def test_frontier_sweeper_warm_family_switch():
 
 
 # ------------------------------------------------------- (e) the frontier sweep, for real
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
 def test_frontier_sweep_reports_warm_start_as_its_own_family(tmp_path, env, tiny_ckpt):
     """`hydra/sweeper=frontier` with its default warm-start family: the warm fixed jobs are
     their own family "fixed (warm start)" in frontier.csv/.md, compared with the cold fixed
