@@ -255,11 +255,9 @@ def huginn_shape(d: int, vocab: int, block_size: int) -> GPTConfig:
                      intermediate_size=inter, qk_bias=True, scale_embeddings=True, latent_norm=True)
 
 
-def _core_params(cfg: GPTConfig) -> int:
+def _core_params(model: LoopedGPT) -> int:
     """Parameters one application of the core reads: its layers and the adapter's state half."""
-    d, inter = cfg.n_embd, cfg.intermediate_size
-    per_layer = 4 * d * d + 3 * d * inter + 4 * d + 2 * d  # qkv, proj, gated MLP, norms, q/k bias
-    return len(cfg.groups[0]) * per_layer + d * d
+    return sum(p.numel() for i in model.core for p in model.h[i].parameters()) + model.adapters[0].state.weight.numel()
 
 
 def _decode_seconds(model: LoopedGPT, tokens, n: int, reps: int) -> float:
@@ -292,7 +290,7 @@ def bench_huginn(args) -> dict:
         n1, n2 = args.slope_loops
         t1, t2 = (_decode_seconds(model, tokens, n, args.huginn_reps) for n in (n1, n2))
         app = (t2 - t1) / (n2 - n1)
-        rows.append({"d": d, "params": model.num_params(), "core_params": _core_params(cfg),
+        rows.append({"d": d, "params": model.num_params(), "core_params": _core_params(model),
                      "ms_per_application": 1000 * app, "ms_rest": 1000 * (t1 - n1 * app)})
         print(f"d={d:5d}  params {model.num_params() / 1e6:7.1f}M  core {rows[-1]['core_params'] / 1e6:7.1f}M  "
               f"{rows[-1]['ms_per_application']:8.2f} ms/application  {rows[-1]['ms_rest']:8.2f} ms rest", flush=True)
@@ -306,9 +304,9 @@ def bench_huginn(args) -> dict:
     xr = np.array([(r["params"] - r["core_params"]) * 4 for r in rows], dtype=float)
     e, c = np.polyfit(xr, np.array([r["ms_rest"] for r in rows]), 1)
     hcfg = huginn_shape(HUGINN_0125["n_embd"], HUGINN_0125["vocab_size"], HUGINN_0125["block_size"])
-    h_core = _core_params(hcfg)
-    with torch.device("meta"):
-        h_params = LoopedGPT(hcfg).num_params()
+    with torch.device("meta"):  # counted, not allocated
+        huginn = LoopedGPT(hcfg)
+    h_core, h_params = _core_params(huginn), huginn.num_params()
     est = {}
     for name, nbytes in (("float32", 4), ("bfloat16", 2)):
         app_ms = a + b * h_core * 4  # measured in fp32: fp32 bytes; bf16 on CPU is not faster here

@@ -23,7 +23,6 @@ from recdepth.hf import HFTokenizer, load_hf
 from recdepth.lit import LoopedLM
 from recdepth.model import LoopedGPT
 from recdepth.schema import DataConfig
-from recdepth.tokenizer import gpt2
 
 
 def resolve_device(name: str) -> torch.device:
@@ -112,15 +111,17 @@ class Opened:
     heldout: Callable[[int, int], Tensor]
     """(n, start) -> n held-out model ids from offset start of the held-out split."""
     decode: Callable[[Sequence[int]], str]
-    encode: Callable[[str], list[int]] | None
-    """Text -> model ids; None where there is no tokenizer (an hf directory without tokenizer.json)."""
+    tokenizer: HFTokenizer | None
+    """hf only: the directory's tokenizer.json (None without one, and for a training checkpoint,
+    whose text is GPT-2 BPE through `vocab_to_gpt2`)."""
     vocab_to_gpt2: Tensor | None
     """Compact model ids -> GPT-2 ids (a compact-vocabulary checkpoint), else None."""
 
 
 def open_model(job, device: torch.device) -> Opened:
     """The model of a validated `ModelJob` (recdepth/schema.py): job.ckpt or job.hf, in
-    job.dtype, on `device`, with its held-out tokens and its tokenizer."""
+    job.dtype, on `device`, with its held-out tokens and its decoding (the data module of a
+    checkpoint is set up only when they are asked for)."""
     dtype = getattr(torch, job.dtype)
     if job.ckpt is not None:
         module, data = load_checkpoint(job.ckpt, device)
@@ -132,12 +133,9 @@ def open_model(job, device: torch.device) -> Opened:
             dm = dm or checkpoint_data(module, data, job.seed)
             return dm
 
-        def encode(text: str) -> list[int]:
-            return datamodule().vocab.from_gpt2(gpt2().encode_ordinary(text)).tolist()
-
         return Opened(module.model, str(Path(job.ckpt).resolve()), "ckpt", module.checkpoint_step,
                       lambda n, start=0: torch.as_tensor(datamodule().heldout_tokens(n, start)),
-                      lambda ids: datamodule().decode(list(ids)), encode, module.vocab_to_gpt2)
+                      lambda ids: datamodule().decode(list(ids)), None, module.vocab_to_gpt2)
 
     model, info = load_hf(job.hf, device, dtype)
     tok = HFTokenizer(job.hf) if (Path(job.hf) / "tokenizer.json").is_file() else None
@@ -157,12 +155,8 @@ def open_model(job, device: torch.device) -> Opened:
                              f"{len(stream)} tokens (more text, or a larger data.val_fraction)")
         return torch.as_tensor(stream[start : start + n])
 
-    def no_text(_):
-        raise FileNotFoundError(f"hf: {job.hf} has no tokenizer.json (give token ids instead of text)")
-
     return Opened(model, str(Path(job.hf).resolve()), "hf", 0, heldout,
-                  tok.decode if tok is not None else lambda ids: " ".join(str(int(i)) for i in ids),
-                  tok.encode if tok is not None else None, None)
+                  tok.decode if tok is not None else lambda ids: " ".join(str(int(i)) for i in ids), tok, None)
 
 
 def heldout_stream(tok: HFTokenizer, data: DataConfig) -> np.ndarray:

@@ -39,12 +39,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.checkpoints import load_checkpoint, resolve_device
+from recdepth.checkpoints import open_model, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
 from recdepth.exits import ExitPolicy
 from recdepth.generation import Generation, TokenRecord, greedy, speculative
-from recdepth.hf import HFTokenizer, load_hf
+from recdepth.hf import HFTokenizer
 from recdepth.model import LoopedGPT
 from recdepth.runs import write_json
 from recdepth.schema import GenerateConfig, validated
@@ -104,27 +104,22 @@ class HFCodec:
 
 
 def load_model(run: GenerateConfig, device: torch.device) -> Loaded:
-    """The model (in run.dtype) and its text codec, from `ckpt` or `hf` (a directory without
-    tokenizer.json: no codec, prompt_ids only)."""
-    dtype = getattr(torch, run.dtype)
-    if run.hf is not None:
-        model, hinfo = load_hf(run.hf, device, dtype)
-        has_tok = (Path(run.hf) / "tokenizer.json").is_file()
-        info = {"source": "hf", "path": str(Path(run.hf).resolve()), "params": model.num_params(),
-                "groups": model.cfg.groups, "block_size": model.cfg.block_size, "vocab_size": model.cfg.vocab_size,
-                "compact_vocab": False, "tokenizer": has_tok}
-        return Loaded(model, HFCodec(HFTokenizer(run.hf)) if has_tok else None, info)
-    module, _ = load_checkpoint(run.ckpt, device)
-    module.model.to(dtype)
-    m = module.vocab_to_gpt2
-    vocab = Vocab(None if m is None else m.cpu().numpy().astype(np.int64), module.config.n_other)
-    if vocab.size != module.config.vocab_size:
-        raise ValueError(f"ckpt: {run.ckpt}: its vocabulary map has {vocab.size} ids, its model "
-                         f"{module.config.vocab_size}")
-    info = {"source": "ckpt", "path": str(Path(run.ckpt).resolve()), "params": module.model.num_params(),
-            "groups": module.config.groups, "block_size": module.config.block_size,
-            "vocab_size": module.config.vocab_size, "compact_vocab": m is not None}
-    return Loaded(module.model, TextCodec(vocab), info)
+    """The model (in run.dtype, `checkpoints.open_model`) and its text codec: GPT-2 BPE through
+    a training checkpoint's vocabulary map (no corpus is read), or an hf directory's
+    tokenizer.json (none: no codec, prompt_ids only)."""
+    opened = open_model(run, device)
+    model = opened.model
+    info = {"source": opened.kind, "path": opened.source, "params": model.num_params(), "groups": model.cfg.groups,
+            "block_size": model.cfg.block_size, "vocab_size": model.cfg.vocab_size,
+            "compact_vocab": opened.vocab_to_gpt2 is not None}
+    if opened.kind == "hf":
+        info["tokenizer"] = opened.tokenizer is not None
+        return Loaded(model, None if opened.tokenizer is None else HFCodec(opened.tokenizer), info)
+    m = opened.vocab_to_gpt2
+    vocab = Vocab(None if m is None else m.cpu().numpy().astype(np.int64), model.cfg.n_other)
+    if vocab.size != model.cfg.vocab_size:
+        raise ValueError(f"ckpt: {run.ckpt}: its vocabulary map has {vocab.size} ids, its model {model.cfg.vocab_size}")
+    return Loaded(model, TextCodec(vocab), info)
 
 
 def prompt_of(run: GenerateConfig, loaded: Loaded) -> tuple[list[int], str | None]:
