@@ -116,6 +116,9 @@ class Opened:
     whose text is GPT-2 BPE through `vocab_to_gpt2`)."""
     vocab_to_gpt2: Tensor | None
     """Compact model ids -> GPT-2 ids (a compact-vocabulary checkpoint), else None."""
+    bos: int | None = None
+    """hf only: the tokenizer's beginning-of-sequence id (tokenizer_config.json's `bos_token`),
+    which every window of the held-out text starts with (docs/spec.md §4); None without one."""
 
 
 def open_model(job, device: torch.device) -> Opened:
@@ -142,6 +145,7 @@ def open_model(job, device: torch.device) -> Opened:
     if tok is not None and tok.vocab_size > model.cfg.vocab_size:
         raise ValueError(f"hf: {job.hf}/tokenizer.json has {tok.vocab_size} tokens, more than the model's "
                          f"vocab_size {model.cfg.vocab_size}")
+    bos = None if tok is None else tok.bos_id
     stream = None
 
     def heldout(n: int, start: int = 0) -> Tensor:
@@ -156,7 +160,7 @@ def open_model(job, device: torch.device) -> Opened:
         return torch.as_tensor(stream[start : start + n])
 
     return Opened(model, str(Path(job.hf).resolve()), "hf", 0, heldout,
-                  tok.decode if tok is not None else lambda ids: " ".join(str(int(i)) for i in ids), tok, None)
+                  tok.decode if tok is not None else lambda ids: " ".join(str(int(i)) for i in ids), tok, None, bos)
 
 
 def heldout_stream(tok: HFTokenizer, data: DataConfig) -> np.ndarray:

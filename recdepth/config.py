@@ -63,6 +63,7 @@ def exit_policy(cfg: TrainConfig | EvaluateConfig | DictConfig) -> exits.ExitPol
     run = typed(cfg)
     kw = dataclasses.asdict(run.exit)
     path = kw.pop("gate")
+    kw.pop("calibrated_on")  # checked by the evaluation against its test range (evaluate.check_calibration)
     if run.exit.name == exits.GATE:
         if not path:
             raise ValueError("exit.gate: required for exit=gate (the gate.pt written by python -m "

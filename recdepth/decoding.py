@@ -34,7 +34,7 @@ import hashlib
 import math
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -163,6 +163,68 @@ class RowNoise:
         return [noise_seed(self.seed, q, position, group) for q in seqs]
 
 
+# ------------------------------------------------- what the decoding rules decode
+def has_coda(model: LoopedGPT) -> bool:
+    """Whether `model` is a prelude / core / coda model: exactly one recurrence group and at
+    least one layer after it (what `exit.decode=auto` decodes through the coda for)."""
+    return model.n_groups == 1 and model.cfg.groups[0][-1] < model.cfg.n_layer - 1
+
+
+def decode_mode(model: LoopedGPT, policy: ExitPolicy) -> str:
+    """`policy.decode` for this model: "coda" or "head" (`auto` resolved by `has_coda`)."""
+    return policy.resolve(has_coda(model)).decode
+
+
+class PeekCache:
+    """One layer's decoding cache, read but never written, for a hypothetical pass at
+    positions pos .. pos + T − 1: attention reads the cached K/V of positions 0 .. pos − 1
+    and the K/V this pass computes for its own positions (kept here, not in the cache)."""
+
+    def __init__(self, cache: KVCache, pos: int):
+        self.cache, self.pos = cache, pos
+        self.k = self.v = None
+
+    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        if pos != self.pos or rows is not None:
+            raise ValueError("PeekCache: one pass of every row at its own position")
+        self.k, self.v = k, v
+
+    def read(self, pos: int) -> tuple[Tensor, Tensor]:
+        ck, cv = self.cache.read(self.pos - 1)  # positions 0 .. pos − 1, as cached
+        return torch.cat([ck, self.k], dim=2), torch.cat([cv, self.v], dim=2)
+
+
+def coda_logits(model: LoopedGPT, g: int, s: Tensor, caches: list[KVCache], pos: int) -> Tensor:
+    """The logits the model would give if group g stopped at the states s [B, T, d] of
+    positions pos .. pos + T − 1 (Huginn's `predict_from_latents`): `leave_group`, every layer
+    after the group, the final norm and the head. The layers' attention reads the cached
+    K/V of positions < pos and the K/V computed here for s (causal among the T positions),
+    through `PeekCache`: nothing is written to `caches`. One recurrence group only."""
+    if model.n_groups != 1:
+        raise ValueError(f"exit.decode: coda decodes through the layers after the loop (Huginn's coda), defined for "
+                         f"a model with one recurrence group; this one has {model.n_groups} (use exit.decode=head)")
+    x = model.leave_group(g, s)
+    for layer in model.coda:
+        x = model.h[layer](x, PeekCache(caches[layer], pos), pos)
+    return model.decode_logits(x)
+
+
+def state_decoder(model: LoopedGPT, g: int, policy: ExitPolicy, caches: list[KVCache], pos: int,
+                  chunk: bool = False) -> Callable[[Tensor], Tensor] | None:
+    """The `decode` (state -> logits) a loop of group g at `pos` gives its exit monitor:
+    None for a rule that does not decode; `model.decode_logits` (final norm + head) for
+    exit.decode=head; `coda_logits` for coda (`decode_mode`). The monitor passes states
+    [B, d], one per row at `pos`, or with `chunk` [T, d], the positions pos .. pos + T − 1 of
+    one row (recdepth/generation.py's chunk pass)."""
+    if not policy.needs_decode:
+        return None
+    if decode_mode(model, policy) == "head":
+        return model.decode_logits
+    if chunk:
+        return lambda x: coda_logits(model, g, x[None], caches, pos)[0]
+    return lambda x: coda_logits(model, g, x[:, None], caches, pos)[:, 0]
+
+
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
                pos: int, generator: torch.Generator | None = None, compact: bool = True,
                noise: RowNoise | None = None, limit: Tensor | None = None,
@@ -178,7 +240,8 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     limit[b] applications at the latest (a per-row max_steps). `init` [B, 1, d], if given,
     is row b's starting state instead of `model.initial_state` (no noise is drawn; the warm
     start of continuous compute). A per-group `policy` loops group g under its group-g
-    values (`policy.group(g)`)."""
+    values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
+    says (`state_decoder`: the head, or through the coda without writing its cache)."""
     policy = policy.group(g)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
@@ -188,7 +251,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         raise ValueError(f"loop_group: initial state of shape {tuple(init.shape)} for input {tuple(e.shape)}")
     else:
         s = init
-    decode = model.decode_logits if policy.needs_decode else None
+    decode = state_decoder(model, g, policy, caches, pos)  # exit.decode: head or through the coda
     monitor = policy.monitor(s[:, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=e.device)
     active = torch.ones(B, dtype=torch.bool, device=e.device)
@@ -253,6 +316,13 @@ def windows(n_tokens: int, block_size: int) -> list[tuple[int, int]]:
     return [(w, min(block_size, n_tokens - w)) for w in range(0, n_tokens, block_size)]
 
 
+def span(block_size: int, bos: int | None = None) -> int:
+    """Targets a window scores at most, and the stride of `windows`: block_size, or with a
+    `bos` id block_size − 1 (the window's first input is then BOS, at position 0, and its
+    tokens follow at positions 1 .. block_size − 1; docs/spec.md §4)."""
+    return block_size - (bos is not None)
+
+
 def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
     """Row b's cache entries at `pos` become row src[b]'s (every application slot)."""
     for c in caches:
@@ -262,46 +332,62 @@ def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
 
 def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
                     cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
-                    timed: bool = False, warm_start: bool = False) -> tuple[Tensor, Tensor, list[float]]:
+                    timed: bool = False, warm_start: bool = False,
+                    first_window: int = 0, bos: int | None = None) -> tuple[Tensor, Tensor, list[float]]:
     """Decode windows side by side, `reps` rows per window (row r is window r // reps).
     Returns nll [R, L], applications [R, L, G] and, with `timed`, the seconds of each
     position. With reps > 1 the rows of a window share their history: after each position
     every row takes the cache entries of the window's last row (the oracle's max_steps),
-    and with `warm_start` that row's final group states too (`decode_step`'s `warm`)."""
+    and with `warm_start` that row's final group states too (`decode_step`'s `warm`).
+    With `bos`, each window's first input is that id (position 0, its loops run under the
+    rule) and the window's tokens follow at positions 1 ..; BOS's own prediction is neither
+    scored nor timed, so nll, applications and seconds are those of the window's tokens."""
     device, T = tokens.device, model.cfg.block_size
+    lead = int(bos is not None)
     L = max(n for _, n in wins)
+    if L + lead > T:
+        raise ValueError(f"_decode_windows: windows of {L} scored tokens{' after BOS' if lead else ''} exceed "
+                         f"model.block_size={T}")
     R = len(wins) * reps
-    idx = torch.zeros(R, L + 1, dtype=torch.long, device=device)
+    idx = torch.zeros(R, lead + L + 1, dtype=torch.long, device=device)
     for w, (start, n) in enumerate(wins):
-        idx[w * reps : (w + 1) * reps, : n + 1] = tokens[start : start + n + 1]
-    noise = RowNoise(seed, [wins[r // reps][0] // T for r in range(R)])
+        idx[w * reps : (w + 1) * reps, lead : lead + n + 1] = tokens[start : start + n + 1]
+    if lead:
+        idx[:, 0] = bos
+    noise = RowNoise(seed, [first_window + wins[r // reps][0] // span(T, bos) for r in range(R)])
     caches = new_caches(model, R, T, cache, policy.max_steps_bound)
     src = torch.arange(R, device=device) // reps * reps + reps - 1
     warm = [None] * model.n_groups if warm_start else None
     nll = torch.empty(R, L, dtype=torch.float64)
     apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
     seconds = []
-    for pos in range(L):
+    for pos in range(lead + L):
         t0 = time.perf_counter()
         logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm)
         if timed and device.type == "cuda":
             torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - t0)
+        if pos >= lead:  # BOS's step: decoded, not timed or scored
+            seconds.append(time.perf_counter() - t0)
         if reps > 1:
             _sync_rows(caches, pos, src)
             if warm is not None:
                 warm[:] = [w[src] for w in warm]
-        nll[:, pos] = model.nll(logits, idx[:, pos + 1]).double().cpu()
-        apps[:, pos] = a.cpu()
+        if pos >= lead:
+            nll[:, pos - lead] = model.nll(logits, idx[:, pos + 1]).double().cpu()
+            apps[:, pos - lead] = a.cpu()
     return nll, apps, seconds
 
 
-def _records(wins: list[tuple[int, int]], nll: Tensor, apps: Tensor, tokens: Tensor, block_size: int) -> dict:
-    """One row per scored token, in stream order: window, position (of the input token in
-    the held-out stream), target (model id), nll, applications per group [N, G]."""
+def _records(wins: list[tuple[int, int]], nll: Tensor, apps: Tensor, tokens: Tensor, block_size: int,
+             first_window: int = 0, bos: int | None = None) -> dict:
+    """One row per scored token, in stream order: window (its noise key: first_window + the
+    window's index in the stream), position (of the input token in the held-out stream),
+    target (model id), nll, applications per group [N, G]. With `bos` the windows are
+    `span(block_size, bos)` tokens apart; positions and targets are the stream's either way."""
     cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0)  # noqa: E731
+    stride = span(block_size, bos)
     return {
-        "window": cat([np.full(n, start // block_size) for start, n in wins]).astype(np.int64),
+        "window": cat([np.full(n, first_window + start // stride) for start, n in wins]).astype(np.int64),
         "position": cat([np.arange(start, start + n) for start, n in wins]).astype(np.int64),
         "target": cat([tokens[start + 1 : start + n + 1].cpu().numpy() for start, n in wins]).astype(np.int64),
         "nll": cat([nll[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
@@ -313,13 +399,18 @@ def _merge(parts: list[dict]) -> dict:
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def _prepare(model: LoopedGPT, tokens: Tensor, n_tokens: int) -> tuple[Tensor, int, list[tuple[int, int]]]:
+def _prepare(model: LoopedGPT, tokens: Tensor, n_tokens: int,
+             bos: int | None = None) -> tuple[Tensor, int, list[tuple[int, int]]]:
     device = next(model.parameters()).device
     tokens = tokens.to(device=device, dtype=torch.long)
     n_tokens = min(n_tokens, tokens.numel() - 1)
     if n_tokens < 1:
         raise ValueError("eval.tokens: need at least 2 held-out tokens to score one prediction")
-    return tokens, n_tokens, windows(n_tokens, model.cfg.block_size)
+    if bos is not None and not 0 <= bos < model.cfg.vocab_size:
+        raise ValueError(f"bos: id {bos} is outside the model's vocabulary 0..{model.cfg.vocab_size - 1}")
+    if bos is not None and model.cfg.block_size < 2:
+        raise ValueError("bos: a window needs block_size >= 2 to hold BOS and one token")
+    return tokens, n_tokens, windows(n_tokens, span(model.cfg.block_size, bos))
 
 
 def _warmup(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int,
@@ -339,25 +430,45 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def _summary(policy: ExitPolicy, rec: dict, cache: str, batch_size: int, warm_start: bool = False,
-             resamples: int = 1000) -> dict:
+def model_cost(model: LoopedGPT) -> stats.Cost:
+    """The model's cost in layer applications per token (docs/spec.md §4b)."""
+    return stats.Cost.of_model(model.cfg.groups, model.cfg.n_layer)
+
+
+def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, cache: str, batch_size: int, warm_start: bool = False,
+             resamples: int = 1000, bos: int | None = None) -> dict:
+    """The eval block of metrics.json. ce_ci: 95% bootstrap over windows (the unit the
+    tokens' difficulty is shared in, spec §4b). Cost: applications per group and their
+    mean, layer applications per token (`model_cost`) and FLOPs per token (the model's own
+    count, `LoopedGPT.flops_per_token`, at the mean applications and the mean attended
+    context of the scored positions)."""
     nll, apps = rec["nll"], rec["apps"]
-    ce, lo, hi = stats.mean_ci(nll, stats.bootstrap_indices(len(nll), resamples))
+    ce, lo, hi = stats.mean_ci(nll, stats.Bootstrap(rec["window"], resamples))
     per_group = apps.mean(axis=0).tolist()
+    cost = model_cost(model)
+    # attended positions of each scored token: its place in its window + 1 (+ 1 for a BOS input)
+    first = {w: p for w, p in zip(rec["window"][::-1].tolist(), rec["position"][::-1].tolist())}
+    start = np.array([first[w] for w in rec["window"].tolist()], dtype=float)
+    context = float(np.mean(rec["position"] - start + 1 + (bos is not None))) if len(nll) else 1.0
     return {
         "exit": policy.name, "tau": _plain(policy.tau), "min_steps": _plain(policy.min_steps),
         "max_steps": _plain(policy.max_steps), "patience": policy.patience,
-        "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ppl": math.exp(ce),
+        "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ce_ci_unit": "window", "ppl": math.exp(ce),
         "applications_per_token": per_group,
         "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
-        "tokens": len(nll), "cache": cache, "warm_start": bool(warm_start), "batch_size": batch_size,
+        "layer_applications": float(cost.per_token(apps).mean()) if len(nll) else 0.0,
+        "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
+        "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)),
+        "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": cache,
+        "warm_start": bool(warm_start), "batch_size": batch_size,
     }
 
 
 @torch.no_grad()
 def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, warmup_tokens: int = 8,
                   seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
-                  repeats: int = 1, warm_start: bool = False) -> tuple[dict, dict]:
+                  repeats: int = 1, warm_start: bool = False, first_window: int = 0,
+                  bos: int | None = None) -> tuple[dict, dict]:
     """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
     `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
     from the previous token's final state with `warm_start` (continuous compute; see
@@ -369,65 +480,98 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     `tokens_per_s` at that batch). Latency: the first `latency_tokens` tokens (all by
     default) decoded again at batch 1 after `warmup_tokens` untimed steps, `repeats` times:
     `ms_per_token` is the median over repeats of the mean ms per token, with the min and
-    max; each timed token's record carries its median ms. The batch-1 pass is also checked
+    max; each timed token's record carries its median ms. `first_window` is the noise key
+    (SPEC §4's "sequence") of the stream's first window, the next ones following it: a
+    split that starts elsewhere in the held-out text (calibration after test) passes its
+    own, so its windows never draw the noise of another split's windows. The batch-1 pass is also checked
     against the batched one: `batch_check` counts timed tokens whose applications differ
     (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
-    batched, batch 1) uses the same `warm_start`.
+    batched, batch 1) uses the same `warm_start`. `bos` (an hf= model's tokenizer BOS id):
+    every window starts with it, as `_decode_windows` says, and holds `span` tokens.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     if policy.name == ORACLE:
         return evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size,
-                               warm_start=warm_start)
+                               warm_start=warm_start, first_window=first_window, bos=bos)
     was_training = model.training
     model.eval()
     T = model.cfg.block_size
-    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens)
+    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens, bos)
     _warmup(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
 
     parts, t0 = [], time.perf_counter()
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
-        nll, apps, _ = _decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start)
-        parts.append(_records(ws, nll, apps, tokens, T))
+        nll, apps, _ = _decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start,
+                                       first_window=first_window, bos=bos)
+        parts.append(_records(ws, nll, apps, tokens, T, first_window, bos))
     batch_seconds = time.perf_counter() - t0
     rec = _merge(parts)
     rec["ms"] = np.full(n_tokens, np.nan)
-    ev = _summary(policy, rec, cache, batch_size, warm_start)
+    ev = _summary(model, policy, rec, cache, batch_size, warm_start, bos=bos)
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
     n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
-    if n_lat > 0:
-        lat_wins = windows(n_lat, T)
-        per_rep, ms = [], []
-        for _ in range(repeats):
-            secs, nll1, apps1 = [], [], []
-            for w in lat_wins:
-                nll, apps, s = _decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
-                                               warm_start=warm_start)
-                r = _records([w], nll, apps, tokens, T)
-                secs += s[: w[1]]
-                nll1.append(r["nll"])
-                apps1.append(r["apps"])
-            ms.append(1000 * np.asarray(secs))
-            per_rep.append(float(np.mean(ms[-1])))
-        rec["ms"][:n_lat] = np.median(np.stack(ms), axis=0)
-        nll1, apps1 = np.concatenate(nll1), np.concatenate(apps1)
-        ev.update(ms_per_token=float(np.median(per_rep)), ms_per_token_min=min(per_rep),
-                  ms_per_token_max=max(per_rep), latency_tokens=n_lat, repeats=repeats)
-        ev["batch_check"] = {"tokens": n_lat,
-                             "apps_mismatch": int((apps1 != rec["apps"][:n_lat]).any(axis=1).sum()),
-                             "max_abs_dnll": float(np.abs(nll1 - rec["nll"][:n_lat]).max())}
-    else:
-        ev.update(ms_per_token=None, latency_tokens=0, repeats=0)
+    timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos)
+               for _ in range(repeats)] if n_lat > 0 else []
+    add_latency(ev, rec, timings)
     model.train(was_training)
     return ev, rec
 
 
 @torch.no_grad()
+def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, cache: str = "latest",
+                seed: int = 0, warm_start: bool = False, first_window: int = 0,
+                warmup_tokens: int = 0, bos: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One timed pass at batch 1 over the first `n_tokens` scored tokens (their windows one
+    after another, SPEC §4 latency), after `warmup_tokens` untimed steps: ms per token,
+    and the NLL and applications of the pass (for `batch_check`). `add_latency` turns
+    repeats of it into the latency fields; `recdepth.report` interleaves the repeats of
+    several policies (round-robin) so that drift of the machine hits them alike."""
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens, bos)
+    _warmup(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
+    secs, nll1, apps1 = [], [], []
+    for w in wins:
+        nll, apps, sec = _decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
+                                         warm_start=warm_start, first_window=first_window, bos=bos)
+        r = _records([w], nll, apps, tokens, T, first_window, bos)
+        secs += sec[: w[1]]
+        nll1.append(r["nll"])
+        apps1.append(r["apps"])
+    model.train(was_training)
+    return 1000 * np.asarray(secs), np.concatenate(nll1), np.concatenate(apps1)
+
+
+def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """The latency fields of an `eval` block from repeats of `time_tokens` (in place):
+    ms_per_token = the median over repeats of the mean ms per token, its min, max and every
+    repeat (`ms_per_token_repeats`: the spread the equal-latency verdict includes), each
+    timed token's median ms in rec["ms"], and `batch_check` (timed tokens whose
+    applications differ from the batched pass, and the largest NLL difference)."""
+    if not timings:
+        ev.update(ms_per_token=None, latency_tokens=0, repeats=0)
+        return
+    ms = np.stack([t[0] for t in timings])
+    n_lat = ms.shape[1]
+    per_rep = [float(m.mean()) for m in ms]
+    rec["ms"][:n_lat] = np.median(ms, axis=0)
+    _, nll1, apps1 = timings[-1]
+    ev.update(ms_per_token=float(np.median(per_rep)), ms_per_token_min=min(per_rep), ms_per_token_max=max(per_rep),
+              ms_per_token_repeats=per_rep, latency_tokens=n_lat, repeats=len(timings))
+    ev["batch_check"] = {"tokens": n_lat, "apps_mismatch": int((apps1 != rec["apps"][:n_lat]).any(axis=1).sum()),
+                         "max_abs_dnll": float(np.abs(nll1 - rec["nll"][:n_lat]).max())}
+
+
+@torch.no_grad()
 def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, seed: int = 0,
-                    cache: str = "latest", batch_size: int = 1, warm_start: bool = False) -> tuple[dict, dict]:
-    """The oracle bound of SPEC §4b at ε = policy.tau, N = policy.max_steps: per token, the
+                    cache: str = "latest", batch_size: int = 1, warm_start: bool = False,
+                    first_window: int = 0, bos: int | None = None) -> tuple[dict, dict]:
+    """The oracle of SPEC §4b (best uniform depth per token within ε: it reads the
+    target, and it is no bound on rules that spend different depths per group) at ε = policy.tau, N = policy.max_steps: per token, the
     smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
     at N, with every earlier token computed at N.
 
@@ -442,18 +586,18 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     model.eval()
     N = policy.max_steps
     T = model.cfg.block_size
-    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens)
+    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens, bos)
     fixed = build("fixed", None, max_steps=N)
     parts, by_n, t0 = [], [], time.perf_counter()
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
         nll, _, _ = _decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
-                                    warm_start=warm_start)
+                                    warm_start=warm_start, first_window=first_window, bos=bos)
         nll = nll.view(len(ws), N, -1)  # [window, n, position]
         by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
         parts.append(_records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
-                                                             dtype=torch.long), tokens, T))
+                                                             dtype=torch.long), tokens, T, first_window, bos))
     seconds = time.perf_counter() - t0
     rec = _merge(parts)
     rec["nll_by_n"] = np.concatenate(by_n)
@@ -461,7 +605,7 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     rec["nll"] = rec["nll_by_n"][np.arange(n_tokens), n - 1]
     rec["apps"] = np.repeat(n[:, None], model.n_groups, axis=1)
     rec["ms"] = np.full(n_tokens, np.nan)
-    ev = _summary(policy, rec, cache, batch_size, warm_start)
+    ev = _summary(model, policy, rec, cache, batch_size, warm_start, bos=bos)
     ev.update(ms_per_token=None, latency_tokens=0, repeats=0, tokens_per_s=n_tokens / seconds,
               ce_at_max_steps=float(rec["nll_by_n"][:, -1].mean()))
     model.train(was_training)

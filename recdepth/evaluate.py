@@ -29,7 +29,7 @@ from recdepth import stats
 from recdepth.checkpoints import heldout_tokens, load_checkpoint, open_model, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
-from recdepth.decoding import evaluate_exit
+from recdepth.decoding import evaluate_exit, has_coda
 from recdepth.exits import ExitPolicy
 from recdepth.runs import write_json
 from recdepth.schema import validated
@@ -51,10 +51,11 @@ def evaluate(cfg: DictConfig) -> dict:
     opened = open_model(run, device)
     model = opened.model
     policy.check_model(model.n_groups, model.cfg.n_embd)  # per-group values, a gate: this model's
+    policy = policy.resolve(has_coda(model), hf=opened.kind == "hf")  # exit.decode, exit.kl_direction: auto
     tokens = opened.heldout(cfg.eval.tokens + 1, 0)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
-    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2)
+    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos)
     metrics = {opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)
@@ -62,16 +63,34 @@ def evaluate(cfg: DictConfig) -> dict:
 
 
 def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path,
-             vocab_to_gpt2: torch.Tensor | None) -> dict:
+             vocab_to_gpt2: torch.Tensor | None, bos: int | None = None) -> dict:
     """SPEC §4 evaluation of `model` on held-out `tokens` under `policy` with cfg.eval's
-    settings; writes the per-token record into run_dir and returns the `eval` block."""
+    settings; writes the per-token record into run_dir and returns the `eval` block, which
+    also records what the rules that decode decoded with (`decode`), the kl rule's
+    `kl_direction` (`auto` as the engine reads it) and the `bos` id each window started with
+    (an hf= model's tokenizer BOS, else null)."""
     e = cfg.eval
+    check_calibration(OmegaConf.select(cfg, "exit.calibrated_on"), e.tokens)
     ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
                             cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
-                            repeats=e.repeats, warm_start=e.warm_start)
+                            repeats=e.repeats, warm_start=e.warm_start, bos=bos)
+    used = policy.resolve(has_coda(model))
+    ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
     write_eval(run_dir, rec, vocab_to_gpt2)
     log_eval(ev)
     return ev
+
+
+def check_calibration(calibrated_on, n_tokens: int) -> None:
+    """Refuse to score a test range that overlaps the tokens the exit was calibrated on: the
+    test split is val tokens 0 .. eval.tokens (targets 1 .. eval.tokens), docs/spec.md §4c."""
+    if calibrated_on is None:
+        return
+    first, last = int(calibrated_on[0]), int(calibrated_on[1])
+    if first <= n_tokens and last >= 0:
+        raise ValueError(f"exit.calibrated_on: this exit was calibrated on val tokens [{first}, {last}]; "
+                         f"eval.tokens={n_tokens} scores val tokens [0, {n_tokens}], which overlap them "
+                         f"(choose eval.tokens < {first})")
 
 
 def write_eval(run_dir: Path, rec: dict, vocab_to_gpt2: torch.Tensor | None) -> None:

@@ -8,7 +8,7 @@ p^(j) = softmax(decode(x^(j))) (the model's own output head on the state):
     fixed/none        n = max_steps                                        —        none
     stepnorm          ‖Δ^(n−1)‖ < τ                                         1        O(d)
     stepnorm_rel      ‖Δ^(n−1)‖ / (‖x^(n−1)‖ + ε) < τ                        1        O(d)
-    kl                KL(p^(n) ‖ p^(n−1)) < τ                                2        O(d·V) decodes
+    kl                KL(p^(n) ‖ p^(n−1)) < τ  (exit.kl_direction, below)     2        O(d·V) decodes
     accel             a^(n−1) < τ and a^(n−2) < τ,  a^(j) = ‖Δ^(j) − Δ^(j−1)‖ 3        O(d)
     accel_rel         as accel with â^(j) (eq. 6)                            3        O(d)
     entropy_diff      |H(p^(n)) − H(p^(n−1))| < τ                            2        O(d·V) decodes
@@ -23,7 +23,17 @@ p^(j) = softmax(decode(x^(j))) (the model's own output head on the state):
 
 The decoding rules (`DECODING`: kl, entropy_diff, argmax_stability) run the LM head on the
 state at every check: d·V multiply-adds (at d = 768, V = 50257 about five layer
-applications' worth of FLOPs, 12·d² each); the others read the state only, O(d). Each equation is one function:
+applications' worth of FLOPs, 12·d² each); the others read the state only, O(d). What
+"decode" is (`exit.decode`, `DECODES`): `head` = the final norm and the LM head on the
+state; `coda` = the state as it leaves the group, the layers after the group (Huginn's
+coda; one recurrence group only) and then the head, Huginn's `predict_from_latents`;
+`auto` = coda for a model with one recurrence group and at least one layer after it, head
+otherwise (the engine builds the function: `recdepth.decoding.state_decoder`). The kl
+rule's direction (`exit.kl_direction`, `KL_DIRECTIONS`): `new_old` = KL(p^(n) ‖ p^(n−1)),
+the paper's and recdepth's default; `old_new` = KL(p^(n−1) ‖ p^(n)), Huginn's
+`KLExitEvaluator` (F.kl_div(log p^(n), log p^(n−1), log_target=True)); `auto` = old_new
+for a model opened from an `hf=` directory (`ExitPolicy.resolve`), new_old otherwise.
+Each equation is one function:
 `geometry.step_norm`, `geometry.relative_step_norm`, `geometry.acceleration`,
 `geometry.relative_acceleration`, `geometry.state_cosine_distance` (state math) and
 `kl_divergence`, `entropy`, `entropy_change`, `argmax_run` (distribution math, below).
@@ -45,7 +55,8 @@ list of one value per recurrence group (SPEC §3b); `policy.group(g)` is the one
 policy that group g loops under.
 
 Public API (used by the decoding engine, the tests and outside checks):
-    policy = build(name, tau, min_steps=0, max_steps=32, patience=5, groups=None, gate=None)
+    policy = build(name, tau, min_steps=0, max_steps=32, patience=5, groups=None, gate=None,
+                   decode="auto", kl_direction="auto")
     x, n = iterate(f, x0, policy.group(g), decode=None)
 and, for engines that drive their own loop, `policy.group(g).monitor(x0, decode)` whose
 `observe(x_new)` returns the rows whose rule fires after that application.
@@ -74,11 +85,14 @@ COST = {r: "none" if r == "fixed" else "O(d·V)" if r in DECODING else "O(d)" fo
 PER_GROUP = ("tau", "min_steps", "max_steps")  # fields that take one value per group
 PATIENCE = 5  # argmax_stability's default k (Huginn: 5 steps)
 GATE = "gate"  # the learned gate: τ is a probability, and it needs its weights (`build(gate=...)`)
+DECODES = ("auto", "coda", "head")  # exit.decode: what the decoding rules decode a state with
+KL_DIRECTIONS = ("auto", "new_old", "old_new")  # exit.kl_direction: KL(p^(n)‖p^(n−1)) | KL(p^(n−1)‖p^(n))
 
 
 def kl_divergence(logp_new: Tensor, logp_old: Tensor) -> Tensor:
     """KL(p^(n) ‖ p^(n−1)) = Σ p^(n) (log p^(n) − log p^(n−1)) over the last axis
-    (paper eq. 4; the direction Geiping et al. and the paper use).
+    (paper eq. 4; `exit.kl_direction=new_old`). Huginn's code computes the other direction,
+    KL(p^(n−1) ‖ p^(n)) = kl_divergence(logp_old, logp_new) (`old_new`).
 
     Entries with p^(n) = 0 (e.g. the -inf logits of a padded vocabulary) contribute 0,
     the 0·log 0 = 0 convention, instead of 0·(−inf + inf) = NaN."""
@@ -119,7 +133,9 @@ class ExitPolicy:
     `tau`, `min_steps` and `max_steps` are each one value for every group or a tuple of
     one value per recurrence group; `group(g)` is group g's one-value policy, the one a
     loop runs (`monitor`). `gate` (rule `gate` only): (weight [G, d], bias [G]) of every
-    group's gate, or (weight [d], bias []) of one group's in `group(g)`'s policy."""
+    group's gate, or (weight [d], bias []) of one group's in `group(g)`'s policy.
+    `decode` (`DECODES`) and `kl_direction` (`KL_DIRECTIONS`): see the module docstring;
+    `resolve` decides their `auto` for one model."""
 
     name: str
     tau: float | tuple[float, ...] | None
@@ -127,6 +143,8 @@ class ExitPolicy:
     max_steps: int | tuple[int, ...] = 32
     patience: int = PATIENCE
     gate: tuple[Tensor, Tensor] | None = field(default=None, compare=False, repr=False)
+    decode: str = "auto"
+    kl_direction: str = "auto"
 
     @property
     def needs_decode(self) -> bool:
@@ -168,8 +186,16 @@ class ExitPolicy:
             f = next(iter(lists))
             raise ValueError(f"exit.{f}: a list of {n} (one value per recurrence group), but the model has a group {g}")
         gate = self.gate if G is None else (self.gate[0][g], self.gate[1][g])
-        return ExitPolicy(self.name, *(lists[f][g] if f in lists else getattr(self, f) for f in PER_GROUP),
-                          self.patience, gate)
+        return replace(self, **{f: lists[f][g] if f in lists else getattr(self, f) for f in PER_GROUP}, gate=gate)
+
+    def resolve(self, coda: bool, hf: bool = False) -> ExitPolicy:
+        """This policy with `auto` decided for one model: decode -> `coda` if `coda` (the model
+        has one recurrence group and a layer after it: `recdepth.decoding.has_coda`), else
+        `head`; kl_direction -> `old_new` (Huginn's) if `hf` (the model was opened from an
+        hf= directory), else `new_old`. Values already chosen stay."""
+        decode = self.decode if self.decode != "auto" else "coda" if coda else "head"
+        kl = self.kl_direction if self.kl_direction != "auto" else "old_new" if hf else "new_old"
+        return replace(self, decode=decode, kl_direction=kl)
 
     def check_groups(self, n_groups: int) -> ExitPolicy:
         """Self, if its per-group values fit a model with `n_groups` recurrence groups;
@@ -181,6 +207,10 @@ class ExitPolicy:
             if len(v) != n_groups:
                 raise ValueError(f"exit.{f}: a list of {len(v)} for {n_groups} recurrence groups (expected one value "
                                  f"for all groups, or a list of {n_groups}), got {list(v)}")
+        if self.decode == "coda" and n_groups != 1:
+            raise ValueError(f"exit.decode: coda decodes through the layers after the loop (Huginn's coda), defined "
+                             f"for a model with one recurrence group; this one has {n_groups} (use exit.decode=head "
+                             "or auto)")
         G = self.gate_groups
         if G is not None and G != n_groups:
             raise ValueError(f"exit.gate: a gate for {G} recurrence groups, but the model has {n_groups} (a gate "
@@ -261,7 +291,11 @@ class ExitMonitor:
             logp = F.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), -1)
             if p.name == "kl":
                 logp_prev, self.s_prev = self.s_prev, logp
-                return None if logp_prev is None else kl_divergence(logp, logp_prev) < p.tau
+                if logp_prev is None:
+                    return None
+                if p.kl_direction == "old_new":  # Huginn's KL(p^(n−1) ‖ p^(n))
+                    return kl_divergence(logp_prev, logp) < p.tau
+                return kl_divergence(logp, logp_prev) < p.tau  # new_old (auto, unresolved, reads as new_old)
             h = entropy(logp)  # entropy_diff
             h_prev, self.s_prev = self.s_prev, h
             return None if h_prev is None else entropy_change(h, h_prev) < p.tau
@@ -320,15 +354,17 @@ def _per_group(field: str, value, check, key: str):
 
 def build(name: str, tau: float | Sequence[float] | None, min_steps: int | Sequence[int] = 0,
           max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None,
-          gate: tuple[Tensor, Tensor] | None = None) -> ExitPolicy:
+          gate: tuple[Tensor, Tensor] | None = None, decode: str = "auto",
+          kl_direction: str = "auto") -> ExitPolicy:
     """Validate and build an exit policy (SPEC §3, §3b, §3c). `tau` is ignored by
     `fixed`/`none` and `argmax_stability`, `patience` (k >= 1) read by `argmax_stability`
     only. `tau`, `min_steps` and `max_steps` are each one value or a list of one per
     recurrence group (all lists of one length); with `groups` (the model's number of
     groups) that length is checked too. Rule `gate` needs `gate` = (weight [G, d], bias
-    [G]) (`recdepth.gate.load_gate`), τ in (0, 1); the other rules ignore it. Every failure
-    is one line naming the field."""
-    policy = validate(name, tau, min_steps, max_steps, patience)
+    [G]) (`recdepth.gate.load_gate`), τ in (0, 1); the other rules ignore it. `decode`
+    (`DECODES`) and `kl_direction` (`KL_DIRECTIONS`) are checked for every rule (coda needs
+    one recurrence group, checked with `groups`). Every failure is one line naming the field."""
+    policy = validate(name, tau, min_steps, max_steps, patience, decode=decode, kl_direction=kl_direction)
     if policy.name == GATE:
         if gate is None:
             raise ValueError("exit.gate: rule 'gate' needs a trained gate file (train one with python -m "
@@ -351,7 +387,8 @@ def build(name: str, tau: float | Sequence[float] | None, min_steps: int | Seque
 
 
 def validate(name: str, tau: float | Sequence[float] | None, min_steps: int | Sequence[int] = 0,
-             max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None) -> ExitPolicy:
+             max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None,
+             decode: str = "auto", kl_direction: str = "auto") -> ExitPolicy:
     """Every check of `build` but the gate's tensors, which a config names by file
     (recdepth/schema.py checks a config with it before any file is read): the policy
     without a gate."""
@@ -362,11 +399,17 @@ def validate(name: str, tau: float | Sequence[float] | None, min_steps: int | Se
     min_steps = _per_group("min_steps", min_steps, lambda f, v: _check_int(f, v, 0), key)
     max_steps = _per_group("max_steps", max_steps, lambda f, v: _check_int(f, v, 1), key)
     patience = _check_int("patience", patience, 1)
+    if decode not in DECODES:
+        raise ValueError(f"exit.decode: expected one of auto, coda (through the layers after the loop, Huginn's), "
+                         f"head (final norm + LM head), got {decode!r}")
+    if kl_direction not in KL_DIRECTIONS:
+        raise ValueError(f"exit.kl_direction: expected one of auto, new_old (KL(p_n ‖ p_n-1), the paper's), old_new "
+                         f"(KL(p_n-1 ‖ p_n), Huginn's), got {kl_direction!r}")
     if key in NO_TAU:  # ignored: kept as given, for the records
         tau = tuple(tau) if _is_list(tau) else tau
     else:
         tau = _per_group("tau", tau, lambda f, v: _check_tau(f, v, key), key)
-    policy = ExitPolicy(key, tau, min_steps, max_steps, patience)
+    policy = ExitPolicy(key, tau, min_steps, max_steps, patience, decode=decode, kl_direction=kl_direction)
     lists = policy.lists()
     if lists:
         (f0, v0), *rest = lists.items()

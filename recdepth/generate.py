@@ -42,6 +42,7 @@ from omegaconf import DictConfig, OmegaConf
 from recdepth.checkpoints import open_model, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
+from recdepth.decoding import has_coda
 from recdepth.exits import ExitPolicy
 from recdepth.generation import Generation, TokenRecord, greedy, speculative
 from recdepth.hf import HFTokenizer
@@ -318,7 +319,7 @@ def draw_png(path: Path, gen: Generation, prompt_texts: list[str], texts: list[s
 def _exit_settings(p: ExitPolicy) -> dict:
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     return {"name": p.name, "tau": plain(p.tau), "min_steps": plain(p.min_steps), "max_steps": plain(p.max_steps),
-            "patience": p.patience}
+            "patience": p.patience, "decode": p.decode, "kl_direction": p.kl_direction}
 
 
 def _apps(gen: Generation, n_groups: int) -> dict:
@@ -363,6 +364,7 @@ def generate(cfg: DictConfig) -> dict:
     loaded = load_model(run, device)
     model = loaded.model
     policy.check_model(model.n_groups, model.cfg.n_embd)
+    policy = policy.resolve(has_coda(model), hf=loaded.info["source"] == "hf")  # exit.decode, kl_direction: auto
     ids, prompt_text = prompt_of(run, loaded)
     T = model.cfg.block_size
     if len(ids) > T:

@@ -30,7 +30,10 @@ last entry at once (`ChunkStepKVCache.fill`, what `StepKVCache.finish` does afte
 token when decoding token by token), so positions still looping read it there, as they
 would token by token. What can still differ is floating-point rounding: a chunk's matmuls
 and attention are not the single-token ones, and a difference in the last bits can flip a
-threshold test or an argmax tie (measured: docs/spec.md §4d). The entries the draft wrote
+threshold test or an argmax tie (measured: docs/spec.md §4d). A rule that decodes through
+the coda (`exit.decode=coda`) reads, in a chunk, earlier chunk positions at their current
+application where token by token it reads their final state: the two agree when those
+positions have exited, and may differ otherwise (docs/spec.md §4d). The entries the draft wrote
 at positions the verifier then rejects are never read (reads stop at the current position)
 and are overwritten by the next round's draft and verify.
 
@@ -54,6 +57,7 @@ from recdepth.decoding import (
     decode_step,
     new_caches,
     noise_seed,
+    state_decoder,
 )
 from recdepth.exits import ExitPolicy, build
 from recdepth.model import LoopedGPT
@@ -92,7 +96,11 @@ class Generation:
     """The result of one prompt: prompt and generated ids (model ids), one record per
     generated token, why it stopped, wall seconds, the applications at each prompt
     position but the last ([P − 1][G]: predicting prompt tokens 1..P−1), and for
-    speculative decoding its statistics (`stats`)."""
+    speculative decoding its statistics (`stats`). `first_token_seconds`: the part of
+    `seconds` until the first generated token is known (the prompt's pass and that token's:
+    token by token for greedy, one chunk pass for speculative); `decode_seconds`, the rest,
+    is the time of the other len(ids) − 1 tokens, which both methods start from the same
+    state (prompt in the cache, first token chosen)."""
 
     prompt: list[int]
     ids: list[int]
@@ -102,6 +110,12 @@ class Generation:
     cache: str
     prompt_apps: list[list[int]] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
+    first_token_seconds: float | None = None
+
+    @property
+    def decode_seconds(self) -> float | None:
+        """Wall seconds after the first generated token (`seconds` − `first_token_seconds`)."""
+        return None if self.first_token_seconds is None else self.seconds - self.first_token_seconds
 
     @property
     def applications(self) -> int:
@@ -222,12 +236,14 @@ def greedy(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens: int
             recs[b].append(r)
             if on_token is not None:
                 on_token(b, r)
+        if i == 0:  # tok.tolist() waited for the device
+            t_first = time.perf_counter() - t0
     _sync(device)
     seconds = time.perf_counter() - t0
     model.train(was_training)
     pa = torch.stack(prompt_apps, 1) if prompt_apps else torch.zeros(B, 0, model.n_groups, dtype=torch.long)
-    out = [Generation(prompt[b].tolist(), ids[b], recs[b], stopped, seconds, cache, pa[b].tolist())
-           for b in range(B)]
+    out = [Generation(prompt[b].tolist(), ids[b], recs[b], stopped, seconds, cache, pa[b].tolist(),
+                      first_token_seconds=t_first) for b in range(B)]
     return out[0] if single else out
 
 
@@ -302,7 +318,9 @@ def _chunk_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches
     # (Seam for eval.warm_start: a start that depends on the previous position's final
     # state would have to wait for it, which a parallel chunk cannot; see docs/spec.md §4d.)
     s = model.initial_state(e[0][:, None], None, seeds)[:, 0][None]
-    monitor = policy.monitor(s[0], model.decode_logits if policy.needs_decode else None)
+    # A rule that decodes reads the head, or the coda over the chunk (exit.decode; the coda's
+    # attention reads the cache before the chunk and the chunk's own states, writing nothing)
+    monitor = policy.monitor(s[0], state_decoder(model, g, policy, caches, pos, chunk=True))
     n = torch.zeros(T, dtype=torch.long, device=e.device)
     active = torch.ones(T, dtype=torch.bool, device=e.device)
     step_caches = [caches[layer] for layer in model.cfg.groups[g]]
@@ -317,7 +335,7 @@ def _chunk_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches
         work[g] += hi - lo
         s = torch.where(active[None, :, None], s_new, s)
         n += active
-        fired = monitor.observe(s_new[0])
+        fired = monitor.observe(s[0])  # = s_new at the positions still looping; exited ones at their final state
         done = active & fired
         active = active & ~fired
         for c in step_caches:
@@ -428,6 +446,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
     _sync(device)
     t_prefill = time.perf_counter() - t0
     commit([first], pa[-1:], ["verify"])
+    t_first = time.perf_counter() - t0  # as greedy's: after the first token's record
     rounds = drafted = n_accepted = draft_apps = verify_apps = 0
     t_draft = t_verify = 0.0
     while len(ids) < n_new:
@@ -463,4 +482,5 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
         "prefill_work": sum(work_prefill), "prefill_steps": sum(steps_prefill),
         "prefill_seconds": t_prefill, "draft_seconds": t_draft, "verify_seconds": t_verify,
     }
-    return Generation(prompt.tolist(), ids, recs, stopped, seconds, cache, pa[:-1].tolist(), stats)
+    return Generation(prompt.tolist(), ids, recs, stopped, seconds, cache, pa[:-1].tolist(), stats,
+                      first_token_seconds=t_first)

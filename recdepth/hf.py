@@ -421,7 +421,8 @@ def save_hf(model: LoopedGPT, path: str | Path, max_shard_bytes: int = 5 * 2**30
 # ------------------------------------------------------------------------- text
 class HFTokenizer:
     """A checkpoint directory's `tokenizer.json` (the `tokenizers` library), with the
-    end-of-document id named by its `tokenizer_config.json` (`eos_token`), if any."""
+    end-of-document id and the beginning-of-sequence id named by its `tokenizer_config.json`
+    (`eos_token`, `bos_token`; `transformers`' eos_token_id and bos_token_id), if any."""
 
     def __init__(self, directory: str | Path):
         from tokenizers import Tokenizer
@@ -435,14 +436,18 @@ class HFTokenizer:
             self.tok = Tokenizer.from_file(str(f))
         except Exception as e:  # the Rust side raises its own exception types
             raise ValueError(f"hf: {f} is not a readable tokenizer.json ({str(e).splitlines()[0][:200]})") from None
-        self.eos_id = None
+        self.eos_id = self.bos_id = None
         cfg = d / "tokenizer_config.json"
         if cfg.is_file():
-            eos = json.loads(cfg.read_text()).get("eos_token")
-            if isinstance(eos, dict):
-                eos = eos.get("content")
-            if isinstance(eos, str):
-                self.eos_id = self.tok.token_to_id(eos)
+            special = json.loads(cfg.read_text())
+            self.eos_id, self.bos_id = (self._special_id(special.get(key)) for key in ("eos_token", "bos_token"))
+
+    def _special_id(self, token) -> int | None:
+        """The id of a special token as tokenizer_config.json names it (a string or an
+        AddedToken dict with "content"); None if it is not named or not in the vocabulary."""
+        if isinstance(token, dict):
+            token = token.get("content")
+        return self.tok.token_to_id(token) if isinstance(token, str) else None
 
     @property
     def vocab_size(self) -> int:

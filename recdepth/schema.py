@@ -43,13 +43,14 @@ from omegaconf.errors import (
     ValidationError,
 )
 
-from recdepth import calibration, callbacks, decoding, distributed, exits, generation, sampler
+from recdepth import calibration, callbacks, decoding, distributed, exits, generation, ltt, sampler
 from recdepth.documents import SOURCES
 from recdepth.model import OPTION_DEFAULTS, check_architecture, shape_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
 WANDB_MODES = ("auto", "online", "offline", "disabled")
+CALIBRATION_METHODS = ("empirical", "ltt")
 
 
 # ------------------------------------------------------------------ checks
@@ -176,10 +177,28 @@ class ExitConfig:
     gate: str | None = None
     """exit=gate only, required there: the gate.pt written by `python -m recdepth.train_gate`
     (read by `config.exit_policy`); the other rules do not read it."""
+    decode: str = "auto"
+    """What the rules that decode a state (kl, entropy_diff, argmax_stability) decode it with:
+    head (final norm + LM head on the state) | coda (the state as it leaves the loop, then
+    the layers after it, then norm + head: Huginn's predict_from_latents; one recurrence
+    group only) | auto (coda for a model with one group and a layer after it, else head)."""
+    kl_direction: str = "auto"
+    """exit=kl: new_old = KL(p^(n) ‖ p^(n−1)) (the paper's) | old_new = KL(p^(n−1) ‖ p^(n))
+    (Huginn's code) | auto (old_new for an hf= model, new_old otherwise)."""
+    calibrated_on: list[int] | None = None
+    """The val-split token range [first, last] this exit was calibrated on (written by
+    recdepth.calibrate into exit_overrides.txt); an evaluation whose test range (val tokens
+    0 .. eval.tokens) overlaps it is refused. null: not calibrated."""
 
     def __post_init__(self):
         # the gate file is read (and required) where the policy is built: config.exit_policy
-        exits.validate(self.name, self.tau, self.min_steps, self.max_steps, self.patience)
+        exits.validate(self.name, self.tau, self.min_steps, self.max_steps, self.patience, decode=self.decode,
+                       kl_direction=self.kl_direction)
+        c = self.calibrated_on
+        if c is not None and (len(c) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in c)
+                              or not 0 <= c[0] <= c[1]):
+            raise ValueError(f"exit.calibrated_on: expected [first, last] val-token offsets with 0 <= first <= last, "
+                             f"got {list(c)}")
 
 
 # Which data keys each source reads (recdepth/documents.py: resolve_source); the others must
@@ -466,7 +485,8 @@ class TrainConfig:
         _int("seed", self.seed, 0)
         _int("batch_size", self.batch_size, 1)
         e = self.exit  # per-group values: one per recurrence group of the model
-        exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups))
+        exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups),
+                       decode=e.decode, kl_direction=e.kl_direction)
         c = self.callbacks.loop_dynamics
         if c is not None:
             if not self.model.groups:
@@ -593,9 +613,10 @@ class TargetConfig:
     """`target` of recdepth.calibrate: set exactly one (recdepth/calibration.py, docs/spec.md §4c)."""
 
     max_ce_increase: float | None = None
-    """CE at most this many nats above fixed at exit.max_steps (>= 0); minimise applications."""
-    applications: float | None = None
-    """Mean applications per token (over tokens and groups) at most this (> 0); minimise CE."""
+    """CE at most this many nats above fixed at exit.max_steps (>= 0); minimise layer applications."""
+    layer_applications: float | None = None
+    """Mean layer applications per token at most this (> 0: Σ_g |g| · applications_g + the
+    layers outside the loops, docs/spec.md §4b; fixed-4 on the default model costs 24); minimise CE."""
 
     def __post_init__(self):
         for kind in calibration.TARGETS:
@@ -615,11 +636,26 @@ class CalibrationConfig:
     """At most this many settings decoded on the calibration split (>= 2)."""
     batch_size: int = 16
     """Calibration windows decoded side by side (>= 1; each row = its batch-1 result)."""
+    method: str = "empirical"
+    """empirical: the search of docs/spec.md §4c, the best setting on the calibration split (no
+    guarantee) | ltt: Learn then Test (§4e, recdepth/ltt.py), a setting whose risk is at most
+    the target with probability >= 1 − calibration.epsilon (target.max_ce_increase only)."""
+    epsilon: float = 0.05
+    """ltt: the chance, over the draw of the calibration windows, that the certified setting's
+    risk exceeds the target (in (0, 1))."""
+    loss_bound: float = ltt.DEFAULT_LOSS_BOUND
+    """ltt: each window's mean NLL increase over full depth is clipped to [0, loss_bound] nats
+    (> 0; the guarantee is on the clipped loss, and must exceed target.max_ce_increase)."""
 
     def __post_init__(self):
         _int("calibration.tokens", self.tokens, 1)
         _int("calibration.max_evals", self.max_evals, 2)
         _int("calibration.batch_size", self.batch_size, 1)
+        _one_of("calibration.method", self.method, CALIBRATION_METHODS)
+        e = self.epsilon
+        if isinstance(e, bool) or not isinstance(e, int | float) or not 0 < e < 1:
+            raise ValueError(f"calibration.epsilon: expected a number in (0, 1), got {e!r}")
+        _number("calibration.loss_bound", self.loss_bound, strict=True)
 
 
 @dataclass
@@ -658,8 +694,9 @@ class ReportSettings:
     """The rules calibrated per group to each target (fixed: one max_steps per group)."""
     max_ce_increase: float = 0.01
     """Target 1: CE at most this many nats above fixed at max_steps (>= 0)."""
-    applications: float = 4.0
-    """Target 2: at most this many mean applications per token (> 0)."""
+    layer_applications: float = 24.0
+    """Target 2: at most this many layer applications per token (> 0; 24 = fixed-4 on the
+    default grouped model: 8 layers outside the loops + 4 × (1 + 2 + 1))."""
     gate: str | None = None
     """A gate.pt of recdepth.train_gate; null trains one on the train split (`gate` settings)."""
 
@@ -680,7 +717,7 @@ class ReportSettings:
             if exits.ALIASES.get(rule, rule) not in exits.RULES:
                 raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.RULES)})")
         calibration.Target("max_ce_increase", self.max_ce_increase)
-        calibration.Target("applications", self.applications)
+        calibration.Target("layer_applications", self.layer_applications)
         exits.build("oracle", self.oracle, max_steps=self.max_steps)
 
 

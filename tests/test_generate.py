@@ -370,3 +370,46 @@ def test_generate_yaml_defaults_equal_the_schema():
     ref.update(ckpt=None, prompt=None)
     assert {k: v for k, v in y.items()} == {k: ref[k] for k in y}
     assert set(ref) - set(y) == {"exit", "data"}
+
+
+# ---------------------------------------------------------------- timing
+class FakeClock:
+    """`time` for recdepth.generation: perf_counter() reads `now`, which the patched passes
+    advance (issue 21: the benchmark times generation after the first token)."""
+
+    now = 0.0
+
+    @classmethod
+    def perf_counter(cls) -> float:
+        return cls.now
+
+
+def test_decode_seconds_leave_out_the_prompt_and_the_tokens_stay_greedy_per_steps(monkeypatch):
+    """On a fake clock that advances 1 s per decode_step and 10 s per chunk pass: greedy's
+    first_token_seconds are its P − 1 prompt steps and the first token's step, speculative's
+    its one prompt chunk pass; decode_seconds are the rest (greedy: one step per further
+    token; speculative: its drafts and verify passes). The split leaves the tokens alone:
+    speculative returns greedy per_step's tokens and applications."""
+
+    def ticking(fn, dt):
+        def f(*a, **k):
+            FakeClock.now += dt
+            return fn(*a, **k)
+        return f
+
+    monkeypatch.setattr(FakeClock, "now", 0.0)
+    monkeypatch.setattr(generation, "time", FakeClock)
+    monkeypatch.setattr(generation, "decode_step", ticking(generation.decode_step, 1.0))
+    monkeypatch.setattr(generation, "chunk_step", ticking(generation.chunk_step, 10.0))
+    m, prompt, n_new = model(), PROMPTS[2], 12
+    P = len(prompt)
+    for rule, policy in RULES.items():
+        ref = greedy(m, prompt, policy, n_new, cache="per_step", seed=4)
+        assert (ref.first_token_seconds, ref.decode_seconds, ref.seconds) == (P, n_new - 1, P + n_new - 1), rule
+        latest = greedy(m, prompt, policy, n_new, cache="latest", seed=4)
+        assert (latest.first_token_seconds, latest.decode_seconds) == (P, n_new - 1), rule
+        s = speculative(m, prompt, policy, n_new, 2, 4, seed=4)
+        assert same(s, ref), rule
+        assert s.first_token_seconds == 10.0, rule
+        assert s.decode_seconds == 10.0 * s.stats["rounds"] + s.stats["drafted"], rule
+        assert s.stats["rounds"] >= 3 and s.stats["drafted"] >= 3, rule  # 11 tokens after the first, L <= 4
