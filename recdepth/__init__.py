@@ -15,6 +15,8 @@ Core: the math, torch and numpy only
                   exactly (per-row noise keys), and the oracle bound
   calibration.py  the search that calibrates an exit rule per group to a CE-increase or
                   application target (real decodes of a calibration split)
+  ltt.py          calibration with a guarantee (Learn then Test): per-window losses,
+                  Hoeffding–Bentkus and binomial p-values, fixed-sequence testing, the staircase
   generation.py   generation under an exit rule: greedy token by token with a per-token
                   record of depth, and self-speculative decoding (draft at few
                   applications, verify in one chunk pass), exactly greedy's tokens

@@ -3,15 +3,18 @@ exit thresholds searched to a target on a calibration split, then one evaluation
 split (docs/spec.md §4c; the search is `recdepth.calibration`).
 
     python -m recdepth.calibrate ckpt=<run>/train/checkpoints/last.ckpt exit=accel target.max_ce_increase=0.01
-    python -m recdepth.calibrate ckpt=<run>/train/checkpoints/last.ckpt exit=kl target.applications=8
+    python -m recdepth.calibrate ckpt=<run>/train/checkpoints/last.ckpt exit=kl target.layer_applications=40
 
 Splits, both from the checkpoint's val split and never overlapping: the **test** split is
 what `recdepth.evaluate` scores, val tokens [0, eval.tokens]; the **calibration** split
 follows it, val tokens [eval.tokens + 1, eval.tokens + 1 + calibration.tokens]. Every
 candidate setting is decoded for real on the calibration split (exact engine, batched).
+The calibration windows draw their own initial-state noise: their noise keys (SPEC §4's
+"sequence") continue after the test split's windows instead of restarting at 0.
 
 Targets (set exactly one): `target.max_ce_increase` δ, CE at most δ nats above `fixed` at
-exit.max_steps; `target.applications` B, mean applications per token at most B. The run
+exit.max_steps; `target.layer_applications` B, layer applications per token at most B
+(Σ_g |g| · applications_g + the layers outside the loops, docs/spec.md §4b). The run
 directory gets:
     calibration.json    the answer, the exit override line, calibration and test numbers
     calibration.csv     every setting decoded on the calibration split (per-group values, CE, A)
@@ -19,8 +22,9 @@ directory gets:
                         (position = offset in the val split)
     exit.yaml           the calibrated `exit` group, the same as the override line
     eval_tokens.csv     the answer's per-token record on the test split (as recdepth.evaluate)
-The override line (`exit=accel exit.tau=[...] ...`) runs the calibrated rule in
-`recdepth.evaluate` and `recdepth.train`.
+The override line (`exit=accel exit.tau=[...] ... exit.calibrated_on=[first,last]`) runs the
+calibrated rule in `recdepth.evaluate` and `recdepth.train`; `exit.calibrated_on` makes them
+refuse a test range that overlaps the calibration tokens.
 """
 
 from __future__ import annotations
@@ -36,11 +40,11 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth import calibration, stats
+from recdepth import calibration, ltt, stats
 from recdepth.checkpoints import heldout_tokens, load_checkpoint, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
-from recdepth.decoding import evaluate_exit
+from recdepth.decoding import evaluate_exit, model_cost
 from recdepth.evaluate import run_eval
 from recdepth.exits import ExitPolicy, build
 from recdepth.runs import write_json
@@ -66,9 +70,9 @@ def policy_at(base: ExitPolicy, field: str, values: list) -> ExitPolicy:
     return dataclasses.replace(base, **{field: v})
 
 
-def overrides(p: ExitPolicy, gate: str | None = None) -> str:
+def overrides(p: ExitPolicy, gate: str | None = None, calibrated_on: tuple[int, int] | None = None) -> str:
     """The command-line overrides that select policy `p` (every field, so nothing is
-    inherited from the rule's yaml)."""
+    inherited from the rule's yaml), and the val-token range it was calibrated on."""
     def fmt(v):
         return "[" + ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) + "]" \
             if isinstance(v, tuple) else (f"{v:g}" if isinstance(v, float) else str(v))
@@ -77,33 +81,41 @@ def overrides(p: ExitPolicy, gate: str | None = None) -> str:
              f"exit.min_steps={fmt(p.min_steps)}", f"exit.max_steps={fmt(p.max_steps)}", f"exit.patience={p.patience}"]
     if gate:
         parts.append(f"exit.gate={gate}")
+    if calibrated_on is not None:
+        parts.append(f"exit.calibrated_on=[{int(calibrated_on[0])},{int(calibrated_on[1])}]")
     return " ".join(parts)
 
 
-def exit_group(p: ExitPolicy, gate: str | None = None) -> dict:
+def exit_group(p: ExitPolicy, gate: str | None = None, calibrated_on: tuple[int, int] | None = None) -> dict:
     """The `exit` group of policy p as plain data (exit.yaml)."""
     plain = lambda v: list(v) if isinstance(v, tuple) else v  # noqa: E731
     d = {"name": p.name, "tau": plain(p.tau), "min_steps": plain(p.min_steps), "max_steps": plain(p.max_steps),
          "patience": p.patience}
     if gate:
         d["gate"] = gate
+    if calibrated_on is not None:
+        d["calibrated_on"] = [int(calibrated_on[0]), int(calibrated_on[1])]
     return d
 
 
 class CalibrationSplit:
-    """Decodes a policy on the calibration tokens for real; remembers what it decoded."""
+    """Decodes a policy on the calibration tokens for real; remembers what it decoded.
+    `first_window`: the noise key of the split's first window (`noise_window`), so its
+    windows never share the test windows' noise; `cost`: the model's layer-application cost."""
 
     def __init__(self, model, tokens: torch.Tensor, n_tokens: int, seed: int, cache: str, batch_size: int,
-                 warm_start: bool = False):
+                 warm_start: bool = False, first_window: int = 0):
         self.model, self.tokens, self.n_tokens = model, tokens, n_tokens
         self.seed, self.cache, self.batch_size, self.warm_start = seed, cache, batch_size, warm_start
+        self.first_window = first_window
+        self.cost = model_cost(model)
         self.seconds = 0.0
 
     def decode(self, policy: ExitPolicy) -> dict:
         t0 = time.perf_counter()
         _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, warmup_tokens=0, seed=self.seed,
                                cache=self.cache, batch_size=self.batch_size, latency_tokens=0,
-                               warm_start=self.warm_start)
+                               warm_start=self.warm_start, first_window=self.first_window)
         self.seconds += time.perf_counter() - t0
         return rec
 
@@ -128,19 +140,111 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
         records[setting] = rec
         return rec["nll"], rec["apps"]
 
-    res = calibration.search(evaluate, len(grid), groups, target, ce_ref, per_group=groups > 1, max_evals=max_evals)
+    res = calibration.search(evaluate, len(grid), groups, target, ce_ref, per_group=groups > 1, max_evals=max_evals,
+                             cost=split.cost)
     rows = [{"field": field, "values": [grid[i] for i in p.setting], "ce": p.ce, "ce_increase": p.ce - ce_ref,
-             "applications": p.applications, "per_group": list(p.per_group),
+             "layer_applications": p.cost, "per_group": list(p.per_group),
              "meets": calibration.meets(p, target, ce_ref)} for p in res.history]
     return at(res.best.setting), res, records[res.best.setting], rows
+
+
+def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
+                  max_evals: int, epsilon: float, loss_bound: float,
+                  ref: dict | None = None) -> tuple[ExitPolicy, calibration.Result, dict, list, dict]:
+    """Learn then Test on the calibration split (`recdepth.ltt`, docs/spec.md §4e): the
+    settings of `base`'s knob along a fixed path, most conservative first (`ltt.staircase`
+    over the per-group grid with `per_group`, else the shared grid), each window's loss its
+    mean NLL increase over `fixed` at max_steps clipped to [0, loss_bound] and divided by it,
+    Hoeffding–Bentkus p-values of "risk > δ / loss_bound", fixed-sequence testing at level
+    `epsilon`. Settings are decoded lazily in path order and the walk stops at the first one
+    not certified (fixed-sequence testing never reads further) or after `max_evals` (a
+    prefix of a fixed sequence is a fixed sequence: still valid). The answer is the last
+    certified setting; if none is, `fixed` at max_steps (full depth, loss 0). Returns the
+    policy, a `calibration.Result` (history: the decoded settings), the answer's per-token
+    record, the rows of calibration.csv ("meets" = certified) and calibration.json's method
+    block."""
+    if target.kind != "max_ce_increase":
+        raise ValueError("calibration.method: ltt needs target.max_ce_increase (a layer-applications budget has "
+                         "no risk to certify); use calibration.method=empirical for it")
+    G = split.model.n_groups
+    field, grid = calibration.knob(base.name, base.max_steps_bound)
+    groups = G if (per_group and field != "patience") else 1
+    path = ltt.staircase(len(grid), groups)
+    full = build("fixed", None, max_steps=base.max_steps)
+    if ref is None:
+        ref = split.decode(full)
+    alpha = ltt.alpha(target.value, loss_bound)
+    ce_ref = float(np.mean(ref["nll"]))
+    decoded: list[tuple[tuple[int, ...], dict]] = []
+
+    def at(setting):
+        return policy_at(base, field, [grid[i] for i in setting])
+
+    def losses():
+        for s in path[:max_evals]:
+            rec = split.decode(at(s))
+            decoded.append((s, rec))
+            yield ltt.window_losses(rec["nll"], ref["nll"], rec["window"], loss_bound)
+
+    out = ltt.ltt_lazy(losses(), alpha, epsilon)
+    k, n = out["certified"], out["n"]
+    points = [calibration.point(s, rec["nll"], rec["apps"], split.cost) for s, rec in decoded]
+    rows = [{"field": field, "values": [grid[i] for i in p.setting], "ce": p.ce, "ce_increase": p.ce - ce_ref,
+             "layer_applications": p.cost, "per_group": list(p.per_group), "meets": i < k,
+             "risk": out["risks"][i], "pvalue": out["pvalues"][i]} for i, p in enumerate(points)]
+    if k:
+        policy, best, rec = at(decoded[k - 1][0]), points[k - 1], decoded[k - 1][1]
+    else:
+        policy, rec = full, ref
+        best = calibration.point((), ref["nll"], ref["apps"], split.cost)
+    stopped = ("first uncertified setting" if k < len(decoded) else
+               "end of the path" if len(decoded) == len(path) else "calibration.max_evals")
+    n_min = ltt.min_alpha(n, epsilon)
+    if alpha < n_min:
+        log.warning("ltt: with %d calibration windows nothing below a risk of %.4g (δ = %.4g nats at loss_bound %g) "
+                    "can be certified at epsilon %g; raise calibration.tokens", n, n_min, n_min * loss_bound,
+                    loss_bound, epsilon)
+    method = {
+        "method": "ltt",
+        "guarantee": (f"with probability >= {1 - epsilon:g} over the calibration windows, the answer's expected "
+                      f"per-window CE increase over full depth, clipped to [0, {loss_bound:g}] nats, is <= "
+                      f"{target.value:g} (risk <= alpha = {alpha:g}); spec §4e"),
+        "status": f"certified {k} of {len(path)} settings on the path" if k else "nothing certified: full depth",
+        "epsilon": epsilon, "alpha": alpha, "loss_bound": loss_bound, "windows": n, "min_alpha": n_min,
+        "path": "staircase" if groups > 1 else "shared", "path_length": len(path), "tested": len(decoded),
+        "certified": k, "stopped": stopped, "pvalue": "hoeffding_bentkus",
+        "settings": [r["values"] for r in rows], "pvalues": out["pvalues"], "risks": out["risks"],
+    }
+    log.info("ltt: %s (%d windows, alpha %.4g, epsilon %g; walk stopped at the %s)", method["status"], n, alpha,
+             epsilon, stopped)
+    return policy, calibration.Result(best, True, ce_ref, target, points), rec, rows, method
+
+
+def check_method(c, target: calibration.Target) -> None:
+    """calibration.method=ltt needs a CE target below calibration.loss_bound (one line otherwise)."""
+    if c.method != "ltt":
+        return
+    if target.kind != "max_ce_increase":
+        raise ValueError("calibration.method: ltt needs target.max_ce_increase (a layer-applications budget has "
+                         "no risk to certify); use calibration.method=empirical for it")
+    if target.value >= c.loss_bound:
+        raise ValueError(f"calibration.loss_bound: must exceed target.max_ce_increase ({c.loss_bound:g} <= "
+                         f"{target.value:g}): the clipped loss never exceeds the bound, so nothing would be tested")
+
+
+def ltt_test_risk(rec: dict, ref_nll: np.ndarray, loss_bound: float, alpha: float) -> dict:
+    """The answer's LTT risk on the test split (mean clipped window loss, `ltt.window_losses`)
+    against alpha: what the guarantee is about, measured once on the test windows."""
+    r = float(np.mean(ltt.window_losses(rec["nll"], ref_nll, rec["window"], loss_bound)))
+    return {"ltt_risk": r, "ltt_alpha": alpha, "ltt_risk_within_alpha": r <= alpha}
 
 
 def target_of(cfg: DictConfig) -> calibration.Target:
     """The one target set in cfg.target (one line naming the fields otherwise)."""
     t = {k: v for k, v in OmegaConf.to_container(cfg.target).items() if v is not None}
     if len(t) != 1:
-        raise ValueError(f"target: set exactly one of target.max_ce_increase=<nats> or target.applications=<mean "
-                         f"applications per token>, got {t or 'none'}")
+        raise ValueError(f"target: set exactly one of target.max_ce_increase=<nats> or "
+                         f"target.layer_applications=<layer applications per token>, got {t or 'none'}")
     (kind, value), = t.items()
     return calibration.Target(kind, value)
 
@@ -151,16 +255,24 @@ def verdict(lo: float, hi: float, bound: float) -> str:
     return "held" if hi <= bound else "violated" if lo > bound else "not resolved"
 
 
-def test_check(target: calibration.Target, rec: dict, ref_nll: np.ndarray | None, resamples: int = 1000) -> dict:
-    """The target on the test split with its paired 95% bootstrap interval over tokens."""
-    idx = stats.bootstrap_indices(len(rec["nll"]), resamples)
+def test_check(target: calibration.Target, rec: dict, ref_nll: np.ndarray | None, cost: stats.Cost,
+               resamples: int = 1000) -> dict:
+    """The target on the test split with its paired 95% bootstrap interval over windows."""
+    boot = stats.Bootstrap(rec["window"], resamples)
     if target.kind == "max_ce_increase":
-        d, lo, hi = stats.diff_ci(rec["nll"], ref_nll, idx)
+        d, lo, hi = stats.diff_ci(rec["nll"], ref_nll, boot)
         return {"ce_increase": d, "ce_increase_ci": [lo, hi], "bound": target.value,
                 "verdict": verdict(lo, hi, target.value)}
-    a, lo, hi = stats.mean_ci(np.asarray(rec["apps"], float).mean(axis=1), idx)
-    return {"applications": a, "applications_ci": [lo, hi], "bound": target.value,
+    a, lo, hi = stats.mean_ci(cost.per_token(rec["apps"]), boot)
+    return {"layer_applications": a, "layer_applications_ci": [lo, hi], "bound": target.value,
             "verdict": verdict(lo, hi, target.value)}
+
+
+def noise_window(n_test: int, block_size: int) -> int:
+    """The noise key of the calibration split's first window: one past the test split's
+    last window (the test split scores n_test targets in ceil(n_test / block_size)
+    windows keyed 0, 1, ...), so no calibration window draws a test window's noise."""
+    return -(-n_test // block_size)
 
 
 def load_splits(cfg: DictConfig):
@@ -178,6 +290,13 @@ def load_splits(cfg: DictConfig):
     return module, sp, heldout_tokens(module, data, cfg.eval.tokens + 1, cfg.seed), cal_tokens
 
 
+def calibration_split(cfg: DictConfig, model, cal_tokens: torch.Tensor) -> CalibrationSplit:
+    """The calibration split of `load_splits`, decoded with cfg's settings and its own noise keys."""
+    c = cfg.calibration
+    return CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size, cfg.eval.warm_start,
+                            first_window=noise_window(cfg.eval.tokens, model.cfg.block_size))
+
+
 def calibrate(cfg: DictConfig) -> dict:
     """Calibrate cfg.exit on the calibration split to cfg.target, evaluate the answer once on
     the test split; write and return calibration.json's dict."""
@@ -188,6 +307,7 @@ def calibrate(cfg: DictConfig) -> dict:
     validated(cfg)
     base = exit_policy(cfg)
     target = target_of(cfg)
+    check_method(cfg.calibration, target)
     if base.name == "oracle":
         raise ValueError("exit.name: the oracle reads the target token; there is nothing to calibrate")
     if (run_dir / "calibration.json").exists():
@@ -198,23 +318,28 @@ def calibrate(cfg: DictConfig) -> dict:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
 
-    split = CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size,
-                             cfg.eval.warm_start)
+    split = calibration_split(cfg, model, cal_tokens)
     t0 = time.perf_counter()
-    policy, res, cal_rec, rows = calibrate_policy(split, base, target, c.per_group, c.max_evals)
+    if c.method == "ltt":
+        policy, res, cal_rec, rows, method = calibrate_ltt(split, base, target, c.per_group, c.max_evals, c.epsilon,
+                                                           c.loss_bound)
+    else:
+        policy, res, cal_rec, rows = calibrate_policy(split, base, target, c.per_group, c.max_evals)
+        method = {"method": "empirical", "guarantee": "no guarantee"}
     search_s = time.perf_counter() - t0
     gate = OmegaConf.select(cfg, "exit.gate")
-    line = overrides(policy, gate)
-    log.info("calibrated on %d tokens in %d decodes (%.0f s): %s (CE %+.4f vs fixed-%s, %.2f applications)%s",
+    cal_range = tuple(sp["calibration"])
+    line = overrides(policy, gate, cal_range)
+    log.info("calibrated on %d tokens in %d decodes (%.0f s): %s (CE %+.4f vs fixed-%s, %.2f layer applications)%s",
              c.tokens, len(res.history), search_s, line, res.best.ce - res.ce_ref, base.max_steps,
-             res.best.applications, "" if res.met else " -- the target is NOT met on the calibration split")
+             res.best.cost, "" if res.met else " -- the target is NOT met on the calibration split")
 
     off, v2g = sp["calibration"][0], module.vocab_to_gpt2
     gpt2 = cal_rec["target"] if v2g is None else v2g.cpu().numpy()[cal_rec["target"]]
     stats.write_tokens(run_dir / "calibration_tokens.csv", cal_rec["window"], cal_rec["position"] + off,
                        cal_rec["target"], gpt2, cal_rec["nll"], cal_rec["apps"])
     _write_rows(run_dir / "calibration.csv", rows)
-    (run_dir / "exit.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(exit_group(policy, gate))))
+    (run_dir / "exit.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(exit_group(policy, gate, cal_range))))
     (run_dir / "exit_overrides.txt").write_text(line + "\n")
 
     ev = run_eval(model, test_tokens, policy, cfg, run_dir, module.vocab_to_gpt2)
@@ -225,16 +350,20 @@ def calibrate(cfg: DictConfig) -> dict:
                                warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
                                batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start)
         ref_nll = ref["nll"]
-    held = test_check(target, test_rec, ref_nll)
+    held = test_check(target, test_rec, ref_nll, split.cost)
+    if c.method == "ltt":
+        held.update(ltt_test_risk(test_rec, ref_nll, c.loss_bound, method["alpha"]))
     out = {
         "ckpt": str(Path(cfg.ckpt).resolve()), "groups": module.config.groups,
         "target": {"kind": target.kind, "value": target.value},
-        "exit": exit_group(policy, gate), "overrides": line,
+        "exit": exit_group(policy, gate, cal_range), "overrides": line,
         "splits": {k: list(v) for k, v in sp.items()},
-        "calibration": {"tokens": c.tokens, "met": res.met, "ce": res.best.ce, "ce_ref": res.ce_ref,
-                        "ce_increase": res.best.ce - res.ce_ref, "applications": res.best.applications,
+        "calibration": {"tokens": c.tokens, "token_range": list(cal_range), "first_window": split.first_window,
+                        "met": res.met, "ce": res.best.ce, "ce_ref": res.ce_ref,
+                        "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
                         "applications_per_group": list(res.best.per_group), "decodes": len(res.history),
-                        "seconds": search_s, "per_group": bool(c.per_group), "max_evals": c.max_evals},
+                        "seconds": search_s, "per_group": bool(c.per_group), "max_evals": c.max_evals,
+                        **method},
         "test": {**held, "eval": ev},
     }
     write_json(run_dir / "calibration.json", out)
@@ -246,17 +375,17 @@ def _held_line(h: dict) -> str:
     if "ce_increase" in h:
         return (f"CE increase {h['ce_increase']:+.4f} [{h['ce_increase_ci'][0]:+.4f}, {h['ce_increase_ci'][1]:+.4f}] "
                 f"vs target <= {h['bound']:g}: {h['verdict']}")
-    return (f"applications {h['applications']:.2f} [{h['applications_ci'][0]:.2f}, {h['applications_ci'][1]:.2f}] "
-            f"vs target <= {h['bound']:g}: {h['verdict']}")
+    return (f"layer applications {h['layer_applications']:.2f} [{h['layer_applications_ci'][0]:.2f}, "
+            f"{h['layer_applications_ci'][1]:.2f}] vs target <= {h['bound']:g}: {h['verdict']}")
 
 
 def _write_rows(path: Path, rows: list[dict]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["decode", "field", "values", "ce", "ce_increase", "applications", "per_group", "meets"])
+        w.writerow(["decode", "field", "values", "ce", "ce_increase", "layer_applications", "per_group", "meets"])
         for i, r in enumerate(rows):
             w.writerow([i, r["field"], " ".join(f"{v:g}" for v in r["values"]), f"{r['ce']:.6f}",
-                        f"{r['ce_increase']:+.6f}", f"{r['applications']:.4f}",
+                        f"{r['ce_increase']:+.6f}", f"{r['layer_applications']:.4f}",
                         " ".join(f"{a:.3f}" for a in r["per_group"]), int(r["meets"])])
 
 

@@ -9,10 +9,14 @@ replayed or extrapolated, so the CE and cost the search sees are exactly those o
 decoding on the calibration split (the gap to the test split is sampling, which the test
 evaluation measures with its interval).
 
+Cost: A is the mean cost per token in layer applications (`stats.Cost`: Σ_g |g| · the
+applications of group g, plus the layers outside the loops; docs/spec.md §4b), so a
+two-layer group's applications weigh twice a one-layer group's.
+
 Targets (`Target`), on the calibration split:
-- `max_ce_increase` δ: minimise the mean applications A subject to CE − CE_ref <= δ, where
-  CE_ref is the CE of `fixed` at the rule's max_steps (every group at full depth);
-- `applications` B: minimise CE subject to A <= B.
+- `max_ce_increase` δ: minimise A subject to CE − CE_ref <= δ, where CE_ref is the CE of
+  `fixed` at the rule's max_steps (every group at full depth);
+- `layer_applications` B: minimise CE subject to A <= B (layer applications per token).
 
 The search (`search`):
 1. one shared index for every group, found by bisection along the grid for the boundary
@@ -35,13 +39,16 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-TARGETS = ("max_ce_increase", "applications")
+from recdepth.stats import Cost
+
+TARGETS = ("max_ce_increase", "layer_applications")
 
 
 @dataclass(frozen=True)
 class Target:
     """What the calibration must hold on the calibration split: `kind` is max_ce_increase
-    (nats over the full-depth CE, >= 0) or applications (mean per token and group, > 0)."""
+    (nats over the full-depth CE, >= 0) or layer_applications (mean layer applications per
+    token, > 0: Σ_g |g| · applications_g + the layers outside the loops)."""
 
     kind: str
     value: float
@@ -52,46 +59,48 @@ class Target:
         v = self.value
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
         if not ok or (v < 0 if self.kind == "max_ce_increase" else v <= 0):
-            what = ">= 0 (nats)" if self.kind == "max_ce_increase" else "> 0 (applications per token)"
+            what = ">= 0 (nats)" if self.kind == "max_ce_increase" else "> 0 (layer applications per token)"
             raise ValueError(f"target.{self.kind}: expected a finite number {what}, got {v!r}")
 
 
 @dataclass(frozen=True)
 class Point:
-    """One evaluated setting: grid indices per group, CE (mean NLL) and mean applications."""
+    """One evaluated setting: grid indices per group, CE (mean NLL), mean cost per token
+    (layer applications) and mean applications per group."""
 
     setting: tuple[int, ...]
     ce: float
-    applications: float
+    cost: float
     per_group: tuple[float, ...]
 
 
-def point(setting: Sequence[int], nll: np.ndarray, apps: np.ndarray) -> Point:
+def point(setting: Sequence[int], nll: np.ndarray, apps: np.ndarray, cost: Cost | None = None) -> Point:
     """The CE and cost of per-token records (nll [N], apps [N, G]), as `stats` defines them:
-    CE = mean NLL; A = mean of apps over tokens and groups."""
+    CE = mean NLL; cost = mean of `cost.per_token(apps)` (layer applications; without a
+    Cost, the mean of apps over tokens and groups)."""
     apps = np.asarray(apps, dtype=float)
     per = apps.mean(axis=0) if apps.size else np.zeros(0)
-    return Point(tuple(int(i) for i in setting), float(np.mean(nll)), float(per.mean()) if per.size else 0.0,
-                 tuple(float(a) for a in per))
+    c = float(cost.per_token(apps).mean()) if (cost is not None and apps.size) else (float(per.mean()) if per.size else 0.0)
+    return Point(tuple(int(i) for i in setting), float(np.mean(nll)), c, tuple(float(a) for a in per))
 
 
 def meets(p: Point, target: Target, ce_ref: float) -> bool:
     """Whether a point holds the target (CE − CE_ref <= δ, or A <= B)."""
     if target.kind == "max_ce_increase":
         return p.ce - ce_ref <= target.value
-    return p.applications <= target.value
+    return p.cost <= target.value
 
 
 def _key(p: Point, target: Target) -> tuple[float, float]:
     """The objective, lower is better: (A, CE) under a CE target, (CE, A) under a budget."""
-    return (p.applications, p.ce) if target.kind == "max_ce_increase" else (p.ce, p.applications)
+    return (p.cost, p.ce) if target.kind == "max_ce_increase" else (p.ce, p.cost)
 
 
 def _miss(p: Point, target: Target, ce_ref: float) -> float:
     """How far a point is from the target (0 if it holds it)."""
     if target.kind == "max_ce_increase":
         return max(p.ce - ce_ref - target.value, 0.0)
-    return max(p.applications - target.value, 0.0)
+    return max(p.cost - target.value, 0.0)
 
 
 @dataclass
@@ -114,11 +123,13 @@ def best(points: Sequence[Point], target: Target, ce_ref: float) -> tuple[Point,
 
 
 def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]], grid_size: int, groups: int,
-           target: Target, ce_ref: float, per_group: bool = True, max_evals: int = 32) -> Result:
+           target: Target, ce_ref: float, per_group: bool = True, max_evals: int = 32,
+           cost: Cost | None = None) -> Result:
     """Calibrate a knob with `grid_size` values per group (index 0 the most expensive) for
     `groups` groups to `target` (see the module docstring). `evaluate(setting)` returns
     (nll [N], apps [N, G]) of real decoding under that setting; each setting is decoded
-    once. `per_group` False keeps one index for all groups (phase 1 only)."""
+    once. `per_group` False keeps one index for all groups (phase 1 only). `cost`: the
+    model's layer-application cost (None: applications averaged over groups)."""
     if grid_size < 1 or groups < 1:
         raise ValueError(f"calibration: need a grid and at least one group, got {grid_size} values, {groups} groups")
     if max_evals < 2:
@@ -129,7 +140,7 @@ def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]],
         if setting not in seen:
             if len(seen) >= max_evals:
                 return None
-            seen[setting] = point(setting, *evaluate(setting))
+            seen[setting] = point(setting, *evaluate(setting), cost)
         return seen[setting]
 
     # 1. the shared index: bisection for the boundary along the grid. Under a CE target

@@ -11,7 +11,13 @@ On the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evalua
   - every rule of `report.calibrate` calibrated per group on the calibration split (val
     tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
     `report.max_ce_increase` nats above fixed at max_steps, and at most
-    `report.applications` mean applications per token; then scored once on the test split.
+    `report.layer_applications` layer applications per token; then scored once on the test
+    split.
+Latency: every setting is scored first; then the timed batch-1 passes of all settings run
+round-robin, `eval.repeats` rounds, so drift of the machine hits every setting alike, and
+each setting keeps every repeat (the equal-latency interval includes their spread).
+Winners are chosen on the calibration split only (`select`): the test split scores the
+chosen settings and is never used to choose.
 The learned gate is `report.gate` (a gate.pt of `recdepth.train_gate`), or trained here on
 the train split when null.
 
@@ -22,10 +28,12 @@ Written into the run directory:
     jobs/sweep_results.md, jobs/frontier.md, jobs/fig4_exits.png
                         the sweep summary of all jobs (recdepth.sweep): every job against
                         the fixed frontier at equal applications and at equal ms/token
-    report.md / report.csv  the table: per target, each calibrated rule's setting, the
+    report.md / report.csv  the table: per target, each calibrated rule's setting, its
+                        numbers on the calibration split (which choose the winner), the
                         target on test with its CI, its cost and CE, its CE minus the fixed
-                        frontier at its own applications with the CI, and the winner
-    report.png / .pdf   CE (minus fixed at max_steps) against mean applications and against
+                        frontier at its own layer applications with the CI, and the winner
+                        (chosen on calibration) with its test numbers
+    report.png / .pdf   CE (minus fixed at max_steps) against layer applications and against
                         ms/token: the frontier, the oracle, each rule's τ grid, the
                         calibrated settings and the gate
 """
@@ -38,13 +46,12 @@ import time
 from pathlib import Path
 
 import hydra
-import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import calibration, stats, sweep
 from recdepth.calibrate import (
-    CalibrationSplit,
     calibrate_policy,
+    calibration_split,
     exit_group,
     load_splits,
     overrides,
@@ -52,7 +59,7 @@ from recdepth.calibrate import (
 )
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
-from recdepth.decoding import evaluate_exit
+from recdepth.decoding import add_latency, evaluate_exit, model_cost, time_tokens
 from recdepth.evaluate import write_eval
 from recdepth.exits import NO_TAU, build
 from recdepth.gate import load_gate
@@ -62,11 +69,12 @@ from recdepth.train_gate import train_gate
 
 log = logging.getLogger("recdepth.report")
 
-TARGET_NAMES = {"max_ce_increase": "CE increase", "applications": "applications"}
+TARGET_NAMES = {"max_ce_increase": "CE increase", "layer_applications": "layer applications"}
 
 
 class Jobs:
-    """Scores settings on the test split and writes each as a sweep job directory."""
+    """Scores settings on the test split; times them round-robin (`time_all`); writes each as
+    a sweep job directory."""
 
     def __init__(self, out: Path, model, tokens, cfg: DictConfig, vocab_to_gpt2):
         self.out, self.model, self.tokens, self.cfg, self.v2g = out, model, tokens, cfg, vocab_to_gpt2
@@ -74,23 +82,51 @@ class Jobs:
         self.rows: list[dict] = []
 
     def run(self, family: str, policy, line: str, extra: dict | None = None) -> dict:
+        """Score `policy` on the test split (quality and cost; latency later, `time_all`)."""
         e = self.cfg.eval
         k = len(self.rows)
-        d = self.out / str(k)
         t0 = time.perf_counter()
         ev, rec = evaluate_exit(self.model, self.tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens,
                                 seed=self.cfg.seed, cache=e.cache, batch_size=e.batch_size,
-                                latency_tokens=e.latency_tokens, repeats=e.repeats, warm_start=e.warm_start)
-        (d / ".hydra").mkdir(parents=True, exist_ok=True)
-        (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(line.split())))
-        write_eval(d, rec, self.v2g)
-        write_json(d / "metrics.json", {"family": family, "overrides": line, **(extra or {}), "eval": ev})
-        row = {"job": k, "family": family, "overrides": line, "eval": ev, "rec": rec, **(extra or {})}
+                                latency_tokens=0, warm_start=e.warm_start)
+        row = {"job": k, "family": family, "overrides": line, "policy": policy, "eval": ev, "rec": rec,
+               **(extra or {})}
         self.rows.append(row)
-        ms = "—" if ev["ms_per_token"] is None else f"{ev['ms_per_token']:.2f}"
-        log.info("job %d %-10s %s: CE %.4f, %.2f applications, %s ms/token (%.0f s)", k, family, line, ev["ce"],
-                 ev["mean_applications"], ms, time.perf_counter() - t0)
+        self.write(row)
+        log.info("job %d %-10s %s: CE %.4f, %.2f layer applications (%.0f s)", k, family, line, ev["ce"],
+                 ev["layer_applications"], time.perf_counter() - t0)
         return row
+
+    def time_all(self) -> None:
+        """Latency of every job but the oracle's (it reads the target, so it cannot run):
+        `eval.repeats` rounds, each timing every job once at batch 1 over the first
+        `eval.latency_tokens` tokens, round-robin; then each job's latency fields from its
+        repeats (`decoding.add_latency`) and its files written again."""
+        e = self.cfg.eval
+        timed = [r for r in self.rows if r["family"] != "oracle"]
+        if not e.latency_tokens or not timed:
+            return
+        reps: dict[int, list] = {r["job"]: [] for r in timed}
+        t0 = time.perf_counter()
+        for i in range(e.repeats):
+            for r in timed:
+                reps[r["job"]].append(time_tokens(self.model, self.tokens, r["policy"], e.latency_tokens, e.cache,
+                                                  self.cfg.seed, e.warm_start,
+                                                  warmup_tokens=e.warmup_tokens if i == 0 else 0))
+        for r in timed:
+            add_latency(r["eval"], r["rec"], reps[r["job"]])
+            self.write(r)
+        log.info("latency: %d jobs x %d round(s), round-robin (%.0f s)", len(timed), e.repeats,
+                 time.perf_counter() - t0)
+
+    def write(self, row: dict) -> None:
+        d = self.out / str(row["job"])
+        (d / ".hydra").mkdir(parents=True, exist_ok=True)
+        (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(row["overrides"].split())))
+        write_eval(d, row["rec"], self.v2g)
+        extra = {k: row[k] for k in ("calibration",) if k in row}
+        write_json(d / "metrics.json", {"family": row["family"], "overrides": row["overrides"], **extra,
+                                        "eval": row["eval"]})
 
 
 def _start_tau(rule: str) -> float | None:
@@ -140,8 +176,7 @@ def report(cfg: DictConfig) -> dict:
         p = policy("gate", float(tau))
         jobs.run("grid", p, _line(p, gate_path))
 
-    split = CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size,
-                             cfg.eval.warm_start)
+    split = calibration_split(cfg, model, cal_tokens)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     fixed_ref = next(j for j in jobs.rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"] \
         if N in r.fixed else None
@@ -151,23 +186,26 @@ def report(cfg: DictConfig) -> dict:
                                batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start)
         fixed_ref = ref["nll"]
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
-               calibration.Target("applications", r.applications)]
+               calibration.Target("layer_applications", r.layer_applications)]
+    cal_range = tuple(sp["calibration"])
     for rule in r.calibrate:
         for target in targets:
             t0 = time.perf_counter()
             p, res, _, _ = calibrate_policy(split, policy(rule, _start_tau(rule)), target,
                                             c.per_group, c.max_evals, ce_ref)
-            line = _line(p, gate_path)
+            line = overrides(p, gate_path if p.name == "gate" else None, cal_range)
             cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
-                   "ce_increase": res.best.ce - res.ce_ref, "applications": res.best.applications,
-                   "decodes": len(res.history), "seconds": time.perf_counter() - t0, "exit": exit_group(p)}
+                   "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
+                   "decodes": len(res.history), "seconds": time.perf_counter() - t0,
+                   "exit": exit_group(p, None, cal_range)}
             row = jobs.run("calibrated", p, line, {"calibration": cal})
-            row["test_target"] = test_check(target, row["rec"], fixed_ref)
+            row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)
 
+    jobs.time_all()
     sweep.summarize(jobs.out)
-    table = comparison(jobs.rows, targets)
+    table = comparison(jobs.rows, targets, model_cost(model))
     (out / "report.md").write_text(markdown(table, targets, cfg, time.perf_counter() - t_start))
-    fig = figure(jobs.rows, N)
+    fig = figure(jobs.rows, N, model_cost(model))
     for fmt in ("png", "pdf"):
         fig.savefig(out / f"report.{fmt}", dpi=150 if fmt == "png" else None)
     import matplotlib.pyplot as plt
@@ -182,49 +220,64 @@ def report(cfg: DictConfig) -> dict:
 
 
 # ---------------------------------------------------------------- the table
-def comparison(rows: list[dict], targets: list[calibration.Target], resamples: int = sweep.RESAMPLES) -> dict:
-    """Every calibrated job against the fixed frontier at its own mean applications
-    (`stats.compare`, paired over tokens), and per target the winner: among the rules
-    whose target was not violated on test, the fewest applications (CE target) or the
-    lowest CE (budget), with the paired CI of its difference to the runner-up."""
+def select(rows: list[dict], target: calibration.Target) -> list[int]:
+    """The calibrated jobs of one target in the order the report ranks them, from their
+    calibration-split numbers only (`row["calibration"]`: met, ce, layer_applications): the
+    settings that met the target on calibration first, by fewest layer applications (CE
+    target) or lowest CE (budget), then the others by how far they missed it. Returns job
+    numbers; the first is the winner. Nothing of the test split is read: choosing on the
+    split that then scores the choice would be a winner's curse."""
+    cand = [j for j in rows if j["family"] == "calibrated" and j["calibration"]["target"]["kind"] == target.kind]
+
+    def key(j):
+        c = j["calibration"]
+        miss = max(c["ce_increase"] - target.value, 0.0) if target.kind == "max_ce_increase" \
+            else max(c["layer_applications"] - target.value, 0.0)
+        obj = (c["layer_applications"], c["ce"]) if target.kind == "max_ce_increase" else (c["ce"], c["layer_applications"])
+        return (not c["met"], miss, *obj)
+
+    return [j["job"] for j in sorted(cand, key=key)]
+
+
+def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamples: int = sweep.RESAMPLES) -> dict:
+    """Every calibrated job against the fixed frontier at its own layer applications
+    (`stats.compare`, paired over windows), and per target the winner and runner-up chosen
+    on the calibration split (`select`), then scored on the test split: the target's test
+    verdict, the frontier comparison, and the paired CI of the winner's difference to the
+    runner-up (layer applications under a CE target, CE under a budget)."""
     fixed = {int(j["eval"]["max_steps"]): j["rec"]["nll"] for j in rows if j["family"] == "fixed"}
-    n_tok = len(rows[0]["rec"]["nll"])
-    idx = stats.bootstrap_indices(n_tok, resamples)
+    boot = stats.Bootstrap(rows[0]["rec"]["window"], resamples)
+    by_job = {j["job"]: j for j in rows}
     out, winners = [], {}
     for t in targets:
-        cand = []
-        for j in rows:
-            if j["family"] != "calibrated" or j["calibration"]["target"]["kind"] != t.kind:
-                continue
-            cmp = stats.compare(j["rec"]["nll"], j["rec"]["apps"], fixed, idx)
-            row = {"target": t.kind, "bound": t.value, "rule": j["eval"]["exit"], "job": j["job"],
-                   "overrides": j["overrides"], "calibration_met": j["calibration"]["met"],
-                   "calibration_ce_increase": j["calibration"]["ce_increase"],
-                   "calibration_applications": j["calibration"]["applications"],
-                   **{f"test_{k}": v for k, v in j["test_target"].items()},
-                   "ce": cmp["ce"], "ce_lo": cmp["ce_lo"], "ce_hi": cmp["ce_hi"],
-                   "applications": cmp["mean_applications"], "applications_lo": cmp["mean_applications_lo"],
-                   "applications_hi": cmp["mean_applications_hi"], "ms_per_token": j["eval"]["ms_per_token"],
-                   "hull_ce": cmp["hull_ce"], "d_hull": cmp["d_hull"], "d_hull_lo": cmp["d_hull_lo"],
-                   "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": sweep._verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])}
-            out.append(row)
-            if row["test_verdict"] != "violated":
-                cand.append((row, j))
-        key = (lambda x: x[0]["applications"]) if t.kind == "max_ce_increase" else (lambda x: x[0]["ce"])
-        cand.sort(key=key)
-        if not cand:
+        order = select(rows, t)
+        for rank, job in enumerate(order):
+            j = by_job[job]
+            cmp = stats.compare(j["rec"]["nll"], j["rec"]["apps"], fixed, boot, cost)
+            out.append({"target": t.kind, "bound": t.value, "rule": j["eval"]["exit"], "job": job, "rank": rank + 1,
+                        "overrides": j["overrides"], "calibration_met": j["calibration"]["met"],
+                        "calibration_ce_increase": j["calibration"]["ce_increase"],
+                        "calibration_layer_applications": j["calibration"]["layer_applications"],
+                        **{f"test_{k}": v for k, v in j["test_target"].items()},
+                        "ce": cmp["ce"], "ce_lo": cmp["ce_lo"], "ce_hi": cmp["ce_hi"],
+                        "layer_applications": cmp["cost"], "layer_applications_lo": cmp["cost_lo"],
+                        "layer_applications_hi": cmp["cost_hi"], "ms_per_token": j["eval"]["ms_per_token"],
+                        "hull_ce": cmp["hull_ce"], "d_hull": cmp["d_hull"], "d_hull_lo": cmp["d_hull_lo"],
+                        "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": sweep._verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])})
+        if not order or not by_job[order[0]]["calibration"]["met"]:
             winners[t.kind] = None
             continue
-        (w, wj), rest = cand[0], cand[1:]
+        w = next(r for r in out if r["target"] == t.kind and r["job"] == order[0])
         win = {"rule": w["rule"], "job": w["job"], "overrides": w["overrides"], "vs_frontier": w["vs_frontier"],
-               "d_hull": [w["d_hull"], w["d_hull_lo"], w["d_hull_hi"]]}
-        if rest:
-            (r2, j2) = rest[0]
-            a = (np.asarray(wj["rec"]["apps"], float).mean(axis=1), np.asarray(j2["rec"]["apps"], float).mean(axis=1)) \
+               "d_hull": [w["d_hull"], w["d_hull_lo"], w["d_hull_hi"]], "test_verdict": w["test_verdict"],
+               "chosen_on": "calibration split"}
+        if len(order) > 1 and by_job[order[1]]["calibration"]["met"]:
+            wj, j2 = by_job[order[0]], by_job[order[1]]
+            a = (cost.per_token(wj["rec"]["apps"]), cost.per_token(j2["rec"]["apps"])) \
                 if t.kind == "max_ce_increase" else (wj["rec"]["nll"], j2["rec"]["nll"])
-            d, lo, hi = stats.diff_ci(*a, idx)
-            win.update(runner_up=r2["rule"], vs_runner_up=[d, lo, hi],
-                       separated=bool(hi < 0), quantity="applications" if t.kind == "max_ce_increase" else "CE")
+            d, lo, hi = stats.diff_ci(*a, boot)
+            win.update(runner_up=j2["eval"]["exit"], vs_runner_up=[d, lo, hi], separated=bool(hi < 0),
+                       quantity="layer applications" if t.kind == "max_ce_increase" else "CE")
         winners[t.kind] = win
     return {"rows": out, "winners": winners}
 
@@ -238,39 +291,42 @@ def _f(v, digits=4, sign=False) -> str:
 def markdown(table: dict, targets: list[calibration.Target], cfg: DictConfig, seconds: float) -> str:
     lines = [f"# Exit rules compared on {cfg.ckpt}", "",
              f"Test split: {cfg.eval.tokens} tokens (val offsets 0–{cfg.eval.tokens}); calibration split: "
-             f"{cfg.calibration.tokens} tokens after it. Intervals: 95% paired bootstrap over test tokens "
-             f"({sweep.RESAMPLES} resamples). Report run time: {seconds / 60:.1f} min.", ""]
+             f"{cfg.calibration.tokens} tokens after it, with its own noise keys. Rules are ranked and the winner "
+             "chosen on the calibration split (rank); the test split only scores the choices. Intervals: 95% "
+             f"paired bootstrap over whole test windows ({sweep.RESAMPLES} resamples), per comparison. Cost: layer "
+             "applications per token (docs/spec.md §4b). Latency: batch 1, every setting timed round-robin "
+             f"({cfg.eval.repeats} round(s)). Report run time: {seconds / 60:.1f} min.", ""]
     for t in targets:
         name = TARGET_NAMES[t.kind]
+        q = "ce_increase" if t.kind == "max_ce_increase" else "layer_applications"
+        dig, sign = (4, True) if q == "ce_increase" else (2, False)
         lines += [f"## Calibrated to {name} ≤ {t.value:g}", "",
-                  "| rule | calibrated setting | on calibration: CE increase, applications | on test: "
-                  f"{name} [95% CI] | target on test | CE [95% CI] | applications | ms/token | "
-                  "CE − fixed frontier at its applications [95% CI] | vs fixed frontier |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| rank (on calibration) | rule | calibrated setting | on calibration: CE increase, layer applications | "
+                  f"on test: {name} [95% CI] | target on test | CE [95% CI] | layer applications | ms/token | "
+                  "CE − fixed frontier at its layer applications [95% CI] | vs fixed frontier |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (x for x in table["rows"] if x["target"] == t.kind):
-            q = "ce_increase" if t.kind == "max_ce_increase" else "applications"
-            test_q = f"{_f(r[f'test_{q}'], 4 if q == 'ce_increase' else 2, q == 'ce_increase')} " \
-                     f"[{_f(r[f'test_{q}_ci'][0], 4 if q == 'ce_increase' else 2, q == 'ce_increase')}, " \
-                     f"{_f(r[f'test_{q}_ci'][1], 4 if q == 'ce_increase' else 2, q == 'ce_increase')}]"
-            setting = " ".join(x for x in r["overrides"].split() if not x.startswith(("exit.gate=",)))
+            test_q = f"{_f(r[f'test_{q}'], dig, sign)} [{_f(r[f'test_{q}_ci'][0], dig, sign)}, " \
+                     f"{_f(r[f'test_{q}_ci'][1], dig, sign)}]"
+            setting = " ".join(x for x in r["overrides"].split() if not x.startswith(("exit.gate=", "exit.calibrated_on=")))
             met = "" if r["calibration_met"] else " (not met)"
-            lines.append(f"| {r['rule']} | `{setting}` | {_f(r['calibration_ce_increase'], 4, True)}, "
-                         f"{_f(r['calibration_applications'], 2)}{met} | {test_q} | {r['test_verdict']} | "
-                         f"{_f(r['ce'])} [{_f(r['ce_lo'])}, {_f(r['ce_hi'])}] | {_f(r['applications'], 2)} | "
+            lines.append(f"| {r['rank']} | {r['rule']} | `{setting}` | {_f(r['calibration_ce_increase'], 4, True)}, "
+                         f"{_f(r['calibration_layer_applications'], 2)}{met} | {test_q} | {r['test_verdict']} | "
+                         f"{_f(r['ce'])} [{_f(r['ce_lo'])}, {_f(r['ce_hi'])}] | {_f(r['layer_applications'], 2)} | "
                          f"{_f(r['ms_per_token'], 2)} | {_f(r['d_hull'], 4, True)} [{_f(r['d_hull_lo'], 4, True)}, "
                          f"{_f(r['d_hull_hi'], 4, True)}] | {r['vs_frontier']} |")
         w = table["winners"].get(t.kind)
         lines.append("")
         if w is None:
-            lines.append("Winner: none — every calibrated rule violated the target on test.")
+            lines.append("Winner: none — no calibrated rule met the target on the calibration split.")
         else:
-            s = f"Winner: **{w['rule']}**"
+            s = f"Winner (chosen on the calibration split): **{w['rule']}**; target on test: {w['test_verdict']}"
             if "runner_up" in w:
                 d, lo, hi = w["vs_runner_up"]
-                s += (f"; {w['quantity']} minus the runner-up's ({w['runner_up']}) {d:+.4f} [{lo:+.4f}, {hi:+.4f}]"
-                      + ("" if w["separated"] else " — not resolved against the runner-up"))
+                s += (f"; on test, {w['quantity']} minus the runner-up's ({w['runner_up']}) {d:+.4f} "
+                      f"[{lo:+.4f}, {hi:+.4f}]" + ("" if w["separated"] else " — not resolved against the runner-up"))
             d, lo, hi = w["d_hull"]
-            s += (f"; against the fixed frontier at its applications {d:+.4f} [{lo:+.4f}, {hi:+.4f}]: "
+            s += (f"; against the fixed frontier at its layer applications {d:+.4f} [{lo:+.4f}, {hi:+.4f}]: "
                   f"{w['vs_frontier']}.")
             lines.append(s)
         lines.append("")
@@ -280,8 +336,8 @@ def markdown(table: dict, targets: list[calibration.Target], cfg: DictConfig, se
 
 
 # ---------------------------------------------------------------- the figure
-def figure(rows: list[dict], n_max: int):
-    """CE − CE(fixed at n_max) against mean applications (log-x) and against ms/token."""
+def figure(rows: list[dict], n_max: int, cost: stats.Cost):
+    """CE − CE(fixed at n_max) against layer applications (log-x) and against ms/token."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -293,18 +349,19 @@ def figure(rows: list[dict], n_max: int):
     rules = sorted({j["eval"]["exit"] for j in rows if j["family"] in ("grid", "calibrated")})
     palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     colors = {rule: palette[i % len(palette)] for i, rule in enumerate(rules)}
-    marks = {"max_ce_increase": "*", "applications": "s"}
-    for ax, key, xlabel in ((axes[0], "mean_applications", "mean applications per token"),
+    marks = {"max_ce_increase": "*", "layer_applications": "s"}
+    for ax, key, xlabel in ((axes[0], "layer_applications", "layer applications per token"),
                             (axes[1], "ms_per_token", "ms / token (batch 1)")):
         fx = sorted((j["eval"][key], j["eval"]["ce"] - ref) for j in rows if j["family"] == "fixed"
                     and j["eval"][key] is not None)
         ax.plot(*zip(*fx), "k-o", ms=3, label="fixed depth", zorder=3)
-        if key == "mean_applications":
+        if key == "layer_applications":
             orc = [j for j in rows if j["family"] == "oracle"]
             if orc:
                 by_n = orc[0]["rec"]["nll_by_n"]
-                pts = sorted(stats.oracle_point(by_n, e)[::-1] for e in sweep.ORACLE_EPS)
-                ax.plot([a for a, _ in pts], [c - ref for _, c in pts], "k--", lw=1, label="oracle (reads the target)")
+                pts = sorted(stats.oracle_point(by_n, e, cost)[::-1] for e in sweep.ORACLE_EPS)
+                ax.plot([a for a, _ in pts], [c - ref for _, c in pts], "k--", lw=1,
+                        label="oracle: best uniform depth within ε (reads the target; not a bound)")
         for rule in rules:
             g = sorted((j["eval"][key], j["eval"]["ce"] - ref) for j in rows if j["family"] == "grid"
                        and j["eval"]["exit"] == rule and j["eval"][key] is not None)
@@ -320,7 +377,7 @@ def figure(rows: list[dict], n_max: int):
         ax.set_ylabel(f"CE − CE(fixed {n_max}) (nats)")
         ax.grid(alpha=0.3)
     axes[0].plot([], [], "*", color="gray", ms=10, label="calibrated to a CE increase")
-    axes[0].plot([], [], "s", color="gray", ms=8, label="calibrated to an application budget")
+    axes[0].plot([], [], "s", color="gray", ms=8, label="calibrated to a layer-application budget")
     axes[0].legend(fontsize=7, ncol=2)
     fig.suptitle("Exit rules on one frontier: quality against compute and latency (test split)", fontsize=10)
     fig.tight_layout()

@@ -8,26 +8,30 @@ into the sweep directory,
     sweep_results.csv   one row per job: job, overrides, status, exit, tau (a list when
                         one per group), patience (argmax_stability), max_steps,
                         warm_start (eval.warm_start, continuous compute), ce
-                        with its 95% CI, ppl, ms_per_token (median, min, max), applications
-                        per group and their mean, tokens, tokens_per_s (batched), the
-                        batch-1 check (tokens whose applications differ between batch 1
-                        and batch B, largest NLL difference), reused, error
+                        with its 95% CI (over windows), ppl, ms_per_token (median, min,
+                        max, every repeat), applications per group and their mean, layer
+                        applications and FLOPs per token, tokens, tokens_per_s (batched),
+                        the batch-1 check (tokens whose applications differ between batch
+                        1 and batch B, largest NLL difference), reused, error
     sweep_results.md    the same as a Markdown table
     frontier.csv / .md  when the sweep has fixed-depth jobs at two or more n (SPEC §4b): for
                         every other job (its `family`: the rule, "fixed (warm start)" for
-                        the fixed grid under eval.warm_start, see `family`), its CE with
-                        a 95% bootstrap CI, the best fixed CE
-                        at no more applications and the paired CE difference, the fixed
-                        frontier at exactly its applications (`stats.hull_ce`) and the
-                        paired CE difference to it (the verdict), the same at the job's
-                        ms/token (the fixed jobs' (ms, CE) frontier), the fewest fixed
-                        applications that reach its CE and the saving 1 − A/n with a
-                        paired bootstrap CI, and the oracle's saving at the same CE
-                        (`frontier_rows`, from the jobs' eval_tokens.csv)
-    fig4_exits.{png,pdf} the paper's Fig. 4: ms/token, PPL, CE and mean applications per
+                        the fixed grid under eval.warm_start, see `family`), its CE and
+                        layer applications per token with 95% CIs, the best fixed CE
+                        within its cost and the paired CE difference, the fixed frontier
+                        at exactly its cost (`stats.hull_ce`) and the paired CE
+                        difference to it (the verdict, per comparison and with Holm's
+                        family-wise control over the table), the same at the job's
+                        ms/token (the fixed jobs' (ms, CE) frontier, the spread over
+                        timing repeats included), the fewest fixed applications that
+                        reach its CE and the saving 1 − cost/cost(n) with a paired CI,
+                        and the oracle's saving at the same CE (`frontier_rows`, from
+                        the jobs' eval_tokens.csv). Every interval resamples whole
+                        windows, the same draws for every job (docs/spec.md §4b).
+    fig4_exits.{png,pdf} the paper's Fig. 4: ms/token, PPL, CE and layer applications per
                         token against τ (log-x), one line per exit rule (`fixed` dashed;
                         jobs with one τ per group are left out of these panels, logged);
-                        with a frontier also CE against mean applications and against
+                        with a frontier also CE against layer applications and against
                         ms/token, every family a curve, the fixed frontier and the oracle drawn
 
 The fixed frontier is the cold fixed grid (eval.warm_start=false); fixed jobs with warm
@@ -59,7 +63,8 @@ log = logging.getLogger("recdepth.sweep")
 
 # -------------------------------------------------------------- aggregation
 COLUMNS = ["job", "overrides", "status", "exit", "tau", "patience", "max_steps", "warm_start", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
-           "ms_min", "ms_max", "applications_per_token", "mean_applications", "tokens", "tokens_per_s", "batch1_apps_mismatch",
+           "ms_min", "ms_max", "ms_repeats", "applications_per_token", "mean_applications", "layer_applications",
+           "flops_per_token", "group_layers", "outside_layers", "tokens", "tokens_per_s", "batch1_apps_mismatch",
            "batch1_max_abs_dnll", "reused", "error"]
 
 
@@ -91,6 +96,9 @@ def _job_row(job_dir: Path) -> dict:
                        warm_start=bool(ev.get("warm_start", False)), ppl=ev["ppl"], ms_per_token=ev["ms_per_token"], ms_min=ev.get("ms_per_token_min", ""),
                        ms_max=ev.get("ms_per_token_max", ""), applications_per_token=apps,
                        mean_applications=sum(apps) / len(apps) if apps else 0.0, tokens=ev.get("tokens", ""),
+                       layer_applications=ev.get("layer_applications", sum(apps) / len(apps) if apps else 0.0),
+                       flops_per_token=ev.get("flops_per_token", ""), group_layers=ev.get("group_layers", ""),
+                       outside_layers=ev.get("outside_layers", ""), ms_repeats=ev.get("ms_per_token_repeats", ""),
                        tokens_per_s=ev.get("tokens_per_s", ""),
                        batch1_apps_mismatch=(ev.get("batch_check") or {}).get("apps_mismatch", ""),
                        batch1_max_abs_dnll=(ev.get("batch_check") or {}).get("max_abs_dnll", ""))
@@ -182,7 +190,7 @@ def _tau(r: dict) -> str:
 
 def markdown(rows: list[dict]) -> str:
     head = ["job", "exit", "τ", "max steps", "CE [95% CI]", "PPL", "ms/token [min, max]",
-            "applications per token (per group)", "mean", "status"]
+            "applications per token (per group)", "mean", "layer applications", "status"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = r["status"] + (f": {r['error']}" if r["error"] else "") + (" (reused checkpoint)" if r["reused"] is True else "")
@@ -190,24 +198,44 @@ def markdown(rows: list[dict]) -> str:
                                       _ci(r["ce"], r["ce_lo"], r["ce_hi"]), _fmt(r["ppl"], 2),
                                       _ci(r["ms_per_token"], r["ms_min"], r["ms_max"], 2),
                                       _fmt(r["applications_per_token"]), _fmt(r["mean_applications"], 2),
-                                      status.replace("|", "/")]) + " |")
+                                      _fmt(r["layer_applications"], 2), status.replace("|", "/")]) + " |")
     return "\n".join(out) + "\n"
 
 
 # ------------------------------------------------------------ frontier (SPEC §4b)
-FRONTIER_COLUMNS = ["job", "exit", "family", "warm_start", "tau", "patience", "ce", "ce_lo", "ce_hi", "mean_applications", "frontier_n", "frontier_ce",
-                    "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
-                    "ms_per_token", "fixed_ms_at_ce", "oracle_applications_at_ce", "oracle_saving",
-                    "oracle_saving_lo", "oracle_saving_hi", "verdict"]
-RESAMPLES = 1000  # bootstrap resamples of the tokens (docs/spec.md §4b: at least 1000)
+FRONTIER_COLUMNS = ["job", "exit", "family", "warm_start", "tau", "patience", "ce", "ce_lo", "ce_hi", "layer_applications",
+                    "layer_applications_lo", "layer_applications_hi", "mean_applications", "frontier_n", "frontier_ce",
+                    "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "p_hull", "p_holm",
+                    "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
+                    "ms_per_token", "fixed_ms_at_ce", "oracle_cost_at_ce", "oracle_saving",
+                    "oracle_saving_lo", "oracle_saving_hi", "verdict", "verdict_holm"]
+RESAMPLES = 1000  # bootstrap resamples of the units (docs/spec.md §4b: at least 1000)
 ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
+ORACLE = "oracle (best uniform depth within ε; reads the target)"  # its verdict cell: not a rule, not a bound
 
 
 def _verdict(lo: float, hi: float) -> str:
-    """From the 95% CI of CE − (fixed frontier at the rule's own mean applications)."""
+    """From the 95% CI of CE − (fixed frontier at the rule's own layer applications)."""
     if not (math.isfinite(lo) and math.isfinite(hi)):
         return "not resolved"
     return "beats the fixed frontier" if hi < 0 else ("worse than the fixed frontier" if lo > 0 else "not resolved")
+
+
+def _holm_verdict(d: float, p_adj: float) -> str:
+    """The verdict at family-wise level 5% (Holm): resolved only if the adjusted p < 0.05."""
+    if not (_num(p_adj) and _num(d)) or p_adj >= 1 - stats.LEVEL:
+        return "not resolved"
+    return "beats the fixed frontier" if d < 0 else "worse than the fixed frontier"
+
+
+def sweep_cost(rows: list[dict]) -> stats.Cost | None:
+    """The sweep's cost in layer applications (docs/spec.md §4b), from its jobs' metrics.json
+    (group_layers, outside_layers); None for records that do not carry them (older jobs:
+    the cost is then the mean applications over groups)."""
+    for r in rows:
+        if r["status"] == "ok" and isinstance(r.get("group_layers"), list) and _num(r.get("outside_layers")):
+            return stats.Cost(r["group_layers"], r["outside_layers"]) if r["group_layers"] else None
+    return None
 
 
 def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.ndarray | None] | None:
@@ -219,7 +247,7 @@ def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.n
         if r["status"] != "ok" or r["ce"] == "" or not f.is_file():
             continue
         t = stats.read_tokens(f)
-        key = (t["position"].tolist(), t["target"].tolist())
+        key = (t["window"].tolist(), t["position"].tolist(), t["target"].tolist())
         if ref is None:
             ref = key
         elif key != ref:
@@ -235,40 +263,67 @@ def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.n
     return tokens, fixed, by_n
 
 
-def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict], idx: np.ndarray) -> list[dict]:
-    """SPEC §4b, for every job that is not fixed: `stats.compare` against the fixed jobs,
-    and the oracle's saving at the job's CE (from the oracle job's NLLs, over ORACLE_EPS).
-    `inputs` from `frontier_inputs`; `idx`: the bootstrap resamples of the token indices,
-    one set shared by every job."""
+def bootstrap(inputs: tuple[dict, dict, np.ndarray | None], resamples: int = RESAMPLES) -> stats.Bootstrap:
+    """The sweep's resamples: whole windows (the `window` column every job shares), the same
+    draws for every job (docs/spec.md §4b)."""
+    return stats.Bootstrap(next(iter(inputs[1].values()))["window"], resamples)
+
+
+def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict], boot: stats.Bootstrap,
+                  cost: stats.Cost | None = None) -> list[dict]:
+    """SPEC §4b, for every job that is not fixed: `stats.compare` against the fixed jobs at
+    equal cost (`cost`: layer applications; None: mean applications), the fixed frontier at
+    the job's ms/token with the spread over timing repeats, and the oracle's saving at the
+    job's CE (from the oracle job's NLLs, over ORACLE_EPS). `inputs` from `frontier_inputs`;
+    `boot`: the resamples of whole windows, one set shared by every job. The interval of
+    each row is per comparison; `p_holm` and `verdict_holm` control the family-wise error
+    over the table's rows (every job but the oracle, Holm's procedure)."""
     tokens, fixed, by_n = inputs
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
-    fixed_ms = {int(r["max_steps"]): r["ms_per_token"] for r in rows if r["frontier"] and r["ce"] != ""}
-    fixed_by_ms = {fixed_ms[n]: t["nll"] for n, t in fixed.items() if _num(fixed_ms.get(n))}
+    fixed_rows = {int(r["max_steps"]): r for r in rows if r["frontier"] and r["ce"] != ""}
+    fixed_ms = {n: r["ms_per_token"] for n, r in fixed_rows.items()}
+    timed = [n for n in fixed if _num(fixed_ms.get(n))]
+    fixed_by_ms = {fixed_ms[n]: fixed[n]["nll"] for n in timed}
+    spreads = {fixed_ms[n]: fixed_rows[n]["ms_repeats"] for n in timed}
+    spread_ok = all(isinstance(v, list) and v for v in spreads.values())
     out = []
     for r in rows:
         if r["job"] not in tokens or r["frontier"]:  # the frontier itself
             continue
         t = tokens[r["job"]]
-        c = stats.compare(t["nll"], t["apps"], fixed_nll, idx)
+        c = stats.compare(t["nll"], t["apps"], fixed_nll, boot, cost)
         row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
-        row.update(job=r["job"], exit=r["exit"], family=family(r), warm_start=r["warm_start"], tau=r["tau"], patience=r.get("patience", ""), ms_per_token=r["ms_per_token"],
-                   fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""), verdict="bound (reads the target)" if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
+        row.update(job=r["job"], exit=r["exit"], family=family(r), warm_start=r["warm_start"], tau=r["tau"],
+                   patience=r.get("patience", ""), ms_per_token=r["ms_per_token"],
+                   layer_applications=c["cost"], layer_applications_lo=c["cost_lo"], layer_applications_hi=c["cost_hi"],
+                   mean_applications=float(np.asarray(t["apps"], float).mean()),
+                   fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""),
+                   verdict=ORACLE if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
         if _num(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
-            v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, idx)
+            own = r["ms_repeats"] if isinstance(r.get("ms_repeats"), list) and r["ms_repeats"] else None
+            v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, boot,
+                                     own if spread_ok else None, spreads if (spread_ok and own) else None)
             row.update(ms_frontier_ce=v["frontier_ce"], d_ms=v["d"], d_ms_lo=v["d_lo"], d_ms_hi=v["d_hi"])
         if by_n is not None:
-            o = stats.oracle_saving(by_n, ORACLE_EPS, t["nll"], fixed_nll, idx)
-            row.update(oracle_applications_at_ce=o["applications"], oracle_saving=o["saving"],
+            o = stats.oracle_saving(by_n, ORACLE_EPS, t["nll"], fixed_nll, boot, cost)
+            row.update(oracle_cost_at_ce=o["applications"], oracle_saving=o["saving"],
                        oracle_saving_lo=o["saving_lo"], oracle_saving_hi=o["saving_hi"])
         out.append(row)
+    family_rows = [r for r in out if r["exit"] != "oracle"]
+    adj = stats.holm([r["p_hull"] for r in family_rows])
+    for r, p in zip(family_rows, adj):
+        r["p_holm"] = float(p)
+        r["verdict_holm"] = _holm_verdict(r["d_hull"], p)
     return out
 
 
 def frontier_markdown(rows: list[dict]) -> str:
-    head = ["job", "exit", "τ", "CE [95% CI]", "mean applications", "best fixed at ≤ A: n, CE",
-            "CE − that [95% CI]", "fixed frontier at A", "CE − frontier at A [95% CI]",
-            "CE − fixed frontier at its ms/token [95% CI]", "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
-            "ms/token (fixed at CE)", "verdict"]
+    m = sum(r["exit"] != "oracle" for r in rows)
+    head = ["job", "exit", "τ", "CE [95% CI]", "layer applications [95% CI]", "mean applications",
+            "best fixed within its cost: n, CE", "CE − that [95% CI]", "fixed frontier at its cost",
+            "CE − frontier at its cost [95% CI]", "CE − fixed frontier at its ms/token [95% CI, incl. timing spread]",
+            "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
+            "ms/token (fixed at CE)", "verdict (per comparison)", f"verdict (Holm, m = {m})"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pct = lambda v: "—" if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"  # noqa: E731
     for r in rows:
@@ -279,18 +334,24 @@ def frontier_markdown(rows: list[dict]) -> str:
                                                     f"{pct(r['oracle_saving_hi'])}]")
         ms = f"{_fmt(r['ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
         out.append("| " + " | ".join([str(r["job"]), r.get("family") or r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
+                                      _ci(r["layer_applications"], r["layer_applications_lo"], r["layer_applications_hi"], 2),
                                       _fmt(r["mean_applications"], 2), fr,
                                       _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), _fmt(r["hull_ce"]),
                                       _ci(r["d_hull"], r["d_hull_lo"], r["d_hull_hi"]),
                                       _ci(r["d_ms"], r["d_ms_lo"], r["d_ms_hi"]),
                                       reach, sav, osav, ms,
-                                      r["verdict"]]) + " |")
-    return "\n".join(out) + "\n"
+                                      r["verdict"], r.get("verdict_holm") or "—"]) + " |")
+    notes = (f"\nIntervals: 95% paired percentile bootstrap over whole windows ({RESAMPLES} resamples, the same "
+             f"for every job), each per comparison; the Holm column controls the family-wise error of the {m} "
+             "comparisons with the fixed frontier at 5%. Cost: layer applications per token (docs/spec.md §4b). "
+             "The oracle reads the target: it is the best uniform depth per token within ε, not a bound on rules "
+             "that spend different depths per group.\n")
+    return "\n".join(out) + "\n" + notes
 
 
-def oracle_curve(by_n: np.ndarray) -> list[tuple[float, float, float]]:
-    """(ε, mean applications, CE) of the oracle over ORACLE_EPS."""
-    return [(float(e), *stats.oracle_point(by_n, e)[::-1]) for e in ORACLE_EPS]
+def oracle_curve(by_n: np.ndarray, cost: stats.Cost | None = None) -> list[tuple[float, float, float]]:
+    """(ε, mean cost, CE) of the oracle over ORACLE_EPS (cost: layer applications with a Cost)."""
+    return [(float(e), *stats.oracle_point(by_n, e, cost)[::-1]) for e in ORACLE_EPS]
 
 
 
@@ -312,7 +373,7 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     fixed = sorted((r for r in ok if r["frontier"]), key=lambda r: r["max_steps"])
     frontier = len({r["max_steps"] for r in fixed}) >= 2 and bool(paired)
     panels = [("ms_per_token", "ms / token"), ("ppl", "PPL"), ("ce", "CE (nats)"),
-              ("mean_applications", "mean applications per token")]
+              ("layer_applications", "layer applications per token")]
     fig, axes = plt.subplots(2 if frontier else 1, 4, figsize=(16, 7.4 if frontier else 3.6), squeeze=False)
     rules = sorted({family(r) for r in ok})  # one line per family: a rule, with or without warm start
     palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors  # more rules than tab10 has colours
@@ -351,13 +412,13 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     return fig
 
 
-def paired_vs_max(inputs: tuple[dict, dict, np.ndarray | None], idx: np.ndarray) -> dict:
+def paired_vs_max(inputs: tuple[dict, dict, np.ndarray | None], boot: stats.Bootstrap) -> dict:
     """{job: (d, lo, hi)}: every ok job's CE minus the CE of the fixed job at the largest n,
-    paired over tokens with a 95% bootstrap CI (the absolute CE's CI, about ±0.1 nats
+    paired over windows with a 95% bootstrap CI (the absolute CE's CI, about ±0.2 nats
     over 4096 tokens, hides differences of 1e-3 that the paired one resolves)."""
     tokens, fixed, _ = inputs
     ref = fixed[max(fixed)]["nll"]
-    return {job: stats.diff_ci(t["nll"], ref, idx) for job, t in tokens.items()}
+    return {job: stats.diff_ci(t["nll"], ref, boot) for job, t in tokens.items()}
 
 
 def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, oracle, front: list[dict],
@@ -376,10 +437,10 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
     frontier = "fixed, warm start (frontier)" if fixed and fixed[0]["warm_start"] else "fixed (frontier)"
     groups = [(frontier, fixed, "k", "s-")]
     others = [r for r in ok if not r["frontier"]]  # rules, fixed per group, the fixed grid's other family
-    groups += [(fam, sorted((r for r in others if family(r) == fam), key=lambda r: r["mean_applications"]),
+    groups += [(fam, sorted((r for r in others if family(r) == fam), key=lambda r: r["layer_applications"]),
                 colors[fam], "s--" if fam == "fixed (warm start)" else "o-") for fam in sorted({family(r) for r in others})]
     shown = []
-    for ax, xkey, xlabel in ((axes[0], "mean_applications", "mean applications per token"),
+    for ax, xkey, xlabel in ((axes[0], "layer_applications", "layer applications per token"),
                              (axes[1], "ms_per_token", "ms / token (batch 1, median of repeats)")):
         for label, rs, color, style in groups:
             rs = [r for r in rs if _num(r[xkey]) and r["job"] in paired]
@@ -393,13 +454,14 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
                 for r, y in zip(rs, ys):
                     ax.annotate(f"{r['max_steps']}", (r[xkey], y), fontsize=7, xytext=(3, 3),
                                 textcoords="offset points")
-        if oracle and xkey == "mean_applications":
+        if oracle and xkey == "layer_applications":
             base = oracle[0][2]  # ε = 0: the oracle's own N-application NLLs
             ax.plot([p[1] for p in oracle], [p[2] - base for p in oracle], "k--", lw=1, label="oracle (ε from 0 to 1)")
         ax.axhline(0, color="grey", lw=0.8)
-        if xkey == "mean_applications":  # depths 1 .. 32: log, labelled at powers of two
+        if xkey == "layer_applications":  # fixed depths 1 .. 32: log, labelled at the fixed jobs' costs
             ax.set_xscale("log")
-            ax.set_xticks([n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n <= 2 * n_max])
+            ticks = sorted({round(r["layer_applications"]) for r in fixed if _num(r["layer_applications"])})
+            ax.set_xticks([t for i, t in enumerate(ticks) if i % 2 == 0 or t == ticks[-1]])
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())
         ax.set_xlabel(xlabel)
@@ -414,23 +476,24 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
     ax = axes[2]
     for fam in sorted({r["family"] for r in front} - {"oracle", "oracle (warm start)"}):
         rs = sorted((r for r in front if r["family"] == fam and _num(r["d_hull"]) and _num(r["d_hull_lo"])),
-                    key=lambda r: r["mean_applications"])
+                    key=lambda r: r["layer_applications"])
         if rs:
             d = np.array([r["d_hull"] for r in rs])
-            ax.errorbar([r["mean_applications"] for r in rs], d, fmt="o-", color=colors[fam], ms=4, capsize=2,
+            ax.errorbar([r["layer_applications"] for r in rs], d, fmt="o-", color=colors[fam], ms=4, capsize=2,
                         yerr=[d - [r["d_hull_lo"] for r in rs], [r["d_hull_hi"] for r in rs] - d], label=fam)
     ax.axhline(0, color="k", lw=1, label="fixed frontier" + (" (warm start)" if fixed and fixed[0]["warm_start"] else ""))
-    ax.set_xlabel("mean applications per token")
-    ax.set_ylabel("CE − fixed frontier at equal applications")
+    ax.set_xlabel("layer applications per token")
+    ax.set_ylabel("CE − fixed frontier at equal layer applications")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     axes[3].axis("off")
     axes[3].text(0, 1, "Left two: CE relative to the deepest fixed job,\n"
-                 "paired 95% bootstrap CIs over tokens; black squares:\n"
+                 "paired 95% bootstrap CIs over windows; black squares:\n"
                  "fixed depth n (off-scale n are the shallow ones).\n"
                  "Third: CE minus the fixed frontier at the rule's own\n"
-                 "mean applications (best per-token mix of two fixed\n"
-                 "depths). Below 0 with its CI = beats fixed depth.",
+                 "layer applications (best per-token mix of two fixed\n"
+                 "depths). Below 0 with its CI = beats fixed depth\n"
+                 "(per comparison; frontier.md adds Holm's verdict).",
                  va="top", fontsize=8, transform=axes[3].transAxes)
 
 
@@ -441,18 +504,19 @@ def summarize(sweep_dir: str | Path) -> list[dict]:
 
     sweep_dir = Path(sweep_dir)
     rows = collect(sweep_dir)
+    spaced = ("applications_per_token", "group_layers", "ms_repeats")
     _write_csv(sweep_dir / "sweep_results.csv", COLUMNS, [
-        {**r, "applications_per_token": " ".join(map(str, r["applications_per_token"] or []))} for r in rows])
+        {**r, **{k: " ".join(map(str, r[k])) if isinstance(r[k], list) else r[k] for k in spaced}} for r in rows])
     (sweep_dir / "sweep_results.md").write_text(markdown(rows))
     oracle, paired, front = None, {}, []
     try:
         inputs = frontier_inputs(sweep_dir, rows)  # every job's eval_tokens.csv, read once
         if inputs is not None:
-            idx = stats.bootstrap_indices(len(next(iter(inputs[1].values()))["nll"]), RESAMPLES)
-            front = frontier_rows(inputs, rows, idx)
+            boot, cost = bootstrap(inputs), sweep_cost(rows)
+            front = frontier_rows(inputs, rows, boot, cost)
             if front:
-                paired = paired_vs_max(inputs, idx)
-                oracle = None if inputs[2] is None else oracle_curve(inputs[2])
+                paired = paired_vs_max(inputs, boot)
+                oracle = None if inputs[2] is None else oracle_curve(inputs[2], cost)
     except ValueError as e:
         log.warning("%s", e)
         front = []

@@ -34,12 +34,14 @@ def synthetic(cost, harm, groups, base=3.0, seed=0):
     return evaluate, calls, float(base_nll.mean())
 
 
-def brute_force(cost, harm, groups, target, ce_ref, base):
-    """The best setting by enumerating every one (the answer the search must find)."""
+def brute_force(cost, harm, groups, target, ce_ref, base, layers=None, outside=0):
+    """The best setting by enumerating every one (the answer the search must find). With
+    `layers` (|g| per group) the cost is in layer applications: outside + Σ_g |g| · apps_g."""
     best = None
     for s in itertools.product(range(len(cost[0])), repeat=groups):
         ce = base + sum(harm[g][i] for g, i in enumerate(s))
-        a = float(np.mean([cost[g][i] for g, i in enumerate(s)]))
+        a = float(np.mean([cost[g][i] for g, i in enumerate(s)])) if layers is None else \
+            outside + sum(layers[g] * cost[g][i] for g, i in enumerate(s))
         p = cal.Point(s, ce, a, ())
         if cal.meets(p, target, ce_ref):
             key = (a, ce) if target.kind == "max_ce_increase" else (ce, a)
@@ -59,12 +61,12 @@ def test_shared_bisection_finds_the_closed_form_boundary():
     assert r.met and r.best.setting == (2, 2, 2)
     assert len(calls) <= 2 + int(np.ceil(np.log2(K)))  # bisection, not a scan
     ev, calls, base = synthetic(cost, harm, G)
-    r = cal.search(ev, K, G, cal.Target("applications", 20.5), base, per_group=False)
-    assert r.met and r.best.setting == (3, 3, 3) and r.best.applications == 20.0
+    r = cal.search(ev, K, G, cal.Target("layer_applications", 20.5), base, per_group=False)
+    assert r.met and r.best.setting == (3, 3, 3) and r.best.cost == 20.0
 
 
 @pytest.mark.parametrize("kind,value", [("max_ce_increase", 0.01), ("max_ce_increase", 0.03),
-                                        ("applications", 10.0), ("applications", 6.0)])
+                                        ("layer_applications", 10.0), ("layer_applications", 6.0)])
 def test_per_group_search_finds_the_brute_force_optimum(kind, value):
     """Groups of different sensitivity (harm grows 1x, 4x and 0.25x as fast): the best
     per-group setting is uneven, and the search must find the brute-force optimum."""
@@ -75,7 +77,7 @@ def test_per_group_search_finds_the_brute_force_optimum(kind, value):
     target = cal.Target(kind, value)
     r = cal.search(ev, K, G, target, base, per_group=True, max_evals=200)
     (key, s) = brute_force(cost, harm, G, target, base, base)
-    got = (r.best.applications, r.best.ce) if kind == "max_ce_increase" else (r.best.ce, r.best.applications)
+    got = (r.best.cost, r.best.ce) if kind == "max_ce_increase" else (r.best.ce, r.best.cost)
     assert r.met
     assert got == pytest.approx(key, abs=1e-9), (r.best.setting, s)
     assert len(set(r.best.setting)) > 1  # the answer is per group, not one shared value
@@ -86,6 +88,27 @@ def test_per_group_search_finds_the_brute_force_optimum(kind, value):
     assert len(calls) == len(set(calls))  # each setting decoded once
 
 
+def test_search_in_layer_applications_weighs_a_two_layer_group_twice():
+    """Groups of 1, 2 and 1 layers with 8 layers outside the loops (the default grouped
+    model), the same harm per grid step in every group: under a CE target the cost-optimal
+    answer saves on the two-layer group first, which the mean-applications unit does not
+    prefer; the search finds the brute-force optimum in layer applications."""
+    from recdepth.stats import Cost
+
+    K, G = 8, 3
+    cost = [[12 - i for i in range(K)] for _ in range(G)]
+    harm = [[2e-4 * i * i for i in range(K)] for _ in range(G)]
+    target = cal.Target("max_ce_increase", 0.01)
+    ev, calls, base = synthetic(cost, harm, G)
+    r = cal.search(ev, K, G, target, base, per_group=True, max_evals=300, cost=Cost([1, 2, 1], 8))
+    (key, s) = brute_force(cost, harm, G, target, base, base, layers=[1, 2, 1], outside=8)
+    assert r.met and r.best.cost == pytest.approx(key[0])  # the objective; CE ties may break either way
+    assert r.best.ce - base <= 0.01 + 1e-12
+    assert r.best.setting[1] > max(r.best.setting[0], r.best.setting[2])  # the 2-layer group saves most
+    (key_mean, s_mean) = brute_force(cost, harm, G, target, base, base)
+    assert s_mean[1] <= max(s_mean[0], s_mean[2])  # without layer weights no such preference
+
+
 def test_search_respects_max_evals_and_reports_an_unreachable_target():
     K, G = 12, 3
     cost = [[16 - i for i in range(K)] for _ in range(G)]
@@ -94,14 +117,14 @@ def test_search_respects_max_evals_and_reports_an_unreachable_target():
     r = cal.search(ev, K, G, cal.Target("max_ce_increase", 0.01), base, max_evals=5)
     assert len(calls) == 5 and r.met
     ev, calls, base = synthetic(cost, harm, G)  # 16 − 11 = 5 applications at the cheapest
-    r = cal.search(ev, K, G, cal.Target("applications", 4.0), base)
+    r = cal.search(ev, K, G, cal.Target("layer_applications", 4.0), base)
     assert not r.met and r.best.setting == (K - 1,) * G
 
 
 @pytest.mark.parametrize("kind,value,msg", [
     ("max_ce_increase", -0.1, "target.max_ce_increase: expected a finite number >= 0"),
-    ("applications", 0, "target.applications: expected a finite number > 0"),
-    ("budget", 1.0, "target: expected one of max_ce_increase, applications"),
+    ("layer_applications", 0, "target.layer_applications: expected a finite number > 0"),
+    ("budget", 1.0, "target: expected one of max_ce_increase, layer_applications"),
 ])
 def test_bad_targets_are_one_line(kind, value, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(")):
@@ -148,7 +171,12 @@ def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_c
     assert np.array_equal(test["target"], val[test["position"] + 1])
     # what calibration.json says about the answer is what its records show
     c = out["calibration"]
-    assert c["ce"] == pytest.approx(calib["nll"].mean()) and c["applications"] == pytest.approx(calib["apps"].mean())
+    groups, n_layer = module.config.groups, module.config.n_layer
+    by_hand = (n_layer - sum(map(len, groups))) + sum(len(g) * calib["apps"][:, i].mean() for i, g in enumerate(groups))
+    assert c["ce"] == pytest.approx(calib["nll"].mean()) and c["layer_applications"] == pytest.approx(by_hand)
+    # the calibration windows draw their own noise: keys after the test split's windows
+    assert c["token_range"] == [41, 89] and calib["window"].min() > test["window"].max()
+    assert out["exit"]["calibrated_on"] == [41, 89]
     assert c["met"] == (c["ce_increase"] <= 0.05)
     assert out["test"]["eval"]["ce"] == pytest.approx(test["nll"].mean())
     lo, hi = out["test"]["ce_increase_ci"]
@@ -160,15 +188,23 @@ def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_c
         ev = compose("evaluate", overrides=[f"ckpt={tiny_ckpt}", "run_dir=/tmp/unused", *line])
     got = {k: v for k, v in OmegaConf.to_container(ev.exit).items() if k in out["exit"]}
     assert got == out["exit"] and got["name"] == "accel" and got["max_steps"] == 6
+    # ... and recdepth.evaluate refuses a test range that overlaps the calibration tokens
+    from recdepth.evaluate import evaluate
+
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        bad = compose("evaluate", overrides=[f"ckpt={tiny_ckpt}", f"run_dir={tmp_path / 'ev'}", "eval.tokens=41", *line])
+    with pytest.raises(ValueError, match=r"exit.calibrated_on: this exit was calibrated on val tokens \[41, 89\]") as e:
+        evaluate(bad)
+    assert "\n" not in str(e.value) and not (tmp_path / "ev" / "metrics.json").exists()
 
 
 @pytest.mark.parametrize("overrides,msg", [
     ([], "target: set exactly one of target.max_ce_increase"),
-    (["target.max_ce_increase=0.01", "target.applications=4"], "target: set exactly one"),
-    (["target.applications=4", "calibration.tokens=100000"], "calibration.tokens: 100000 calibration tokens"),
-    (["target.applications=4", "exit=oracle", "exit.tau=0.01"], "exit.name: the oracle reads the target"),
-    (["target.applications=-1"], "target.applications: expected a finite number > 0"),
-    (["target.applications=4", "calibration.max_evals=1"], "calibration.max_evals: expected an integer >= 2"),
+    (["target.max_ce_increase=0.01", "target.layer_applications=4"], "target: set exactly one"),
+    (["target.layer_applications=4", "calibration.tokens=100000"], "calibration.tokens: 100000 calibration tokens"),
+    (["target.layer_applications=4", "exit=oracle", "exit.tau=0.01"], "exit.name: the oracle reads the target"),
+    (["target.layer_applications=-1"], "target.layer_applications: expected a finite number > 0"),
+    (["target.layer_applications=4", "calibration.max_evals=1"], "calibration.max_evals: expected an integer >= 2"),
 ])
 def test_calibrate_bad_input_is_one_line(tiny_ckpt, ckpt_env, tmp_path, overrides, msg):
     from recdepth.calibrate import calibrate

@@ -194,7 +194,7 @@ def test_eval_warm_start_in_every_config_with_an_eval_block():
 
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         for name, extra in (("config", []), ("evaluate", ["ckpt=x.ckpt"]),
-                            ("calibrate", ["ckpt=x.ckpt", "target.applications=4"]), ("report", ["ckpt=x.ckpt"])):
+                            ("calibrate", ["ckpt=x.ckpt", "target.layer_applications=24"]), ("report", ["ckpt=x.ckpt"])):
             cfg = compose(name, overrides=["run_dir=."] + extra)
             assert cfg.eval.warm_start is False, name
             on = compose(name, overrides=["run_dir=.", "eval.warm_start=true"] + extra)
@@ -271,6 +271,6 @@ def test_frontier_sweep_reports_warm_start_as_its_own_family(tmp_path, env, tiny
     summary.summarize(alone)
     front = list(csv.DictReader(open(alone / "frontier.csv")))
     assert [r["family"] for r in front] == ["accel"]
-    accel_A = float(front[0]["mean_applications"])
-    best = min((n for n in warm if n <= accel_A), key=warm.get, default=None)
+    accel_A = float(front[0]["layer_applications"])  # cost in layer applications: 8 + 4n at a uniform n
+    best = min((n for n in warm if 8 + 4 * n <= accel_A), key=warm.get, default=None)
     assert (front[0]["frontier_n"] or None) == (None if best is None else str(best))
