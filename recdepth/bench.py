@@ -18,9 +18,20 @@ the cost of one exit check relative to one loop application, and the cost of one
 application inside the decode loop.
 
 `python -m recdepth.bench speculative --ckpt PATH` compares self-speculative with ordinary
-greedy decoding (cache=per_step) on held-out prompts: acceptance rate, speedup, CIs over
-prompts. `python -m recdepth.bench huginn` times Huginn's shape at small widths and
-extrapolates the decode cost and memory of Huginn-0125 (an estimate).
+greedy decoding (cache=latest, the default, and cache=per_step, whose tokens it returns) and
+with greedy at a shallow fixed depth, on prompts from the test split, all timed after the
+first generated token: tokens/s, speedups and acceptance rate, CIs over prompts.
+`python -m recdepth.bench huginn` times Huginn's shape at small widths and extrapolates the
+decode cost and memory of Huginn-0125 (an estimate).
+
+`python -m recdepth.bench ltt --ckpt PATH` checks the guarantee of Learn-then-Test calibration
+(docs/spec.md §4e): one rule's path decoded once over held-out windows, then LTT and the
+empirical search on many random calibration/test halvings of them: violation rates with
+95% intervals, and the layer applications each method's answer costs.
+
+`python -m recdepth.bench intervals --sweep DIR` reads a finished frontier sweep and prints
+its verdicts under the older statistics (tokens resampled, cost = mean applications) and
+the current ones (whole windows, layer applications, Holm), side by side; it decodes nothing.
 
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
@@ -326,12 +337,44 @@ def bench_huginn(args) -> dict:
             "params": h_params, "core_params": h_core}
 
 
+def _machine() -> str:
+    """The CPU in words: architecture, model name (Linux), CPUs."""
+    import os
+    import platform
+
+    model = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), model)
+    except OSError:
+        pass
+    return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
+
+
 @torch.no_grad()
 def bench_speculative(args) -> dict:
-    """Self-speculative vs ordinary greedy decoding (cache=per_step) on a checkpoint's
-    held-out text: per exit rule and (draft_steps, lookahead), the acceptance rate and the
-    wall-clock speedup, both pooled over prompts with 95% bootstrap intervals over prompts;
-    every prompt's speculative tokens are checked against greedy's."""
+    """Self-speculative against ordinary greedy decoding on a checkpoint's test split,
+    timed fairly (issue 21).
+
+    Prompts: the first `prompt_len` tokens of each of the first `prompts` windows of the
+    held-out stream (`heldout_tokens` from offset 0, windows of block_size: the test split,
+    which with the default eval.tokens = 4096 and block_size 128 holds 32 windows; more
+    prompts run on into the calibration split). Per exit rule (fixed at max_steps, accel
+    τ = 1e-3): greedy with cache=latest (the default), greedy with cache=per_step (whose
+    tokens speculative decoding returns), and speculative decoding per (draft_steps,
+    lookahead); plus greedy at fixed `shallow` (cache=latest). All run on each prompt, one
+    after another, the order rotated from prompt to prompt, so machine drift hits every
+    configuration alike; each is run once untimed on the first prompt before.
+
+    Timing: every configuration is timed after its first generated token
+    (`Generation.decode_seconds`): from the same state (prompt in the cache, first token
+    chosen) over the other new_tokens − 1 tokens. The prompt (token by token for greedy, one
+    chunk pass for speculative) is reported apart, as ms to the first token. Intervals: 95%
+    percentile bootstrap over prompts (`stats.Bootstrap`), tokens/s as Σ tokens / Σ seconds
+    per resample, speedups as the ratio of two such rates on the same resampled prompts."""
+    import datetime
+    import json
+
     import numpy as np
 
     from recdepth import stats
@@ -339,50 +382,369 @@ def bench_speculative(args) -> dict:
     from recdepth.exits import build
     from recdepth.generation import greedy, speculative
 
+    P, n, N = args.prompt_len, args.prompts, args.new_tokens
+    if n < 1 or P < 1 or N < 2:
+        raise ValueError(f"speculative: need --prompts >= 1, --prompt-len >= 1 and --new-tokens >= 2 "
+                         f"(the first token is not timed), got {n}, {P}, {N}")
     tune_cpu_allocator()
     module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
     model = module.model
-    P, n = args.prompt_len, args.prompts
-    stride = model.cfg.block_size  # prompts from different windows of the test split
+    stride = model.cfg.block_size  # one prompt per window of the test split
+    if P > stride:
+        raise ValueError(f"speculative: --prompt-len {P} is more than a window (block_size {stride})")
     val = heldout_tokens(module, data, n * stride, seed=0)
     prompts = [val[i * stride : i * stride + P].tolist() for i in range(n)]
+    tau = 1e-3
     rules = {"fixed": build("fixed", None, max_steps=args.max_steps),
-             "accel": build("accel", 1e-3, max_steps=args.max_steps)}
-    out = []
+             "accel": build("accel", tau, max_steps=args.max_steps)}
+    rule_label = {"fixed": f"fixed {args.max_steps}", "accel": "accel τ = 1e-3"}
+
+    # configurations: (key, rule, label, run(prompt, i) -> Generation)
+    configs = []
     for rname, policy in rules.items():
+        for cache in ("latest", "per_step"):
+            configs.append((f"{rname}/greedy/{cache}", rname, f"greedy, cache={cache}",
+                            lambda pr, i, pol=policy, c=cache: greedy(model, pr, pol, N, cache=c, seed=0, sequences=[i])))
         for ds in args.draft_steps:
             for la in args.lookaheads:
-                ref, runs = [], []
-                for i, pr in enumerate(prompts):  # greedy and speculative side by side, prompt by prompt
-                    ref.append(greedy(model, pr, policy, args.new_tokens, cache="per_step", seed=0, sequences=[i]))
-                    runs.append(speculative(model, pr, policy, args.new_tokens, ds, la, cache="per_step", seed=0,
-                                            sequence=i))
-                gs = np.array([g.seconds for g in ref])
-                same = sum(g.ids == sp.ids for g, sp in zip(ref, runs))
-                d = np.array([sp.stats["drafted"] for sp in runs], dtype=float)
-                a = np.array([sp.stats["accepted"] for sp in runs], dtype=float)
-                ss = np.array([sp.seconds for sp in runs])
-                idx = stats.bootstrap_indices(n, 2000)
-                rate = [a[j].sum() / d[j].sum() for j in idx]
-                speed = [gs[j].sum() / ss[j].sum() for j in idx]
-                row = {"exit": rname, "draft_steps": ds, "lookahead": la, "acceptance": a.sum() / d.sum(),
-                       "acceptance_ci": list(np.percentile(rate, [2.5, 97.5])), "speedup": gs.sum() / ss.sum(),
-                       "speedup_ci": list(np.percentile(speed, [2.5, 97.5])), "identical": f"{same}/{n}",
-                       "greedy_ms_per_token": 1000 * gs.sum() / sum(len(g.ids) for g in ref),
-                       "tokens_per_pass": float(np.mean([sp.stats["tokens_per_pass"] for sp in runs]))}
-                out.append(row)
-                print(f"{rname:6s} draft {ds} lookahead {la}: acceptance {row['acceptance']:.3f} "
-                      f"[{row['acceptance_ci'][0]:.3f}, {row['acceptance_ci'][1]:.3f}]  speedup {row['speedup']:.2f}x "
-                      f"[{row['speedup_ci'][0]:.2f}, {row['speedup_ci'][1]:.2f}]  {row['tokens_per_pass']:.2f} "
-                      f"tokens/pass  tokens identical {same}/{n}  (greedy {row['greedy_ms_per_token']:.1f} ms/token)",
-                      flush=True)
-    return {"rows": out}
+                configs.append((f"{rname}/speculative/{ds}/{la}", rname, f"speculative, draft {ds}, lookahead {la}",
+                                lambda pr, i, pol=policy, ds=ds, la=la: speculative(model, pr, pol, N, ds, la,
+                                                                                     cache="per_step", seed=0,
+                                                                                     sequence=i)))
+    if args.shallow:
+        shallow = build("fixed", None, max_steps=args.shallow)
+        configs.append(("shallow/greedy/latest", "fixed", f"greedy fixed {args.shallow}, cache=latest",
+                        lambda pr, i: greedy(model, pr, shallow, N, cache="latest", seed=0, sequences=[i])))
+    print(f"# recdepth bench speculative: checkpoint {args.ckpt}; {n} prompts of {P} tokens (test split, one per "
+          f"window), {N} new tokens each, timed after the first; {len(configs)} configurations interleaved per "
+          f"prompt; threads={torch.get_num_threads()}", flush=True)
+
+    for _, _, _, run in configs:  # warm-up, untimed
+        run(prompts[0], 0)
+    res: dict[str, list] = {key: [None] * n for key, *_ in configs}
+    t_start = time.perf_counter()
+    for i, pr in enumerate(prompts):
+        r = i % len(configs)
+        for key, _, _, run in configs[r:] + configs[:r]:
+            res[key][i] = run(pr, i)
+        if (i + 1) % 8 == 0 or i + 1 == n:
+            print(f"  {i + 1}/{n} prompts, {time.perf_counter() - t_start:.0f} s", flush=True)
+
+    boot = stats.Bootstrap(np.arange(n))
+    ci = stats._interval
+
+    def arr(key, f):
+        return np.array([f(g) for g in res[key]], dtype=float)
+
+    def rate(key):  # tokens after the first, per second: (point, per-resample)
+        tok, sec = arr(key, lambda g: len(g.ids) - 1), arr(key, lambda g: g.decode_seconds)
+        return tok.sum() / sec.sum(), boot.ratios(tok, sec)
+
+    rates = {key: rate(key) for key, *_ in configs}
+
+    def speedup(key, base):
+        (a, ra), (b, rb) = rates[key], rates[base]
+        return {"point": a / b, "ci": list(ci(ra / rb))}
+
+    def same(key, base):
+        return int(sum(g.ids == h.ids for g, h in zip(res[key], res[base])))
+
+    rows = []
+    for key, rname, label, _ in configs:
+        gens = res[key]
+        tps, tps_r = rates[key]
+        tok, sec = arr(key, lambda g: len(g.ids) - 1), arr(key, lambda g: g.decode_seconds)
+        apps = arr(key, lambda g: sum(rec.total for rec in g.records[1:]))
+        row = {"config": key, "exit": rule_label[rname] if not key.startswith("shallow") else f"fixed {args.shallow}",
+               "method": label, "tokens_per_s": tps, "tokens_per_s_ci": list(ci(tps_r)),
+               "ms_per_token": 1000 * sec.sum() / tok.sum(), "ms_per_token_ci": list(1000 * np.array(ci(1 / tps_r))),
+               "first_token_ms": 1000 * float(np.mean(arr(key, lambda g: g.first_token_seconds))),
+               "total_seconds": float(np.sum(arr(key, lambda g: g.seconds))),
+               "applications_per_token": apps.sum() / tok.sum(),
+               "vs_greedy_latest": speedup(key, f"{rname}/greedy/latest"),
+               "vs_greedy_per_step": speedup(key, f"{rname}/greedy/per_step"),
+               "identical_to_greedy_per_step": same(key, f"{rname}/greedy/per_step"),
+               "identical_to_greedy_latest": same(key, f"{rname}/greedy/latest"), "prompts": n,
+               "decode_seconds": sec.tolist()}
+        if args.shallow:
+            row["vs_shallow"] = speedup(key, "shallow/greedy/latest")
+        if "/speculative/" in key:
+            d, a = arr(key, lambda g: g.stats["drafted"]), arr(key, lambda g: g.stats["accepted"])
+            row.update(draft_steps=gens[0].stats["draft_steps"], lookahead=gens[0].stats["lookahead"],
+                       acceptance=a.sum() / d.sum(), acceptance_ci=list(ci(boot.ratios(a, d))),
+                       tokens_per_pass=(tok.sum()) / arr(key, lambda g: g.stats["rounds"]).sum())
+        rows.append(row)
+
+    def fmt(v, ci_, f="{:.2f}"):
+        return f"{f.format(v)} [{f.format(ci_[0])}, {f.format(ci_[1])}]"
+
+    sh = f" | vs greedy fixed {args.shallow}" if args.shallow else ""
+    print(f"\n| exit | method | tokens/s | ms/token | ms to first token | applications/token | vs greedy latest "
+          f"| vs greedy per_step{sh} | acceptance | tokens/pass | tokens = greedy per_step | tokens = greedy latest |")
+    print("|---" * (12 + bool(args.shallow)) + "|")
+    for row in rows:
+        spec = "acceptance" in row
+        print(f"| {row['exit']} | {row['method']} | {fmt(row['tokens_per_s'], row['tokens_per_s_ci'], '{:.1f}')} "
+              f"| {fmt(row['ms_per_token'], row['ms_per_token_ci'], '{:.1f}')} | {row['first_token_ms']:.0f} "
+              f"| {row['applications_per_token']:.1f} "
+              f"| {fmt(row['vs_greedy_latest']['point'], row['vs_greedy_latest']['ci'])}× "
+              f"| {fmt(row['vs_greedy_per_step']['point'], row['vs_greedy_per_step']['ci'])}× "
+              + (f"| {fmt(row['vs_shallow']['point'], row['vs_shallow']['ci'])}× " if args.shallow else "")
+              + (f"| {fmt(row['acceptance'], row['acceptance_ci'], '{:.3f}')} | {row['tokens_per_pass']:.2f} "
+                 if spec else "| — | — ")
+              + f"| {row['identical_to_greedy_per_step']}/{n} | {row['identical_to_greedy_latest']}/{n} |")
+    print("\ntokens/s and ms/token: the new_tokens − 1 tokens after the first, Σ tokens / Σ seconds over prompts; "
+          "[95% bootstrap interval over prompts]. Speedups: ratio of tokens/s on the same resampled prompts, against "
+          "greedy under the same rule (the fixed-depth row: against full depth). applications/token: summed over "
+          "groups, after the first token. Speculative decoding returns greedy per_step's tokens (up to rounding); "
+          "greedy latest may legitimately differ: with latest sharing a position reads earlier positions at their "
+          "final application, with per_step at its own application, another computation.")
+    out = {"checkpoint": str(args.ckpt), "prompts": n, "prompt_len": P, "new_tokens": N, "timed_tokens": N - 1,
+           "max_steps": args.max_steps, "accel_tau": tau, "shallow": args.shallow,
+           "threads": torch.get_num_threads(), "machine": _machine(), "date": datetime.date.today().isoformat(),
+           "wall_seconds": time.perf_counter() - t_start, "rows": rows}
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.out}")
+    return out
+
+@torch.no_grad()
+def bench_ltt(args) -> dict:
+    """Does Learn-then-Test calibration (docs/spec.md §4e, recdepth/ltt.py) keep its promise
+    on real decodes? One rule's path of settings (most conservative first) is decoded once
+    over `--windows` held-out windows of the checkpoint's val split (windows decode
+    independently and batched rows are exact, so a window's record does not depend on which
+    other windows it is decoded with), with `fixed` at --max-steps as the paired reference.
+    Then, for `--partitions` random half/half splits of the windows into calibration and
+    test, and for each loss bound b and target δ (α = δ / b):
+    - LTT (Hoeffding–Bentkus p-values, fixed-sequence testing at ε) on the calibration half;
+      violation: the chosen setting's test-half risk (mean clipped window loss) > α;
+    - the empirical method (the cheapest setting on the same path whose calibration-half CE
+      increase over full depth is <= δ, as the §4c search would answer on this path), with the
+      same violation criterion; and for both the CE-increase criterion (test-half CE increase > δ).
+    Violation rates get 95% Clopper–Pearson intervals over partitions (the partitions share
+    one pool of windows: the interval is over the partition draw given this pool). Cost: the
+    mean layer applications per token (`decoding.model_cost`) of the chosen setting on the
+    test half. The path is decoded until its pooled CE increase exceeds 2 max(δ) and its
+    pooled risk exceeds 2 max(α) (or the grid ends); a partition whose LTT walk or empirical
+    choice reaches the last decoded setting is counted and reported (`truncated`)."""
+    import json
+
+    import numpy as np
+
+    from recdepth import ltt
+    from recdepth.checkpoints import heldout_tokens, load_checkpoint
+    from recdepth.decoding import evaluate_exit, model_cost
+    from recdepth.exits import build
+
+    tune_cpu_allocator()
+    t_start = time.perf_counter()
+    module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
+    model = module.model
+    T, G, W = model.cfg.block_size, model.n_groups, args.windows
+    tokens = heldout_tokens(module, data, W * T + 1, seed=0)
+    cost = model_cost(model)
+    rule, N = args.ltt_rule, args.max_steps
+    grid = list(args.ltt_grid) if args.ltt_grid else (
+        list(range(N, 0, -1)) if rule == "fixed" else [t for t in _tau_grid() if 1e-2 <= t <= 1.0])
+    if rule == "fixed":
+        grid = [int(v) for v in grid]
+    path = ltt.staircase(len(grid), G) if args.ltt_path == "staircase" else [(i,) * G for i in range(len(grid))]
+
+    def policy(setting):
+        vals = [grid[i] for i in setting]
+        v = vals[0] if len(set(vals)) == 1 else vals
+        return build("fixed", None, max_steps=v) if rule == "fixed" else build(rule, v, max_steps=N)
+
+    def decode(p):
+        t = time.perf_counter()
+        _, rec = evaluate_exit(model, tokens, p, W * T, warmup_tokens=0, seed=args.seed, batch_size=args.ltt_batch,
+                               latency_tokens=0)
+        _, _, cnt = ltt.window_means(rec["nll"], rec["window"])
+        return rec, cnt, time.perf_counter() - t
+
+    print(f"# recdepth bench ltt: {args.ckpt}; {W} windows x {T} tokens of the val split, rule {rule} on the "
+          f"{args.ltt_path} path over {grid[0]:g} .. {grid[-1]:g} ({len(path)} settings), reference fixed-{N}, "
+          f"{args.partitions} half/half partitions, epsilon {args.epsilon:g}, threads={torch.get_num_threads()}",
+          flush=True)
+    ref, cnt, secs = decode(build("fixed", None, max_steps=N))
+    ntok = cnt
+    print(f"reference fixed-{N}: CE {ref['nll'].mean():.4f}, {cost.per_token(ref['apps']).mean():.1f} layer "
+          f"applications per token, decoded in {secs:.0f} s", flush=True)
+    bounds, deltas = list(args.loss_bounds), list(args.deltas)
+    inc_sum, apps_sum, losses, rows = [], [], {b: [] for b in bounds}, []
+
+    def add(rec, label, secs):
+        _, inc, _ = ltt.window_means(rec["nll"] - ref["nll"], rec["window"])
+        _, lapps, _ = ltt.window_means(cost.per_token(rec["apps"]), rec["window"])
+        inc_sum.append(inc * ntok)
+        apps_sum.append(lapps * ntok)
+        for b in bounds:
+            losses[b].append(np.clip(inc, 0, b) / b)
+        row = {"setting": label, "ce_increase": float(inc_sum[-1].sum() / ntok.sum()),
+               "layer_applications": float(apps_sum[-1].sum() / ntok.sum()),
+               "risk": {str(b): float(losses[b][-1].mean()) for b in bounds},
+               "clipped_at_bound": {str(b): float((inc > b).mean()) for b in bounds}, "seconds": secs}
+        rows.append(row)
+        print(f"  {label:>24s}  CE increase {row['ce_increase']:+.5f}  layer applications "
+              f"{row['layer_applications']:6.2f}  risk " + " ".join(f"b={b:g}: {row['risk'][str(b)]:.4f}" for b in bounds)
+              + f"  ({secs:.0f} s)", flush=True)
+        return row
+
+    add(ref, f"fixed-{N} (full depth)", secs)  # index 0: full depth, the fallback of both methods
+    stop_inc, stop_risk = 2 * max(deltas), {b: 2 * max(deltas) / b for b in bounds}
+    for s in path:
+        rec, _, secs = decode(policy(s))
+        row = add(rec, " ".join(f"{grid[i]:g}" for i in sorted(set(s))) if len(set(s)) == 1
+                  else "[" + ",".join(f"{grid[i]:g}" for i in s) + "]", secs)
+        if row["ce_increase"] > stop_inc and all(row["risk"][str(b)] > stop_risk[b] for b in bounds):
+            break
+    decoded = len(rows) - 1  # settings of the path decoded (row 0 is the reference)
+    inc_sum, apps_sum = np.stack(inc_sum), np.stack(apps_sum)
+    L = {b: np.stack(v) for b, v in losses.items()}
+
+    rng = np.random.default_rng(args.seed)
+    P, half = args.partitions, W // 2
+    parts = [rng.permutation(W) for _ in range(P)]
+    results = []
+    for b in bounds:
+        for d in deltas:
+            a = ltt.alpha(d, b)
+            rec = {m: {"viol": 0, "viol_ce": 0, "apps": [], "ce_inc": [], "risk": [], "none": 0, "truncated": 0}
+                   for m in ("ltt", "empirical")}
+            for perm in parts:
+                cal, test = perm[:half], perm[half:]
+                tok_c, tok_t = ntok[cal].sum(), ntok[test].sum()
+                # LTT over the path (rows 1..), full depth (row 0) if nothing is certified
+                ps = [ltt.hoeffding_bentkus_p(float(L[b][j, cal].mean()), half, a) for j in range(1, decoded + 1)]
+                k = ltt.fixed_sequence(ps, args.epsilon)
+                chosen = {"ltt": k}  # row index: k-th path setting, or 0 = full depth
+                # empirical: cheapest (calibration layer applications) with calibration CE increase <= δ
+                inc_c = inc_sum[:, cal].sum(axis=1) / tok_c
+                apps_c = apps_sum[:, cal].sum(axis=1) / tok_c
+                ok = np.flatnonzero(inc_c <= d)
+                chosen["empirical"] = int(ok[np.argmin(apps_c[ok])])
+                for m, j in chosen.items():
+                    r = rec[m]
+                    risk_t = float(L[b][j, test].mean())
+                    ce_t = float(inc_sum[j, test].sum() / tok_t)
+                    r["viol"] += risk_t > a
+                    r["viol_ce"] += ce_t > d
+                    r["risk"].append(risk_t)
+                    r["ce_inc"].append(ce_t)
+                    r["apps"].append(float(apps_sum[j, test].sum() / tok_t))
+                    r["none"] += j == 0
+                    r["truncated"] += (j == decoded) and decoded < len(path)
+            pool_ok = [j for j in range(decoded + 1) if L[b][j].mean() <= a]
+            best_pool = min(pool_ok, key=lambda j: apps_sum[j].sum())
+            for m in ("ltt", "empirical"):
+                r = rec[m]
+                lo, hi = ltt.clopper_pearson(r["viol"], P)
+                lo2, hi2 = ltt.clopper_pearson(r["viol_ce"], P)
+                results.append({
+                    "loss_bound": b, "delta": d, "alpha": a, "method": m, "partitions": P,
+                    "violation_rate": r["viol"] / P, "violation_ci": [lo, hi],
+                    "ce_violation_rate": r["viol_ce"] / P, "ce_violation_ci": [lo2, hi2],
+                    "full_depth_rate": r["none"] / P, "truncated": r["truncated"],
+                    "layer_applications": float(np.mean(r["apps"])), "test_risk": float(np.mean(r["risk"])),
+                    "test_ce_increase": float(np.mean(r["ce_inc"])),
+                    "pool_best_layer_applications": float(apps_sum[best_pool].sum() / ntok.sum()),
+                    "min_alpha": ltt.min_alpha(half, args.epsilon)})
+    print(f"\n{W} windows ({half} calibration / {W - half} test per partition), {P} partitions, epsilon "
+          f"{args.epsilon:g}; violation = test-half risk > alpha (the guarantee's event) or test-half CE "
+          f"increase > delta; 95% Clopper-Pearson intervals over partitions; layer applications per token on the "
+          f"test half (full depth {rows[0]['layer_applications']:.1f}); min alpha certifiable with {half} windows: "
+          f"{ltt.min_alpha(half, args.epsilon):.4f}\n")
+    head = ("| loss bound b | δ | α = δ/b | method | violation: risk > α [95% CI] | violation: CE incr. > δ [95% CI] "
+            "| full depth | layer applications / token | test CE increase | cheapest on the pool with risk ≤ α |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for r in results:
+        print(f"| {r['loss_bound']:g} | {r['delta']:g} | {r['alpha']:.3g} | "
+              f"{'LTT' if r['method'] == 'ltt' else 'empirical (no guarantee)'} | "
+              f"{r['violation_rate']:.3f} [{r['violation_ci'][0]:.3f}, {r['violation_ci'][1]:.3f}] | "
+              f"{r['ce_violation_rate']:.3f} [{r['ce_violation_ci'][0]:.3f}, {r['ce_violation_ci'][1]:.3f}] | "
+              f"{r['full_depth_rate']:.0%} | {r['layer_applications']:.2f} | {r['test_ce_increase']:+.5f} | "
+              f"{r['pool_best_layer_applications']:.2f} |")
+    if any(r["truncated"] for r in results):
+        print("WARNING: some partitions chose the last decoded setting; decode more of the path (the stop rule)")
+    out = {"ckpt": str(args.ckpt), "rule": rule, "path": args.ltt_path, "grid": grid, "max_steps": N, "windows": W,
+           "block_size": T, "partitions": P, "epsilon": args.epsilon, "seed": args.seed, "decoded": decoded,
+           "path_length": len(path), "settings": rows, "results": results,
+           "seconds": time.perf_counter() - t_start}
+    print(f"\ntotal {out['seconds']:.0f} s")
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        print(f"wrote {args.out}")
+    return out
+
+
+def _tau_grid() -> tuple:
+    from recdepth.calibration import TAU_GRID
+
+    return TAU_GRID
+
+
+def bench_intervals(args) -> dict:
+    """A finished frontier sweep (`--sweep <dir>`, e.g. `make frontier`'s) under the older
+    statistics (tokens resampled as if independent; cost = applications averaged over
+    groups) and the current ones (whole windows resampled; cost = layer applications,
+    docs/spec.md §4b), verdict by verdict, with the width of each fixed job's absolute CE
+    interval and of its paired difference to the deepest fixed job both ways. Reads the
+    jobs' eval_tokens.csv; decodes nothing."""
+    import numpy as np
+
+    from recdepth import stats, sweep
+
+    d = Path(args.sweep)
+    rows = sweep.collect(d)
+    inputs = sweep.frontier_inputs(d, rows)
+    if inputs is None:
+        raise SystemExit(f"--sweep: {d} has fewer than two fixed-depth jobs (not a frontier sweep)")
+    tokens, fixed, _ = inputs
+    n = len(next(iter(fixed.values()))["nll"])
+    by_tok, by_win = stats.Bootstrap(np.arange(n), args.resamples), sweep.bootstrap(inputs, args.resamples)
+    # before: no timing spread either (the latency verdict took each ms/token as exact)
+    old = sweep.frontier_rows(inputs, [{**r, "ms_repeats": ""} for r in rows], by_tok, None)
+    new = sweep.frontier_rows(inputs, rows, by_win, sweep.sweep_cost(rows))
+    ref = fixed[max(fixed)]["nll"]
+    widths = []
+    for k in sorted(fixed):
+        x = fixed[k]["nll"]
+        w = [stats.mean_ci(x, b) for b in (by_tok, by_win)]
+        p = [stats.diff_ci(x, ref, b) for b in (by_tok, by_win)]
+        widths.append({"n": k, "ce": float(np.mean(x)), "ce_width_tokens": w[0][2] - w[0][1],
+                       "ce_width_windows": w[1][2] - w[1][1], "paired_width_tokens": p[0][2] - p[0][1],
+                       "paired_width_windows": p[1][2] - p[1][1]})
+    print(f"{n} tokens in {by_win.n_units} windows, {args.resamples} resamples; cost: "
+          f"{sweep.sweep_cost(rows) or 'mean applications (the jobs do not say their group sizes)'}")
+    print("fixed n | CE | CE 95% width: tokens / windows (ratio) | CE - CE(fixed max) width: tokens / windows")
+    for w in widths:
+        print(f"{w['n']:7d} | {w['ce']:.4f} | {w['ce_width_tokens']:.4f} / {w['ce_width_windows']:.4f} "
+              f"({w['ce_width_windows'] / w['ce_width_tokens']:.2f}x) | {w['paired_width_tokens']:.4f} / "
+              f"{w['paired_width_windows']:.4f}")
+    fmt = lambda r, k="d_hull": ("—" if r[k] in ("", None) else  # noqa: E731
+                                 f"{r[k]:+.4f} [{r[k + '_lo']:+.4f}, {r[k + '_hi']:+.4f}]")
+    print("job | family | tau | mean apps | layer apps | before: CE - frontier at A (tokens, mean apps) -> verdict "
+          "| after: CE - frontier at cost (windows, layer apps) -> verdict | after, Holm "
+          "| CE - frontier at its ms/token: before (tokens, ms exact) | after (windows, spread of repeats)")
+    out = []
+    for a, b in zip(old, new):
+        changed = "" if a["verdict"] == b["verdict"] else "  <- changed"
+        print(f"{a['job']} | {a['family']} | {sweep._tau(a)} | {a['mean_applications']:.2f} | "
+              f"{b['layer_applications']:.2f} | {fmt(a)} {a['verdict']} | {fmt(b)} {b['verdict']} | "
+              f"{b.get('verdict_holm', '')} | {fmt(a, 'd_ms')} | {fmt(b, 'd_ms')}{changed}")
+        keep = ("d_hull", "d_hull_lo", "d_hull_hi", "verdict", "d_ms", "d_ms_lo", "d_ms_hi")
+        out.append({"job": a["job"], "family": a["family"],
+                    "before": {k: a[k] for k in (*keep, "mean_applications")},
+                    "after": {k: b[k] for k in (*keep, "verdict_holm", "layer_applications", "p_hull", "p_holm")}})
+    return {"widths": widths, "rows": out}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative"])
+    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative", "ltt", "intervals"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -402,20 +764,42 @@ def main(argv=None):
     p.add_argument("--large-tokens", type=int, default=32, help="exits: tokens per row of the batched run")
     p.add_argument("--max-steps", type=int, default=32, help="exits: exit.max_steps")
     p.add_argument("--reps", type=int, default=200, help="exits: repetitions of the micro-timings")
-    p.add_argument("--prompts", type=int, default=8, help="speculative: prompts (one per test window)")
+    p.add_argument("--prompts", type=int, default=32,
+                   help="speculative: prompts, one per window of the test split (32 windows by default)")
     p.add_argument("--prompt-len", type=int, default=16, help="speculative: tokens per prompt")
-    p.add_argument("--new-tokens", type=int, default=64, help="speculative: tokens generated per prompt")
+    p.add_argument("--new-tokens", type=int, default=32,
+                   help="speculative: tokens generated per prompt (all but the first timed)")
     p.add_argument("--draft-steps", type=int, nargs="+", default=[2, 4], help="speculative: draft depths")
     p.add_argument("--lookaheads", type=int, nargs="+", default=[4, 8], help="speculative: drafted tokens per pass")
+    p.add_argument("--shallow", type=int, default=8,
+                   help="speculative: also greedy at this fixed depth (cache=latest), the cheapest whose CE is not "
+                        "resolved from full depth's (8 on the default model); 0: not run")
+    p.add_argument("--out", default=None, help="speculative: write the results (JSON) here")
     p.add_argument("--widths", type=int, nargs="+", default=[384, 768, 1152, 1536],
                    help="huginn: widths of Huginn's shape to time (head_dim 96)")
     p.add_argument("--context", type=int, default=64, help="huginn: cached positions before the timed token")
     p.add_argument("--vocab-huginn", type=int, default=65536, help="huginn: vocabulary (Huginn's 65536)")
     p.add_argument("--huginn-reps", type=int, default=5, help="huginn: timed decode steps per measurement")
+    p.add_argument("--windows", type=int, default=192, help="ltt: held-out windows of the block size")
+    p.add_argument("--partitions", type=int, default=200, help="ltt: random calibration/test halvings")
+    p.add_argument("--deltas", type=float, nargs="+", default=[0.005, 0.01, 0.02], help="ltt: CE-increase targets")
+    p.add_argument("--epsilon", type=float, default=0.05, help="ltt: calibration.epsilon")
+    p.add_argument("--loss-bounds", type=float, nargs="+", default=[0.1, 0.5], help="ltt: calibration.loss_bound values")
+    p.add_argument("--ltt-rule", default="kl", help="ltt: the exit rule whose path is calibrated")
+    p.add_argument("--ltt-grid", type=float, nargs="+", default=None,
+                   help="ltt: the knob's values, most conservative first (default: τ of calibration.TAU_GRID in "
+                        "[1e-2, 1]; fixed: max_steps N .. 1)")
+    p.add_argument("--ltt-path", choices=["shared", "staircase"], default="shared",
+                   help="ltt: one value for every group (shared) or ltt.staircase over the per-group grid")
+    p.add_argument("--ltt-batch", type=int, default=16, help="ltt: windows decoded side by side")
+    p.add_argument("--seed", type=int, default=1337, help="ltt: loop noise and partition seed")
+    p.add_argument("--sweep", default=None, help="intervals: a finished frontier sweep directory (make frontier's OUT)")
+    p.add_argument("--resamples", type=int, default=1000, help="intervals: bootstrap resamples")
     p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
     args = p.parse_intermixed_args(argv)
     return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train,
-            "huginn": bench_huginn, "speculative": bench_speculative}[args.what](args)
+            "huginn": bench_huginn, "speculative": bench_speculative, "ltt": bench_ltt,
+            "intervals": bench_intervals}[args.what](args)
 
 
 if __name__ == "__main__":
