@@ -48,3 +48,15 @@ def tiny_ckpt(env, tmp_path_factory):
                                                "eval.tokens=0", "callbacks=none", "logger=csv"])
         train(cfg)
     return d / "run" / "train" / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matmuls: one thread is several times faster than two on a busy 2-core machine
+    (a module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -9,13 +9,7 @@ import torch
 
 from recdepth import bench
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_bench_speculative_times_after_the_first_token_on_the_test_split(tiny_ckpt, ckpt_env, tmp_path, monkeypatch):

@@ -44,12 +44,7 @@ HUGINN = dict(position="rope", mlp="gated_silu", qk_bias=True, scale_embeddings=
               logit_bias=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def huginn_style(seed=0, state_init="zero", n_layer=5, groups=((1, 2),)):

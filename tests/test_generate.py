@@ -26,13 +26,7 @@ V = 50
 N = 6  # full depth of the test rules
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny matmuls: one thread is several times faster than two on a busy 2-core machine."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 HUGINN_OPTIONS = dict(position="rope", mlp="gated_silu", qk_bias=True, scale_embeddings=True, latent_norm=True,
