@@ -351,6 +351,27 @@ def _machine() -> str:
     return f"{platform.machine()}, {model}, {os.cpu_count()} CPUs"
 
 
+def speculative_medians(rows: list[dict], resamples: int = 1000, seed: int = 0) -> dict:
+    """Medians over prompts for `bench_speculative`'s rows (or its JSON's): per configuration
+    the per-prompt ms/token and the per-prompt speedup over each of its baselines (ratio of
+    the two tokens/s on that prompt), each with its 95% percentile-bootstrap interval over
+    prompts (the draws of `stats.Bootstrap(np.arange(n), resamples, seed)`)."""
+    import numpy as np
+
+    from recdepth import stats
+
+    by = {r["config"]: r for r in rows}
+    rate = {k: np.asarray(r["decode_tokens"], float) / np.asarray(r["decode_seconds"], float) for k, r in by.items()}
+    idx = stats.bootstrap_indices(len(rows[0]["decode_seconds"]), resamples, seed)
+
+    def med(x):
+        return {"point": float(np.median(x)), "ci": list(stats._interval(np.median(x[idx], axis=1)))}
+
+    return {k: {"ms_per_token": med(1000 / rate[k]), **{b: med(rate[k] / rate[base])
+                                                         for b, base in r["baselines"].items()}}
+            for k, r in by.items()}
+
+
 @torch.no_grad()
 def bench_speculative(args) -> dict:
     """Self-speculative against ordinary greedy decoding on a checkpoint's test split,
@@ -465,7 +486,10 @@ def bench_speculative(args) -> dict:
                "vs_greedy_per_step": speedup(key, f"{rname}/greedy/per_step"),
                "identical_to_greedy_per_step": same(key, f"{rname}/greedy/per_step"),
                "identical_to_greedy_latest": same(key, f"{rname}/greedy/latest"), "prompts": n,
-               "decode_seconds": sec.tolist()}
+               "baselines": {"vs_greedy_latest": f"{rname}/greedy/latest",
+                             "vs_greedy_per_step": f"{rname}/greedy/per_step",
+                             **({"vs_shallow": "shallow/greedy/latest"} if args.shallow else {})},
+               "decode_seconds": sec.tolist(), "decode_tokens": tok.tolist()}
         if args.shallow:
             row["vs_shallow"] = speedup(key, "shallow/greedy/latest")
         if "/speculative/" in key:
@@ -499,6 +523,17 @@ def bench_speculative(args) -> dict:
           "groups, after the first token. Speculative decoding returns greedy per_step's tokens (up to rounding); "
           "greedy latest may legitimately differ: with latest sharing a position reads earlier positions at their "
           "final application, with per_step at its own application, another computation.")
+    medians = speculative_medians(rows)
+    print(f"\n| exit | method | median ms/token | median speedup vs greedy latest | vs greedy per_step{sh} |")
+    print("|---" * (5 + bool(args.shallow)) + "|")
+    for row in rows:
+        m = medians[row["config"]]
+        print(f"| {row['exit']} | {row['method']} | {fmt(m['ms_per_token']['point'], m['ms_per_token']['ci'], '{:.1f}')} "
+              + " ".join(f"| {fmt(m[b]['point'], m[b]['ci'])}×" for b in row["baselines"]) + " |")
+        row["median"] = m
+    print("\nMedians over prompts of the per-prompt ms/token and of the per-prompt speedups (paired by prompt), "
+          "[95% bootstrap interval over prompts]: unlike the Σ ratios above, robust to a burst of other load on a "
+          "shared machine slowing one configuration on one prompt.")
     out = {"checkpoint": str(args.ckpt), "prompts": n, "prompt_len": P, "new_tokens": N, "timed_tokens": N - 1,
            "max_steps": args.max_steps, "accel_tau": tau, "shallow": args.shallow,
            "threads": torch.get_num_threads(), "machine": _machine(), "date": datetime.date.today().isoformat(),
@@ -546,7 +581,7 @@ def bench_ltt(args) -> dict:
     cost = model_cost(model)
     rule, N = args.ltt_rule, args.max_steps
     grid = list(args.ltt_grid) if args.ltt_grid else (
-        list(range(N, 0, -1)) if rule == "fixed" else [t for t in _tau_grid() if 1e-2 <= t <= 1.0])
+        list(range(N, 0, -1)) if rule == "fixed" else _bench_tau_grid())
     if rule == "fixed":
         grid = [int(v) for v in grid]
     path = ltt.staircase(len(grid), G) if args.ltt_path == "staircase" else [(i,) * G for i in range(len(grid))]
@@ -671,6 +706,8 @@ def bench_ltt(args) -> dict:
     out = {"ckpt": str(args.ckpt), "rule": rule, "path": args.ltt_path, "grid": grid, "max_steps": N, "windows": W,
            "block_size": T, "partitions": P, "epsilon": args.epsilon, "seed": args.seed, "decoded": decoded,
            "path_length": len(path), "settings": rows, "results": results,
+           "window_tokens": ntok.tolist(), "window_ce_increase_sum": inc_sum.tolist(),
+           "window_layer_applications_sum": apps_sum.tolist(),
            "seconds": time.perf_counter() - t_start}
     print(f"\ntotal {out['seconds']:.0f} s")
     if args.out:
@@ -679,10 +716,13 @@ def bench_ltt(args) -> dict:
     return out
 
 
-def _tau_grid() -> tuple:
+def _bench_tau_grid() -> list[float]:
+    """bench ltt's default τ path: calibration.TAU_GRID from 1e-3 to 1, two values per decade
+    below 1e-2 (1e-3, 3.16e-3: the conservative end, where kl's CE barely moves on the
+    default model) and all four from 1e-2 to 1."""
     from recdepth.calibration import TAU_GRID
 
-    return TAU_GRID
+    return [t for i, t in enumerate(TAU_GRID) if 1e-3 <= t <= 1.0 and (t >= 1e-2 or i % 2 == 0)]
 
 
 def bench_intervals(args) -> dict:
@@ -784,11 +824,12 @@ def main(argv=None):
     p.add_argument("--partitions", type=int, default=200, help="ltt: random calibration/test halvings")
     p.add_argument("--deltas", type=float, nargs="+", default=[0.005, 0.01, 0.02], help="ltt: CE-increase targets")
     p.add_argument("--epsilon", type=float, default=0.05, help="ltt: calibration.epsilon")
-    p.add_argument("--loss-bounds", type=float, nargs="+", default=[0.1, 0.5], help="ltt: calibration.loss_bound values")
+    p.add_argument("--loss-bounds", type=float, nargs="+", default=[0.05, 0.1, 0.5],
+                   help="ltt: calibration.loss_bound values")
     p.add_argument("--ltt-rule", default="kl", help="ltt: the exit rule whose path is calibrated")
     p.add_argument("--ltt-grid", type=float, nargs="+", default=None,
                    help="ltt: the knob's values, most conservative first (default: τ of calibration.TAU_GRID in "
-                        "[1e-2, 1]; fixed: max_steps N .. 1)")
+                        "[1e-3, 1], two per decade below 1e-2; fixed: max_steps N .. 1)")
     p.add_argument("--ltt-path", choices=["shared", "staircase"], default="shared",
                    help="ltt: one value for every group (shared) or ltt.staircase over the per-group grid")
     p.add_argument("--ltt-batch", type=int, default=16, help="ltt: windows decoded side by side")

@@ -52,6 +52,10 @@ def test_bench_speculative_times_after_the_first_token_on_the_test_split(tiny_ck
         assert r["total_seconds"] > secs.sum()  # the prompt's time is left out
         lo, hi = r["tokens_per_s_ci"]
         assert lo <= r["tokens_per_s"] <= hi
+        # the medians over prompts, robust to one disturbed prompt
+        assert r["median"]["ms_per_token"]["point"] == pytest.approx(np.median(1000 * secs / (N - 1)))
+        base = np.array(rows[r["baselines"]["vs_greedy_per_step"]]["decode_seconds"])
+        assert r["median"]["vs_greedy_per_step"]["point"] == pytest.approx(np.median(base / secs))
     for rule in ("fixed", "accel"):
         base = rows[f"{rule}/greedy/latest"]
         assert base["vs_greedy_latest"] == {"point": 1.0, "ci": [1.0, 1.0]}
