@@ -1,40 +1,43 @@
 """Statistics of exit evaluations from per-token records, numpy only. Follows
-docs/spec.md §4b (fixed-depth frontier, oracle, intervals).
+docs/spec.md §4b (fixed-depth frontier, oracle, intervals, cost).
 
 Every exit-rule evaluation ("job") of one checkpoint scores the same held-out tokens in
-the same order and writes one row per token (`write_tokens` / `read_tokens`): nll[i]
-(nats), apps[i, g] (applications of recurrence group g) and ms[i] (batch-1 latency, NaN
-where not timed). A job's CE is mean(nll); its cost A ("mean applications per token") is
-the mean of apps over tokens and groups. Each definition below lives in one function:
+the same order and writes one row per token (`write_tokens` / `read_tokens`): window,
+nll[i] (nats), apps[i, g] (applications of recurrence group g) and ms[i] (batch-1
+latency, NaN where not timed). A job's CE is mean(nll); its cost A is the mean of
+`Cost.per_token(apps)`, layer applications per token (Σ_g |g| · apps_g + the layers
+outside the loops; without a Cost, the older unit: apps averaged over groups). Each
+definition below lives in one function:
 
 - fixed-depth frontier: the jobs with exit=fixed at n = 1, 2, 3, 4, 6, 8, 12, 16, 24, 32
-  (every group runs exactly n). For a rule job with cost A and CE c:
-  - `frontier_ce`: the lowest CE among fixed n <= A (NaN, no n, if there is none);
+  (every group runs exactly n; cost `Cost.uniform(n)`). For a rule job with cost A and CE c:
+  - `frontier_ce`: the lowest CE among fixed n costing <= A (NaN, no n, if there is none);
   - `fixed_needed`: the smallest fixed n whose CE <= c; if no fixed n reaches c, the
     largest n of the grid, flagged reached=False (the saving is then a lower bound);
-  - `saving`: 1 − A / (fixed applications needed for c);
-  - `hull_ce`: the fixed frontier at exactly A applications: the lower convex hull of
-    the points (n, min_{m<=n} CE_m), i.e. the best mix of two fixed depths whose mean cost is A (a
+  - `saving`: 1 − A / (the cost of the fixed n needed for c);
+  - `hull_ce`: the fixed frontier at exactly cost A: the lower convex hull of the points
+    (cost_n, min_{m<=n} CE_m), i.e. the best mix of two fixed depths whose mean cost is A (a
     coin flip per token between them reaches it, up to the depth of the history). This
     is the equal-compute baseline the verdict uses: on a grid, "best fixed n <= A" for a
     rule at A = 7.96 is fixed-6, which costs 25% less;
-  - `compare`: all of these for one job, with intervals.
+  - `compare`: all of these for one job, with intervals and the p-value of the verdict.
 - oracle (ε): nll_by_n[i, n−1] is token i's NLL at a uniform n = 1..N in every group
   (earlier tokens at N). `oracle_n`: per token the smallest n with |nll_by_n[i, n−1] −
   nll_by_n[i, N−1]| <= ε (two-sided: "within ε" of the max-depth prediction, so the
   oracle keeps the quality of N; a one-sided "<= + ε" would also pick depths where the
   target happens to score better, a best-of-N selection on the target that lowers CE
   below every fixed depth and measures luck, not saved compute); `oracle_point`: its CE
-  (mean NLL at those n) and A (mean n); `oracle_saving`: at a CE c, the oracle point over an ε grid with the smallest A whose
-  CE <= c, and 1 − A_oracle / fixed_needed(c).
-- intervals: 95% paired percentile bootstrap over tokens. `bootstrap_indices` draws R
-  resamples of the token indices (fixed seed); every job of a quantity is evaluated on
-  the SAME index sets, the whole statistic is recomputed per resample (every fixed CE,
-  the rule's CE and A, then the frontier point / fixed n / oracle ε chosen again), and
-  the 2.5% and 97.5% percentiles of the resampled statistic are the interval
-  (`mean_ci`, `diff_ci`, `compare`, `oracle_saving`).
+  (mean NLL at those n) and cost; `oracle_saving`: at a CE c, the oracle point over an ε
+  grid with the lowest cost whose CE <= c, and 1 − A_oracle / cost(fixed_needed(c)). The
+  oracle reads the target: a reference point, not a bound on rules that spend different
+  depths per group.
+- intervals: 95% paired percentile bootstrap over independent units, the held-out
+  windows (`Bootstrap`; for tasks, instances): the same resampled units for every job of
+  a quantity, the whole statistic recomputed per resample (every fixed CE, the rule's CE
+  and A, then the frontier point / fixed n / oracle ε chosen again), the 2.5% and 97.5%
+  percentiles of the resampled statistic are the interval (`mean_ci`, `diff_ci`,
+  `compare`, `oracle_saving`, `vs_frontier_at`). Many comparisons: `boot_p` and `holm`.
 """
-
 from __future__ import annotations
 
 import csv

@@ -425,7 +425,7 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
                      paired: dict) -> None:
     """CE − CE(fixed at the largest n) against mean applications (log-x) and against
     ms/token; CE − the fixed frontier at equal applications (the verdict) against mean
-    applications. Paired 95% CIs over tokens."""
+    applications. Paired 95% CIs over windows."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     n_max = max(r["max_steps"] for r in fixed)
