@@ -423,9 +423,9 @@ def paired_vs_max(inputs: tuple[dict, dict, np.ndarray | None], boot: stats.Boot
 
 def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, oracle, front: list[dict],
                      paired: dict) -> None:
-    """CE − CE(fixed at the largest n) against mean applications (log-x) and against
-    ms/token; CE − the fixed frontier at equal applications (the verdict) against mean
-    applications. Paired 95% CIs over windows."""
+    """CE − CE(fixed at the largest n) against layer applications (log-x) and against
+    ms/token; CE − the fixed frontier at equal layer applications (the verdict) against
+    layer applications. Paired 95% CIs over windows."""
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     n_max = max(r["max_steps"] for r in fixed)
