@@ -447,7 +447,8 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
             if not rs:
                 continue
             ys = [paired[r["job"]][0] for r in rs]
-            shown += ys if label != frontier else [y for r, y in zip(rs, ys) if r["max_steps"] >= 3]
+            # the y-range leaves out the shallow fixed depths (n < 3, both fixed families), far above the rest
+            shown += ys if not label.startswith("fixed") else [y for r, y in zip(rs, ys) if r["max_steps"] >= 3]
             ax.errorbar([r[xkey] for r in rs], ys, yerr=yerr(rs), fmt=style, color=color, ms=4, capsize=2, lw=1.2,
                         label=label)
             if label.startswith("fixed"):
