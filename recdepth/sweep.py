@@ -381,7 +381,7 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
     per_group = [r["job"] for r in ok if isinstance(r["tau"], list)]
     if per_group:
         log.info("fig4: job(s) %s have one τ per group; left out of the panels against τ (the frontier panels "
-                 "show them, by mean applications)", ", ".join(map(str, per_group)))
+                 "show them, by layer applications)", ", ".join(map(str, per_group)))
     on_tau = [r for r in ok if not isinstance(r["tau"], list)]
     taus = sorted({r["tau"] for r in on_tau if _num(r["tau"])})
     for ax, (key, label) in zip(axes[0], panels):
@@ -448,7 +448,8 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
                 continue
             ys = [paired[r["job"]][0] for r in rs]
             # the y-range leaves out the shallow fixed depths (n < 3, both fixed families), far above the rest
-            shown += ys if not label.startswith("fixed") else [y for r, y in zip(rs, ys) if r["max_steps"] >= 3]
+            shown += [y for r, y in zip(rs, ys) if not (label.startswith("fixed") and _num(r["max_steps"])
+                                                        and r["max_steps"] < 3)]
             ax.errorbar([r[xkey] for r in rs], ys, yerr=yerr(rs), fmt=style, color=color, ms=4, capsize=2, lw=1.2,
                         label=label)
             if label.startswith("fixed"):
