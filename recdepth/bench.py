@@ -814,7 +814,7 @@ def main(argv=None):
     p.add_argument("--shallow", type=int, default=8,
                    help="speculative: also greedy at this fixed depth (cache=latest), the cheapest whose CE is not "
                         "resolved from full depth's (8 on the default model); 0: not run")
-    p.add_argument("--out", default=None, help="speculative: write the results (JSON) here")
+    p.add_argument("--out", default=None, help="speculative, ltt: write the results (JSON) here")
     p.add_argument("--widths", type=int, nargs="+", default=[384, 768, 1152, 1536],
                    help="huginn: widths of Huginn's shape to time (head_dim 96)")
     p.add_argument("--context", type=int, default=64, help="huginn: cached positions before the timed token")

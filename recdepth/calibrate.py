@@ -14,7 +14,11 @@ The calibration windows draw their own initial-state noise: their noise keys (SP
 
 Targets (set exactly one): `target.max_ce_increase` δ, CE at most δ nats above `fixed` at
 exit.max_steps; `target.layer_applications` B, layer applications per token at most B
-(Σ_g |g| · applications_g + the layers outside the loops, docs/spec.md §4b). The run
+(Σ_g |g| · applications_g + the layers outside the loops, docs/spec.md §4b).
+`calibration.method=ltt` (CE target only) replaces the search by Learn then Test
+(`calibrate_ltt`, docs/spec.md §4e): the answer's clipped per-window CE increase is at most
+δ with probability >= 1 − calibration.epsilon, or nothing is certified and the answer is
+full depth; `empirical` (the default) is the search, with no guarantee. The run
 directory gets:
     calibration.json    the answer, the exit override line, calibration and test numbers
     calibration.csv     every setting decoded on the calibration split (per-group values, CE, A)
