@@ -119,11 +119,6 @@ def _interval(samples: np.ndarray) -> tuple[float, float]:
     return float(lo), float(hi)
 
 
-def resampled_means(x: np.ndarray, boot: Bootstrap) -> np.ndarray:
-    """The mean of x over each resample: [resamples]."""
-    return boot.means(x)
-
-
 def mean_ci(x, boot: Bootstrap) -> tuple[float, float, float]:
     """(mean, lo, hi): the mean of x and its 95% percentile-bootstrap interval."""
     x = np.asarray(x, dtype=float)
