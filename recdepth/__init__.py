@@ -9,10 +9,11 @@ Core: the math, torch and numpy only
   geometry.py     loop-geometry quantities (step norms, cosines, accelerations, DLR)
   sampler.py      loop-count samplers (lognormal-Poisson for training, fixed)
   gate.py         the learned exit gate: labels, logistic fit, the gate's probability, and
-                  the states and depth-wise losses it is fitted on (SPEC §3c)
+                  the parallel pass's states and depth-wise losses (SPEC §3c)
   exits.py        early-exit rules (the gate's too) and the reference `iterate` loop
   decoding.py     token-by-token evaluation with a KV cache under an exit rule, batched
                   exactly (per-row noise keys), and the oracle bound
+  gate_states.py  the learned gate's data from the states the decoding engine visits
   calibration.py  the search that calibrates an exit rule per group to a CE-increase or
                   application target (real decodes of a calibration split)
   ltt.py          calibration with a guarantee (Learn then Test): per-window losses,

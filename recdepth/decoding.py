@@ -285,9 +285,12 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
 def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
                 generator: torch.Generator | None = None, compact: bool = True,
                 noise: RowNoise | None = None, limit: Tensor | None = None,
-                warm: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+                warm: list[Tensor | None] | None = None,
+                states: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
     next token and applications [B, G] per group (`noise`, `limit`: see `loop_group`).
+    `states`, if given (one entry per group), receives each group's final loop state
+    [B, 1, d] (before `leave_group`: what the exit monitor saw last; the gate's features).
 
     `warm` (continuous compute): one entry per group, read and replaced in place. Group g
     starts from warm[g] [B, 1, d] when it is not None (else from its initial state), and
@@ -303,6 +306,8 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
         else:
             x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit,
                                        None if warm is None else warm[i])
+            if states is not None:
+                states[i] = x
             x = model.leave_group(i, x)
             if warm is not None:  # the state leaving the group (after a latent norm: Huginn's latent_states)
                 warm[i] = x
@@ -330,10 +335,11 @@ def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
         c.v[..., pos, :] = c.v[src][..., pos, :]
 
 
-def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
+def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
                     cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
                     timed: bool = False, warm_start: bool = False,
-                    first_window: int = 0, bos: int | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
+                    first_window: int = 0, bos: int | None = None,
+                    trace: list[Tensor] | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
     """Decode windows side by side, `reps` rows per window (row r is window r // reps).
     Returns nll [R, L], applications [R, L, G], with `timed` the seconds of each
     position, and whether the argmax prediction is the target [R, L] (a task's accuracy). With reps > 1 the rows of a window share their history: after each position
@@ -341,12 +347,13 @@ def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]
     and with `warm_start` that row's final group states too (`decode_step`'s `warm`).
     With `bos`, each window's first input is that id (position 0, its loops run under the
     rule) and the window's tokens follow at positions 1 ..; BOS's own prediction is neither
-    scored nor timed, so nll, applications and seconds are those of the window's tokens."""
+    scored nor timed, so nll, applications and seconds are those of the window's tokens.
+    `trace`, if given, receives per scored position the groups' final loop states [R, G, d]."""
     device, T = tokens.device, model.cfg.block_size
     lead = int(bos is not None)
     L = max(n for _, n in wins)
     if L + lead > T:
-        raise ValueError(f"_decode_windows: windows of {L} scored tokens{' after BOS' if lead else ''} exceed "
+        raise ValueError(f"decode_windows: windows of {L} scored tokens{' after BOS' if lead else ''} exceed "
                          f"model.block_size={T}")
     R = len(wins) * reps
     idx = torch.zeros(R, lead + L + 1, dtype=torch.long, device=device)
@@ -364,7 +371,9 @@ def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]
     seconds = []
     for pos in range(lead + L):
         t0 = time.perf_counter()
-        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm)
+        states = None if trace is None else [None] * model.n_groups
+        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm,
+                                states=states)
         if timed and device.type == "cuda":
             torch.cuda.synchronize()
         if pos >= lead:  # BOS's step: decoded, not timed or scored
@@ -377,6 +386,8 @@ def _decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]
             nll[:, pos - lead] = model.nll(logits, idx[:, pos + 1]).double().cpu()
             correct[:, pos - lead] = (logits.argmax(-1) == idx[:, pos + 1]).cpu()
             apps[:, pos - lead] = a.cpu()
+            if trace is not None:
+                trace.append(torch.cat(states, 1).float().cpu())
     return nll, apps, seconds, correct
 
 
@@ -491,7 +502,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     against the batched one: `batch_check` counts timed tokens whose applications differ
     (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
     batched, batch 1) uses the same `warm_start`. `bos` (an hf= model's tokenizer BOS id):
-    every window starts with it, as `_decode_windows` says, and holds `span` tokens.
+    every window starts with it, as `decode_windows` says, and holds `span` tokens.
     `labels` (a task's, aligned with `tokens`) and `answers`: see `score_task`.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
@@ -509,7 +520,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     parts, t0 = [], time.perf_counter()
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
-        nll, apps, _, ok = _decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start,
+        nll, apps, _, ok = decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start,
                                            first_window=first_window, bos=bos)
         parts.append(_records(ws, nll, apps, tokens, T, first_window, bos, ok))
     batch_seconds = time.perf_counter() - t0
@@ -584,7 +595,7 @@ def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: 
     _warmup(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
     secs, nll1, apps1 = [], [], []
     for w in wins:
-        nll, apps, sec, _ = _decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
+        nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
                                          warm_start=warm_start, first_window=first_window, bos=bos)
         r = _records([w], nll, apps, tokens, T, first_window, bos)
         secs += sec[: w[1]]
@@ -643,7 +654,7 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
-        nll, _, _, ok = _decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
+        nll, _, _, ok = decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
                                         warm_start=warm_start, first_window=first_window, bos=bos)
         nll, ok = nll.view(len(ws), N, -1), ok.view(len(ws), N, -1)  # [window, n, position]
         by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))

@@ -18,9 +18,12 @@ A single step's gain on a looping or spiralling state is mostly oscillation (the
 goes up and down by more than it drifts), so "one more step helps" is close to a coin
 flip at every n; the gain still available up to N is what exiting gives up.
 
-The data (`collect_gate_data`) come from the parallel forward pass with every other group
-at N, as the oracle's NLL (SPEC §4b) does: in token-by-token decoding earlier positions
-sit at their own exit depths, so the gate sees slightly other states at evaluation.
+The data come either from the parallel forward pass with every other group at N
+(`collect_gate_data`, gate.states=parallel), or, the default, from the states the decoding
+engine visits (`recdepth.gate_states.decoding_gate_data`, gate.states=decode): in the
+parallel pass a token at application n attends to the earlier tokens at application n, in
+decoding to their cached last application, so the parallel states are not the ones the
+gate meets at evaluation.
 
 Core: torch only. The gate file is written by `python -m recdepth.train_gate` and read by
 `load_gate` (a dict saved with torch.save; see `save_gate`).
@@ -62,18 +65,33 @@ def gate_probability(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     return torch.sigmoid((x * weight).sum(-1) + bias)
 
 
+def class_weights(labels: Tensor) -> Tensor:
+    """Per-example weights that give both classes the same total weight: M / (2 k) on each
+    of the k positives and M / (2 (M − k)) on each negative (sum M, as unweighted); all
+    ones when only one class is present. (scikit-learn's class_weight="balanced".)"""
+    y = labels.reshape(-1).to(torch.float64)
+    M, k = float(y.numel()), float(y.sum())
+    if k in (0.0, M):
+        return torch.ones_like(y)
+    return torch.full_like(y, M / (2 * (M - k))).masked_fill(y > 0.5, M / (2 * k))
+
+
 def fit_gate(features: Tensor, labels: Tensor, steps: int = 100,
-             weight_decay: float = 1e-4) -> tuple[Tensor, Tensor, dict]:
+             weight_decay: float = 1e-4, balance: bool = False) -> tuple[Tensor, Tensor, dict]:
     """Logistic regression of `labels` [M] (bool) on `features` [M, d], full batch, L-BFGS
     from zero (deterministic; no seed needed).
 
     The features are standardised inside, z = (x − μ) / σ (σ = std + 1e-6): minimises
-    mean BCE(v · z + c, y) + weight_decay/2 · ‖v‖², then folds the standardisation back,
+    the (with `balance`: `class_weights`-weighted) mean BCE(v · z + c, y) + weight_decay/2 · ‖v‖²,
+    then folds the standardisation back,
 
         w = v / σ,   b = c − Σ v μ / σ,
 
-    so that w · x + b = v · z + c on the raw state. Returns (w [d], b [], stats) in
-    float32, stats = {accuracy, log_loss, label_rate} on the training data. With one
+    so that w · x + b = v · z + c on the raw state. `balance` matters where one label
+    dominates (most states say "stop"): unweighted, the fit can sit near the base rate
+    and its q never crosses a τ in the middle. Returns (w [d], b [], stats) in float32,
+    stats = {accuracy, balanced_accuracy, log_loss, label_rate} on the training data
+    (log_loss unweighted). With one
     class only (every label equal) the gate is constant: w = 0, b = the add-½ log-odds
     of the labels (a logistic fit would drive b to ±∞)."""
     X = features.detach().to(torch.float64).reshape(-1, features.shape[-1])
@@ -88,13 +106,15 @@ def fit_gate(features: Tensor, labels: Tensor, steps: int = 100,
         mu, sd = X.mean(0), X.std(0) + 1e-6
         Z = (X - mu) / sd
         v = torch.zeros(d, dtype=torch.float64, requires_grad=True)
-        c = torch.tensor(math.log(k / (M - k)), dtype=torch.float64, requires_grad=True)  # the base rate
+        wts = class_weights(y) if balance else None
+        # the base rate (balanced: the classes weigh the same, log-odds 0)
+        c = torch.tensor(0.0 if balance else math.log(k / (M - k)), dtype=torch.float64, requires_grad=True)
         opt = torch.optim.LBFGS([v, c], lr=1.0, max_iter=steps, tolerance_grad=1e-9, tolerance_change=1e-12,
                                 history_size=20, line_search_fn="strong_wolfe")
 
         def closure():
             opt.zero_grad()
-            loss = F.binary_cross_entropy_with_logits(Z @ v + c, y) + 0.5 * weight_decay * (v * v).sum()
+            loss = F.binary_cross_entropy_with_logits(Z @ v + c, y, weight=wts) + 0.5 * weight_decay * (v * v).sum()
             loss.backward()
             return loss
 
@@ -103,7 +123,10 @@ def fit_gate(features: Tensor, labels: Tensor, steps: int = 100,
         v, c = v.detach(), c.detach()
         w, b = v / sd, c - (v * mu / sd).sum()
     z = X @ w + b
-    stats = {"accuracy": float(((z > 0) == (y > 0.5)).double().mean()),
+    hit = (z > 0) == (y > 0.5)
+    pos, neg = y > 0.5, y <= 0.5
+    recall = [float(hit[m].double().mean()) for m in (pos, neg) if bool(m.any())]
+    stats = {"accuracy": float(hit.double().mean()), "balanced_accuracy": sum(recall) / len(recall),
              "log_loss": float(F.binary_cross_entropy_with_logits(z, y)),
              "label_rate": k / M}
     return w.float(), b.float(), stats

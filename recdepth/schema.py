@@ -638,6 +638,9 @@ class DiagnoseConfig(ModelJob):
     loop_dynamics: LoopGeometryConfig = field(default_factory=LoopGeometryConfig)
 
 
+GATE_STATES = ("decode", "parallel")
+
+
 @dataclass
 class GateConfig:
     """`gate`: fitting the learned exit gate on a checkpoint (recdepth/gate.py, SPEC §3c)."""
@@ -654,13 +657,24 @@ class GateConfig:
     weight_decay: float = 1.0e-4
     """L2 penalty on the standardised weights (>= 0)."""
     batch_size: int = 8
-    """Windows per forward pass (>= 1)."""
+    """Windows per forward pass of states=parallel (>= 1; states=decode decodes one window at a
+    time as max_steps rows)."""
+    states: str = "decode"
+    """Where the features come from: decode (the states the decoding engine visits, each
+    depth n a row reading the history of depth N; recdepth/gate_states.py) | parallel (the
+    parallel forward pass, application n reading the other tokens at n; the gate of version 1)."""
+    balance: bool = True
+    """Weight the two labels' classes equally in the fit (most states say "stop")."""
+    answers: bool | None = None
+    """A task (data=task): fit on answer targets only (null = yes for a task; false = every target)."""
 
     def __post_init__(self):
         for k, lo in (("tokens", 1), ("max_steps", 2), ("steps", 1), ("batch_size", 1)):
             _int(f"gate.{k}", getattr(self, k), lo)
         _number("gate.margin", self.margin)
         _number("gate.weight_decay", self.weight_decay)
+        if self.states not in GATE_STATES:
+            raise ValueError(f"gate.states: expected one of {', '.join(GATE_STATES)}, got {self.states!r}")
 
 
 @dataclass

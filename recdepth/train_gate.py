@@ -5,10 +5,13 @@ frozen checkpoint, one Linear(d -> 1) per recurrence group, on the checkpoint's 
     python -m recdepth.evaluate ckpt=<same> exit=gate exit.gate=<gate run_dir>/gate.pt exit.tau=0.5
 
 The windows are drawn (seeded by `seed`) from the checkpoint's own train split, never its
-val split, which holds the evaluation's tokens. For every group g and n < N = gate.max_steps
-the state x_g^(n) is a feature and [NLL(n) − NLL(N) > gate.margin] its label
-(`recdepth.gate`). The run directory gets `gate.pt` (what exit=gate reads: weight [G, d],
-bias [G] and the metadata), `gate.json` (the metadata) and `config.yaml`.
+val split, which holds the evaluation's tokens (on a task, whole records, and by default
+only the answers are fitted on). For every group g and n < N = gate.max_steps the state
+x_g^(n) is a feature and [NLL(n) − NLL(N) > gate.margin] its label (`recdepth.gate`); the
+states are those the decoding engine visits (gate.states=decode, `recdepth.gate_states`)
+or the parallel pass's (gate.states=parallel), the classes weighted equally (gate.balance).
+The run directory gets `gate.pt` (what exit=gate reads: weight [G, d], bias [G] and the
+metadata), `gate.json` (the metadata) and `config.yaml`.
 """
 
 from __future__ import annotations
@@ -27,20 +30,26 @@ from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_devic
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
 from recdepth.gate import collect_gate_data, fit_gate, gate_labels, save_gate
+from recdepth.gate_states import decoding_gate_data
 from recdepth.runs import write_json
 from recdepth.schema import validated
 
 log = logging.getLogger("recdepth.train_gate")
 
 
-def train_windows(train_tokens, n_tokens: int, block_size: int, seed: int) -> torch.Tensor:
-    """ceil(n_tokens / block_size) windows of block_size + 1 tokens at distinct random
-    offsets (seeded) of the train split, in offset order: [W, block_size + 1] int64."""
-    n_avail = len(train_tokens) - block_size
+def train_offsets(n_train: int, n_tokens: int, block_size: int, seed: int, align: int = 1) -> np.ndarray:
+    """ceil(n_tokens / block_size) distinct random offsets (seeded) of windows of
+    block_size + 1 tokens in a train split of n_train tokens, multiples of `align` (a
+    task's records: block_size), in increasing order."""
+    n_avail = len(range(0, n_train - block_size, align))
     if n_avail < 1:
-        raise ValueError(f"data: the train split ({len(train_tokens)} tokens) is shorter than one window")
+        raise ValueError(f"data: the train split ({n_train} tokens) is shorter than one window")
     W = min(math.ceil(n_tokens / block_size), n_avail)
-    offsets = np.sort(np.random.default_rng(seed).choice(n_avail, size=W, replace=False))
+    return np.sort(np.random.default_rng(seed).choice(n_avail, size=W, replace=False)) * align
+
+
+def train_windows(train_tokens, offsets: np.ndarray, block_size: int) -> torch.Tensor:
+    """The windows of block_size + 1 tokens at `offsets`: [W, block_size + 1] int64."""
     return torch.as_tensor(np.stack([np.asarray(train_tokens[o : o + block_size + 1], dtype=np.int64)
                                      for o in offsets]))
 
@@ -64,23 +73,39 @@ def train_gate(cfg: DictConfig) -> dict:
         raise ValueError(f"ckpt: {run.ckpt} has no recurrence groups (nothing to gate)")
     T = module.config.block_size
     dm = checkpoint_data(module, data, run.seed)
-    wins = train_windows(dm.train_tokens, g.tokens, T, run.seed).to(device)
-    batches = [wins[i : i + g.batch_size] for i in range(0, len(wins), g.batch_size)]
-    per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed)
+    task_labels = dm.cache.train_labels  # a task's per-token labels (0 = not an answer), else None
+    answers = task_labels is not None if g.answers is None else g.answers
+    if answers and task_labels is None:
+        raise ValueError("gate.answers: true needs a task's answer labels (data=task); this checkpoint's data has none")
+    offsets = train_offsets(len(dm.train_tokens), g.tokens, T, run.seed, align=T if task_labels is not None else 1)
+    wins = train_windows(dm.train_tokens, offsets, T)
+    keep = (torch.as_tensor(np.stack([np.asarray(task_labels[o + 1 : o + T + 1]) for o in offsets])) > 0
+            if answers else None)
+    if keep is not None and not bool(keep.any()):
+        raise ValueError(f"gate.tokens: the {len(offsets)} train windows drawn hold no answer; raise gate.tokens")
+    if g.states == "decode":
+        per_group = decoding_gate_data(model, wins, g.max_steps, seed=run.seed, keep=keep)
+    else:
+        batches = [wins[i : i + g.batch_size].to(device) for i in range(0, len(wins), g.batch_size)]
+        per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed)
+        if keep is not None:  # the parallel collector returns every target, window by window
+            per_group = [(f[keep.reshape(-1)], n[keep.reshape(-1)]) for f, n in per_group]
     t_collect = time.perf_counter() - t0
     ws, bs, fits = [], [], []
     for feats, nll_by_n in per_group:
         labels = gate_labels(nll_by_n, g.margin)
         w, b, st = fit_gate(feats.reshape(-1, feats.shape[-1]), labels.reshape(-1), steps=g.steps,
-                            weight_decay=g.weight_decay)
+                            weight_decay=g.weight_decay, balance=g.balance)
         st["nll_gain_mean"] = float((nll_by_n[:, 0] - nll_by_n[:, -1]).mean())  # NLL(1) − NLL(N)
         ws.append(w)
         bs.append(b)
         fits.append(st)
     meta = {"ckpt": str(Path(run.ckpt).resolve()), "n_embd": module.config.n_embd, "groups": module.config.groups,
             "max_steps": g.max_steps, "margin": g.margin, "tokens": int(wins.shape[0] * T), "seed": run.seed,
-            "steps": g.steps, "weight_decay": g.weight_decay,
-            "accuracy": [f["accuracy"] for f in fits], "label_rate": [f["label_rate"] for f in fits],
+            "steps": g.steps, "weight_decay": g.weight_decay, "states": g.states, "balance": g.balance,
+            "answers": bool(answers), "examples": int(per_group[0][0].shape[0]),
+            "accuracy": [f["accuracy"] for f in fits], "balanced_accuracy": [f["balanced_accuracy"] for f in fits],
+            "label_rate": [f["label_rate"] for f in fits],
             "log_loss": [f["log_loss"] for f in fits], "nll_gain_mean": [f["nll_gain_mean"] for f in fits],
             "collect_seconds": t_collect, "seconds": time.perf_counter() - t0}
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -89,8 +114,8 @@ def train_gate(cfg: DictConfig) -> dict:
     save_gate(path, torch.stack(ws), torch.stack(bs), meta)
     write_json(run_dir / "gate.json", meta)
     for i, f in enumerate(fits):
-        log.info("gate of group %d %s: label rate %.3f, train accuracy %.3f, log-loss %.4f", i,
-                 module.config.groups[i], f["label_rate"], f["accuracy"], f["log_loss"])
+        log.info("gate of group %d %s: label rate %.3f, train accuracy %.3f (balanced %.3f), log-loss %.4f", i,
+                 module.config.groups[i], f["label_rate"], f["accuracy"], f["balanced_accuracy"], f["log_loss"])
     use = f"exit=gate exit.gate={path.resolve()} exit.tau=0.5 exit.max_steps={g.max_steps}"
     log.info("gate fitted on %d train tokens in %.1f s; use it with: %s", meta["tokens"], meta["seconds"], use)
     print(use)

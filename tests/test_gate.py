@@ -21,7 +21,9 @@ from hydra import compose, initialize_config_dir
 
 from recdepth import exits
 from recdepth.config import conf_dir, exit_policy
+from recdepth.decoding import RowNoise, decode_step, new_caches
 from recdepth.gate import (
+    class_weights,
     collect_gate_data,
     fit_gate,
     gate_labels,
@@ -29,6 +31,7 @@ from recdepth.gate import (
     load_gate,
     save_gate,
 )
+from recdepth.gate_states import decoding_gate_data
 from recdepth.model import GPTConfig, LoopedGPT
 
 
@@ -188,6 +191,71 @@ def test_collect_gate_data_equals_the_models_own_forward():
             torch.testing.assert_close(feats[:24, n - 1].double(), traj[n - 1].reshape(-1, 32), rtol=1e-6, atol=1e-6)
     # depth matters: the NLLs at different n differ (the labels are not trivially constant)
     assert (data[0][1][:, 0] - data[0][1][:, -1]).abs().max() > 1e-3
+
+
+@torch.no_grad()
+def test_decoding_gate_data_equals_a_batch_one_decode_at_each_depth():
+    """decoding_gate_data's nll(n) and state x^(n) at position t of a window are those of a
+    slow batch-1 decode: positions 0 .. t − 1 at exit=fixed N, then position t at fixed n,
+    its final states read through continuous compute's `warm` (leave_group is the identity
+    without a latent norm), not the `states` hook the collector uses. `keep` selects targets."""
+    m, N, seed, T = tiny_model(), 4, 3, 6
+    gen = torch.Generator().manual_seed(1)
+    wins = torch.randint(0, 60, (3, T + 1), generator=gen)
+    keep = torch.rand(3, T, generator=gen) < 0.6
+    data = decoding_gate_data(m, wins, N, seed=seed, keep=keep)
+    K = int(keep.sum())
+    assert len(data) == 2 and all(f.shape == (K, N - 1, 32) and n.shape == (K, N) for f, n in data)
+    k = 0
+    for w in range(3):
+        for t in range(T):
+            if not keep[w, t]:
+                continue
+            for n in range(1, N + 1):
+                caches, noise = new_caches(m, 1, m.cfg.block_size, "latest", N), RowNoise(seed, [w])
+                for pos in range(t):
+                    decode_step(m, wins[w, pos : pos + 1], pos, caches, exits.build("fixed", None, max_steps=N),
+                                noise=noise)
+                warm = [None, None]
+                logits, apps = decode_step(m, wins[w, t : t + 1], t, caches, exits.build("fixed", None, max_steps=n),
+                                           noise=noise, warm=warm)
+                assert apps.tolist() == [[n, n]]
+                nll = m.nll(logits, wins[w, t + 1 : t + 2])[0]
+                torch.testing.assert_close(data[0][1][k, n - 1].double(), nll, rtol=1e-5, atol=1e-5)
+                if n < N:
+                    for g in range(2):
+                        torch.testing.assert_close(data[g][0][k, n - 1].double(), warm[g][0, 0], rtol=1e-5, atol=1e-5)
+            k += 1
+    assert k == K
+    # the decoding states are not the parallel pass's (the reason for collecting them here)
+    par = collect_gate_data(m, [wins], N, generator_seed=seed)
+    assert (par[0][1][keep.reshape(-1)][:, 0] - data[0][1][:, 0]).abs().max() > 1e-4
+    one_line_error(lambda: decoding_gate_data(m, wins, 1), "gate.max_steps")
+
+
+def test_class_weights_and_the_balanced_fit():
+    """Balanced weights give each class half the total weight. The balanced fit (no weight
+    decay) is a stationary point of the class-weighted BCE (its gradient, computed here, is
+    0), so its weighted mean probability is ½; the unweighted fit's mean probability is the
+    label rate (the intercept's own stationarity condition)."""
+    y = torch.tensor([1, 0, 0, 0, 1, 0, 0, 0], dtype=torch.bool)
+    wts = class_weights(y)
+    assert torch.allclose(wts[y].sum(), wts[~y].sum()) and math.isclose(float(wts.sum()), 8.0)
+    assert torch.equal(class_weights(torch.ones(4, dtype=torch.bool)), torch.ones(4, dtype=torch.float64))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(60, 3, generator=gen, dtype=torch.float64)
+    lab = (x[:, 0] + 0.8 * torch.randn(60, generator=gen, dtype=torch.float64)) > 1.0  # rare positives
+    assert 0 < int(lab.sum()) < 20
+    c, yd = class_weights(lab), lab.double()
+    w1, b1, st = fit_gate(x, lab, steps=300, weight_decay=0.0, balance=True)
+    p = torch.sigmoid(x @ w1.double() + b1.double())
+    assert ((p - yd) * c @ x / 60).abs().max() < 1e-4 and abs(float(((p - yd) * c).mean())) < 1e-4
+    assert math.isclose(float((c * p).sum() / c.sum()), 0.5, abs_tol=1e-4)
+    w0, b0, st0 = fit_gate(x, lab, steps=300, weight_decay=0.0)
+    p0 = torch.sigmoid(x @ w0.double() + b0.double())
+    assert math.isclose(float(p0.mean()), float(yd.mean()), abs_tol=1e-4)
+    assert float(p.mean()) > float(p0.mean())  # balancing raises "continue" where positives are rare
+    assert 0.0 <= st["balanced_accuracy"] <= 1.0 and st["label_rate"] == st0["label_rate"] == float(yd.mean())
 
 
 # ------------------------------------------------------------------ the file

@@ -14,7 +14,7 @@ PKG = Path(recdepth.__file__).parent
 
 # The layers, lowest first (recdepth/__init__.py lists them in the same order).
 LAYERS = {
-    "core": {"model", "geometry", "sampler", "gate", "exits", "stats", "decoding", "diagnostics", "runtime",
+    "core": {"model", "geometry", "sampler", "gate", "gate_states", "exits", "stats", "decoding", "diagnostics", "runtime",
              "calibration", "generation", "ltt", "tasks"},
     "glue": {"tokenizer", "documents", "tokens", "vocab", "windows", "data", "lit", "callbacks", "plots",
              "distributed", "schema", "runs", "config", "cli", "hf", "checkpoints"},

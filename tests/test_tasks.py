@@ -298,6 +298,22 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env)
     for g in geo.values():
         assert g and all(len(v["step_norm"]) == 3 and len(v["step_cosine"]) == 2 and v["tokens"] > 0
                          for v in g.values())
+    # the learned gate on the task: fitted on the decoding engine's states at answer targets only,
+    # of whole train records (offsets multiples of the block size)
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.config import conf_dir
+    from recdepth.train_gate import train_gate, train_offsets
+
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        gcfg = compose("train_gate", overrides=[f"ckpt={ckpt}", "gate.tokens=384", "gate.max_steps=3",
+                                                "gate.steps=20", "device=cpu", f"run_dir={tmp_path / 'gate'}"])
+    meta = train_gate(gcfg)
+    dm = checkpoint_data(module, data, gcfg.seed)
+    offsets = train_offsets(len(dm.train_tokens), 384, 128, gcfg.seed, align=128)
+    assert len(offsets) == 3 and all(o % 128 == 0 for o in offsets)
+    want = sum(int((np.asarray(dm.cache.train_labels[o + 1 : o + 129]) > 0).sum()) for o in offsets)
+    assert meta["answers"] and meta["states"] == "decode" and meta["balance"] and meta["examples"] == want > 0
 
 
 def test_bootstrap_units_are_windows_in_the_answers_block():
