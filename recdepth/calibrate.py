@@ -108,9 +108,11 @@ class CalibrationSplit:
     windows never share the test windows' noise; `cost`: the model's layer-application cost."""
 
     def __init__(self, model, tokens: torch.Tensor, n_tokens: int, seed: int, cache: str, batch_size: int,
-                 warm_start: bool = False, first_window: int = 0, labels=None, answers: bool | None = None):
+                 warm_start: bool = False, first_window: int = 0, labels=None, answers: bool | None = None,
+                 context_steps: int | None = None):
         self.model, self.tokens, self.n_tokens, self.labels = model, tokens, n_tokens, labels
         self.answers = answers  # eval.answers: a task's answer tokens only (None: whenever there are labels)
+        self.context_steps = context_steps  # eval.context_steps: a task's context at fixed depth
         self.seed, self.cache, self.batch_size, self.warm_start = seed, cache, batch_size, warm_start
         self.first_window = first_window
         self.cost = model_cost(model)
@@ -121,7 +123,7 @@ class CalibrationSplit:
         _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, warmup_tokens=0, seed=self.seed,
                                cache=self.cache, batch_size=self.batch_size, latency_tokens=0,
                                warm_start=self.warm_start, first_window=self.first_window, labels=self.labels,
-                               answers=self.answers)
+                               answers=self.answers, context_steps=self.context_steps)
         self.seconds += time.perf_counter() - t0
         return rec
 
@@ -312,7 +314,8 @@ def calibration_split(cfg: DictConfig, model, cal_tokens: torch.Tensor, labels=N
     c = cfg.calibration
     return CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size, cfg.eval.warm_start,
                             first_window=noise_window(cfg.eval.tokens, model.cfg.block_size), labels=labels,
-                            answers=OmegaConf.select(cfg, "eval.answers"))
+                            answers=OmegaConf.select(cfg, "eval.answers"),
+                            context_steps=OmegaConf.select(cfg, "eval.context_steps"))
 
 
 def calibrate(cfg: DictConfig) -> dict:
@@ -367,7 +370,8 @@ def calibrate(cfg: DictConfig) -> dict:
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), cfg.eval.tokens,
                                warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
                                batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start,
-                               labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"))
+                               labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"),
+                               context_steps=OmegaConf.select(cfg, "eval.context_steps"))
         ref_nll = ref["nll"]
     held = test_check(target, test_rec, ref_nll, split.cost)
     if c.method == "ltt":

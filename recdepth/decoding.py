@@ -228,7 +228,8 @@ def state_decoder(model: LoopedGPT, g: int, policy: ExitPolicy, caches: list[KVC
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
                pos: int, generator: torch.Generator | None = None, compact: bool = True,
                noise: RowNoise | None = None, limit: Tensor | None = None,
-               init: Tensor | None = None) -> tuple[Tensor, Tensor]:
+               init: Tensor | None = None, fixed_rows: Tensor | None = None,
+               fixed_steps: int | None = None) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
     Returns the final states [B, 1, d] and applications per row [B].
 
@@ -239,7 +240,9 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     (otherwise all rows draw from `generator`); `limit` [B], if given, stops row b after
     limit[b] applications at the latest (a per-row max_steps). `init` [B, 1, d], if given,
     is row b's starting state instead of `model.initial_state` (no noise is drawn; the warm
-    start of continuous compute). A per-group `policy` loops group g under its group-g
+    start of continuous compute). `fixed_rows` [B] (bool), with `fixed_steps`: those rows
+    ignore the rule and loop exactly `fixed_steps` applications (a task's context positions
+    under `eval.context_steps`, docs/spec.md §6). A per-group `policy` loops group g under its group-g
     values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
     says (`state_decoder`: the head, or through the coda without writing its cache)."""
     policy = policy.group(g)
@@ -270,6 +273,8 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
             s = torch.where(active[:, None, None], s_new, s)
         n += active
         fired = monitor.observe(s_new[:, 0])
+        if fixed_rows is not None:
+            fired = torch.where(fixed_rows, n >= fixed_steps, fired)
         if limit is not None:
             fired = fired | (n >= limit)
         active = active & ~fired
@@ -286,9 +291,11 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
                 generator: torch.Generator | None = None, compact: bool = True,
                 noise: RowNoise | None = None, limit: Tensor | None = None,
                 warm: list[Tensor | None] | None = None,
-                states: list[Tensor | None] | None = None) -> tuple[Tensor, Tensor]:
+                states: list[Tensor | None] | None = None, fixed_rows: Tensor | None = None,
+                fixed_steps: int | None = None) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
-    next token and applications [B, G] per group (`noise`, `limit`: see `loop_group`).
+    next token and applications [B, G] per group (`noise`, `limit`, `fixed_rows`,
+    `fixed_steps`: see `loop_group`).
     `states`, if given (one entry per group), receives each group's final loop state
     [B, 1, d] (before `leave_group`: what the exit monitor saw last; the gate's features).
 
@@ -305,7 +312,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
             x = model.h[i](x, caches[i], pos)
         else:
             x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit,
-                                       None if warm is None else warm[i])
+                                       None if warm is None else warm[i], fixed_rows, fixed_steps)
             if states is not None:
                 states[i] = x
             x = model.leave_group(i, x)
@@ -339,7 +346,8 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
                     cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
                     timed: bool = False, warm_start: bool = False,
                     first_window: int = 0, bos: int | None = None,
-                    trace: list[Tensor] | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
+                    trace: list[Tensor] | None = None, labels: np.ndarray | None = None,
+                    context_steps: int | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
     """Decode windows side by side, `reps` rows per window (row r is window r // reps).
     Returns nll [R, L], applications [R, L, G], with `timed` the seconds of each
     position, and whether the argmax prediction is the target [R, L] (a task's accuracy). With reps > 1 the rows of a window share their history: after each position
@@ -348,7 +356,10 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     With `bos`, each window's first input is that id (position 0, its loops run under the
     rule) and the window's tokens follow at positions 1 ..; BOS's own prediction is neither
     scored nor timed, so nll, applications and seconds are those of the window's tokens.
-    `trace`, if given, receives per scored position the groups' final loop states [R, G, d]."""
+    `trace`, if given, receives per scored position the groups' final loop states [R, G, d].
+    `context_steps` with a task's `labels` (aligned with `tokens`): a position whose target
+    is not an answer (and BOS) loops exactly that many applications, the rule deciding at
+    answer positions only (`eval.context_steps`, docs/spec.md §6)."""
     device, T = tokens.device, model.cfg.block_size
     lead = int(bos is not None)
     L = max(n for _, n in wins)
@@ -362,7 +373,8 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     if lead:
         idx[:, 0] = bos
     noise = RowNoise(seed, [first_window + wins[r // reps][0] // span(T, bos) for r in range(R)])
-    caches = new_caches(model, R, T, cache, policy.max_steps_bound)
+    context = None if context_steps is None else context_rows(wins, labels, reps, lead, L).to(device)
+    caches = new_caches(model, R, T, cache, max(policy.max_steps_bound, context_steps or 0))
     src = torch.arange(R, device=device) // reps * reps + reps - 1
     warm = [None] * model.n_groups if warm_start else None
     nll = torch.empty(R, L, dtype=torch.float64)
@@ -373,7 +385,8 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
         t0 = time.perf_counter()
         states = None if trace is None else [None] * model.n_groups
         logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm,
-                                states=states)
+                                states=states, fixed_rows=None if context is None else context[:, pos],
+                                fixed_steps=context_steps)
         if timed and device.type == "cuda":
             torch.cuda.synchronize()
         if pos >= lead:  # BOS's step: decoded, not timed or scored
@@ -389,6 +402,20 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
             if trace is not None:
                 trace.append(torch.cat(states, 1).float().cpu())
     return nll, apps, seconds, correct
+
+
+def context_rows(wins: list[tuple[int, int]], labels: np.ndarray | None, reps: int, lead: int, L: int) -> Tensor:
+    """[R, lead + L] bool: True where decode_windows' row r at input position p predicts a
+    target that is not an answer (BOS and the positions past a short window included): the
+    positions `eval.context_steps` loops at fixed depth."""
+    if labels is None:
+        raise ValueError("eval.context_steps: runs a task's context at fixed depth and the rule on its answers, "
+                         "but this data has no answer labels (data=task has them; else context_steps=null)")
+    labels = np.asarray(labels)
+    ctx = torch.ones(len(wins) * reps, lead + L, dtype=torch.bool)
+    for w, (start, n) in enumerate(wins):
+        ctx[w * reps : (w + 1) * reps, lead : lead + n] = torch.from_numpy(labels[start + 1 : start + n + 1] == 0)
+    return ctx
 
 
 def _records(wins: list[tuple[int, int]], nll: Tensor, apps: Tensor, tokens: Tensor, block_size: int,
@@ -483,7 +510,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
                   seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
                   repeats: int = 1, warm_start: bool = False, first_window: int = 0,
                   bos: int | None = None, labels: np.ndarray | None = None,
-                  answers: bool | None = None) -> tuple[dict, dict]:
+                  answers: bool | None = None, context_steps: int | None = None) -> tuple[dict, dict]:
     """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
     `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
     from the previous token's final state with `warm_start` (continuous compute; see
@@ -504,10 +531,14 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     batched, batch 1) uses the same `warm_start`. `bos` (an hf= model's tokenizer BOS id):
     every window starts with it, as `decode_windows` says, and holds `span` tokens.
     `labels` (a task's, aligned with `tokens`) and `answers`: see `score_task`.
+    `context_steps`: see `decode_windows` (every pass, the timed ones included).
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     if policy.name == ORACLE:
+        if context_steps is not None and context_steps != policy.max_steps_bound:
+            raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
+                             f"{policy.max_steps_bound}; set context_steps to that or null, got {context_steps}")
         ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size,
                                   warm_start=warm_start, first_window=first_window, bos=bos)
         return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
@@ -521,7 +552,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
         nll, apps, _, ok = decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start,
-                                           first_window=first_window, bos=bos)
+                                           first_window=first_window, bos=bos, labels=labels,
+                                           context_steps=context_steps)
         parts.append(_records(ws, nll, apps, tokens, T, first_window, bos, ok))
     batch_seconds = time.perf_counter() - t0
     rec = _merge(parts)
@@ -530,7 +562,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
     n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
-    timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos)
+    timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos,
+                           labels=labels, context_steps=context_steps)
                for _ in range(repeats)] if n_lat > 0 else []
     add_latency(ev, rec, timings)
     model.train(was_training)
@@ -582,7 +615,8 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
 @torch.no_grad()
 def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, cache: str = "latest",
                 seed: int = 0, warm_start: bool = False, first_window: int = 0,
-                warmup_tokens: int = 0, bos: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                warmup_tokens: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
+                context_steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One timed pass at batch 1 over the first `n_tokens` scored tokens (their windows one
     after another, SPEC §4 latency), after `warmup_tokens` untimed steps: ms per token,
     and the NLL and applications of the pass (for `batch_check`). `add_latency` turns
@@ -596,7 +630,8 @@ def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: 
     secs, nll1, apps1 = [], [], []
     for w in wins:
         nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
-                                         warm_start=warm_start, first_window=first_window, bos=bos)
+                                         warm_start=warm_start, first_window=first_window, bos=bos,
+                                         labels=labels, context_steps=context_steps)
         r = _records([w], nll, apps, tokens, T, first_window, bos)
         secs += sec[: w[1]]
         nll1.append(r["nll"])

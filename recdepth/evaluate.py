@@ -90,7 +90,8 @@ def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path
     ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
                             cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
                             repeats=e.repeats, warm_start=e.warm_start, bos=bos, labels=labels,
-                            answers=OmegaConf.select(cfg, "eval.answers"))
+                            answers=OmegaConf.select(cfg, "eval.answers"),
+                            context_steps=OmegaConf.select(cfg, "eval.context_steps"))
     used = policy.resolve(has_coda(model))
     ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
     write_eval(run_dir, rec, vocab_to_gpt2)

@@ -90,7 +90,8 @@ class Jobs:
         ev, rec = evaluate_exit(self.model, self.tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens,
                                 seed=self.cfg.seed, cache=e.cache, batch_size=e.batch_size,
                                 latency_tokens=0, warm_start=e.warm_start, labels=self.labels,
-                                answers=OmegaConf.select(self.cfg, "eval.answers"))
+                                answers=OmegaConf.select(self.cfg, "eval.answers"),
+                                context_steps=OmegaConf.select(self.cfg, "eval.context_steps"))
         row = {"job": k, "family": family, "overrides": line, "policy": policy, "eval": ev, "rec": rec,
                **(extra or {})}
         self.rows.append(row)
@@ -114,7 +115,8 @@ class Jobs:
             for r in timed:
                 reps[r["job"]].append(time_tokens(self.model, self.tokens, r["policy"], e.latency_tokens, e.cache,
                                                   self.cfg.seed, e.warm_start,
-                                                  warmup_tokens=e.warmup_tokens if i == 0 else 0))
+                                                  warmup_tokens=e.warmup_tokens if i == 0 else 0, labels=self.labels,
+                                                  context_steps=OmegaConf.select(self.cfg, "eval.context_steps")))
         for r in timed:
             add_latency(r["eval"], r["rec"], reps[r["job"]])
             self.write(r)
@@ -186,7 +188,8 @@ def report(cfg: DictConfig) -> dict:
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=N), cfg.eval.tokens,
                                warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
                                batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start,
-                               labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"))
+                               labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"),
+                               context_steps=OmegaConf.select(cfg, "eval.context_steps"))
         fixed_ref = ref["nll"]
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]

@@ -437,9 +437,15 @@ class EvalConfig:
     split: str = "test"
     """The held-out split scored: test | extrapolation (data=task: harder instances than
     any trained on; recdepth.evaluate only)."""
+    context_steps: int | None = None
+    """A task (docs/spec.md §6): positions whose target is not an answer (the statements,
+    operands, terms: the prompt) loop exactly this many applications and the exit rule
+    decides at answer positions only; null: the rule decides at every position."""
 
     def __post_init__(self):
         _one_of("eval.split", self.split, ("test", "extrapolation"))
+        if self.context_steps is not None and self.context_steps < 1:
+            raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
         decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
                                 self.repeats, self.cache, self.warm_start)
 

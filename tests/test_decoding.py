@@ -357,3 +357,55 @@ def test_evaluate_exit_checks_per_group_values_against_the_model():
     assert (ev["tau"], ev["max_steps"], ev["min_steps"], ev["patience"]) == ([1e-2, 1e-3], [6, 9], 0, 3)
     assert json.loads(json.dumps(ev))["tau"] == [1e-2, 1e-3]
     assert rec["apps"][:, 0].max() <= 6 and rec["apps"][:, 1].max() <= 9
+
+
+@pytest.mark.parametrize("rule, tau", [("fixed", None), ("kl", 1e-3), ("stepnorm", 0.3)])
+def test_context_steps_loop_the_context_at_fixed_depth_and_the_rule_at_answers(rule, tau):
+    """eval.context_steps (docs/spec.md §6) against a slow reference that decodes position by
+    position at batch 1, choosing the policy per position: exit=fixed at k where the target
+    is not an answer, the rule where it is. Same noise keys, so records must match exactly."""
+    import numpy as np
+
+    from recdepth.decoding import RowNoise
+
+    m = model([[1], [2, 3]], state_init="normal")
+    gen = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 60, (13,), generator=gen)
+    labels = np.zeros(13, dtype=np.int64)
+    labels[[3, 4, 7, 11, 12]] = [1, 2, 1, 3, 2]  # targets 3, 4, 7, 11, 12 are answers
+    k, N = 6, 9
+    policy = exits.build(rule, tau, max_steps=N if rule != "fixed" else 2)
+    _, rec = evaluate_exit(m, tokens, policy, n_tokens=12, warmup_tokens=0, latency_tokens=0, labels=labels,
+                           answers=False, context_steps=k)
+    context = exits.build("fixed", None, max_steps=k)
+    caches = new_caches(m, 1, 12, "latest", max(k, N))
+    noise = RowNoise(0, [0])
+    ref_nll, ref_apps = [], []
+    for pos in range(12):
+        p = policy if labels[pos + 1] > 0 else context
+        logits, a = decode_step(m, tokens[pos : pos + 1], pos, caches, p, noise=noise)
+        ref_nll.append(m.nll(logits, tokens[pos + 1 : pos + 2]).item())
+        ref_apps.append(a[0].tolist())
+    assert rec["apps"].tolist() == ref_apps
+    np.testing.assert_allclose(rec["nll"], ref_nll, rtol=1e-10, atol=1e-12)
+    ctx = labels[1:13] == 0
+    assert (rec["apps"][ctx] == k).all()  # every context position: exactly k per group
+    if rule == "fixed":
+        assert (rec["apps"][~ctx] == 2).all()
+    # With the context at the rule's own depth, exit=fixed is plain exit=fixed.
+    if rule == "fixed":
+        _, same = evaluate_exit(m, tokens, policy, n_tokens=12, warmup_tokens=0, latency_tokens=0, labels=labels,
+                                answers=False, context_steps=2)
+        _, plain = evaluate_exit(m, tokens, policy, n_tokens=12, warmup_tokens=0, latency_tokens=0)
+        np.testing.assert_array_equal(same["nll"], plain["nll"])
+
+
+def test_context_steps_need_answer_labels_and_match_the_oracle():
+    m = model([[1]])
+    tokens = torch.randint(0, 60, (13,))
+    with pytest.raises(ValueError, match="eval.context_steps: .*no answer labels"):
+        evaluate_exit(m, tokens, exits.build("kl", 1e-3, max_steps=4), n_tokens=12, latency_tokens=0,
+                      context_steps=4)
+    with pytest.raises(ValueError, match="eval.context_steps: exit=oracle .*max_steps=4"):
+        evaluate_exit(m, tokens, exits.build("oracle", 0.01, max_steps=4), n_tokens=12, latency_tokens=0,
+                      labels=__import__("numpy").ones(13, dtype=int), context_steps=3)
