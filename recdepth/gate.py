@@ -132,6 +132,17 @@ def fit_gate(features: Tensor, labels: Tensor, steps: int = 100,
     return w.float(), b.float(), stats
 
 
+def check_gate_setting(model: LoopedGPT, max_steps: int) -> tuple[int, int]:
+    """(N, G): the gate's max_steps (>= 2: it decides between 1 and N) and the model's
+    recurrence groups (>= 1), or a one-line error naming the field."""
+    N = int(max_steps)
+    if N < 2:
+        raise ValueError(f"gate.max_steps: expected an integer >= 2 (a gate decides between 1 and N), got {N}")
+    if model.n_groups == 0:
+        raise ValueError("gate: the model has no recurrence groups (nothing to gate)")
+    return N, model.n_groups
+
+
 @torch.no_grad()
 def collect_gate_data(model: LoopedGPT, windows: Iterable[Tensor], max_steps: int,
                       generator_seed: int = 0) -> list[tuple[Tensor, Tensor]]:
@@ -149,12 +160,7 @@ def collect_gate_data(model: LoopedGPT, windows: Iterable[Tensor], max_steps: in
     Returns per group g (features [K, N − 1, d], nll_by_n [K, N]) over the K scored
     tokens: features[:, n − 1] = x_g^(n), nll_by_n[:, n − 1] = nll_g(n); labels follow
     with `gate_labels(nll_by_n, margin)`. float32, on the CPU."""
-    N = int(max_steps)
-    if N < 2:
-        raise ValueError(f"gate.max_steps: expected an integer >= 2 (a gate decides between 1 and N), got {N}")
-    G = model.n_groups
-    if G == 0:
-        raise ValueError("gate: the model has no recurrence groups (nothing to gate)")
+    N, G = check_gate_setting(model, max_steps)
     feats: list[list[Tensor]] = [[] for _ in range(G)]
     nlls: list[list[Tensor]] = [[] for _ in range(G)]
     for w in windows:

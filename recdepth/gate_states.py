@@ -26,6 +26,7 @@ from torch import Tensor
 
 from recdepth.decoding import decode_windows
 from recdepth.exits import build
+from recdepth.gate import check_gate_setting
 from recdepth.model import LoopedGPT
 
 
@@ -38,12 +39,7 @@ def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, seed: 
     applications in decoding, nll_by_n[:, n − 1] = the target's NLL there, N = max_steps.
     `keep` [W, T] (bool) selects the targets (a task's answers); default all. Each window
     decodes as N rows side by side, with the noise of sequence w (`RowNoise` key w)."""
-    N = int(max_steps)
-    if N < 2:
-        raise ValueError(f"gate.max_steps: expected an integer >= 2 (a gate decides between 1 and N), got {N}")
-    G = model.n_groups
-    if G == 0:
-        raise ValueError("gate: the model has no recurrence groups (nothing to gate)")
+    N, G = check_gate_setting(model, max_steps)
     W, T1 = windows.shape
     T = T1 - 1
     if keep is None:
