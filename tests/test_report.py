@@ -108,7 +108,7 @@ def test_latency_is_timed_round_robin(monkeypatch, tmp_path):
 
     order = []
 
-    def fake_time(model, tokens, policy, n, cache, seed, warm_start, warmup_tokens=0):
+    def fake_time(model, tokens, policy, n, cache, seed, warm_start, warmup_tokens=0, labels=None, context_steps=None):
         order.append(policy)
         return np.full(n, 1.0 + len(order)), np.zeros(n), np.ones((n, 1), dtype=np.int64)
 
