@@ -63,6 +63,8 @@ class TokenDataModule(L.LightningDataModule):
         extrapolation: Sequence[int] = (5, 8),
         chains: int = 2,
         distractors: int = 2,
+        layout: str = "shuffled",
+        names: int = 16,
         nines: float = 0.25,
         modulus: int = 10,
         train_records: int = 20000,
@@ -112,7 +114,8 @@ class TokenDataModule(L.LightningDataModule):
         # source=task: the generated task (recdepth.tasks), its record counts per split and
         # which targets the training loss counts (answers | all)
         self.task_spec = (TaskSpec(task, tuple(int(v) for v in size), tuple(int(v) for v in extrapolation),
-                                   int(chains), int(distractors), float(nines), int(modulus))
+                                   chains=int(chains), distractors=int(distractors), layout=str(layout),
+                                   names=int(names), nines=float(nines), modulus=int(modulus))
                           if source == "task" else None)
         self.records = {"train": int(train_records), "test": int(test_records),
                         "validation": int(validation_records), "extrapolation": int(extrapolation_records)}

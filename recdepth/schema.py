@@ -219,8 +219,7 @@ DATA_KEYS = {
     "fineweb": (*DATA_COMMON, "path", "dataset_name", "dataset_config", "text_column"),
     "files": (*DATA_COMMON, "paths", "text_column", "encoding"),
     "task": ("source", "val_tokens", "cache_dir", "num_workers", "task", "size", "extrapolation", "chains",
-             "distractors", "nines",
-             "modulus", "train_records", "test_records", "validation_records", "extrapolation_records",
+             "distractors", "layout", "names", "nines", "modulus", "train_records", "test_records", "validation_records", "extrapolation_records",
              "instance_seed", "loss"),
 }
 
@@ -270,6 +269,11 @@ class DataConfig:
     """task=hops: queried chains per instance, each queried at its head."""
     distractors: int = 2
     """task=hops: chains per instance that are never queried (no answer by elimination)."""
+    layout: str = "shuffled"
+    """task=hops: shuffled (statements in random order, lookup by content) | sorted (one
+    statement per name in alphabetical order, lookup by position; experiment=hops)."""
+    names: int = 16
+    """task=hops, sorted layout: names per instance, all assigned."""
     nines: float = 0.25
     """task=addition: probability that a column's digits sum to 9 (carry chains)."""
     modulus: int = 10
@@ -306,9 +310,9 @@ class DataConfig:
                 if not (isinstance(v, list | tuple) and len(v) == 2
                         and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
                     raise ValueError(f"data.{key}: expected [lo, hi] (two integers), got {v!r}")
-            tasks.TaskSpec(self.task, tuple(self.size), tuple(self.extrapolation), self.chains, self.distractors,
-                           self.nines,
-                           self.modulus)
+            tasks.TaskSpec(self.task, tuple(self.size), tuple(self.extrapolation), chains=self.chains,
+                           distractors=self.distractors, layout=self.layout, names=self.names, nines=self.nines,
+                           modulus=self.modulus)
             for key in ("train_records", "test_records", "validation_records", "extrapolation_records"):
                 _int(f"data.{key}", getattr(self, key), 1)
             _int("data.instance_seed", self.instance_seed, 0)

@@ -45,6 +45,7 @@ import numpy as np
 from recdepth import stats
 
 TASKS = ("hops", "addition", "modsum")
+LAYOUTS = ("shuffled", "sorted")
 SPLITS = ("train", "validation", "test", "extrapolation")
 # Hash buckets (of 100) of each split: test 0-9, validation 10-19, train 20-99.
 BUCKETS = {"test": range(0, 10), "validation": range(10, 20), "train": range(20, 100),
@@ -72,7 +73,13 @@ class TaskSpec:
     chains: int = 2
     """hops: queried chains per instance (each queried once, at its head)."""
     distractors: int = 2
-    """hops: chains per instance that are never queried."""
+    """hops: chains per instance that are never queried (in the sorted layout: at least this many)."""
+    layout: str = "shuffled"
+    """hops: shuffled (the statements of `chains + distractors` chains in random order: the
+    lookup is by content) | sorted (the `names` first names all assigned, one statement each,
+    in alphabetical order, one instance per record: the lookup is by position)."""
+    names: int = 16
+    """hops, sorted layout: the names of every instance (a..), partitioned into chains."""
     nines: float = 0.25
     """addition: probability that a column's digit pair sums to 9 (passes a carry on)."""
     modulus: int = 10
@@ -88,7 +95,14 @@ class TaskSpec:
             raise ValueError(f"data.extrapolation: sizes must exceed the training range data.size="
                              f"{list(self.size)}, got {list(self.extrapolation)}")
         top = max(self.size[1], self.extrapolation[1])
-        if self.task == "hops" and not (self.chains >= 1 and self.distractors >= 0
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"data.layout: expected one of {', '.join(LAYOUTS)}, got {self.layout!r}")
+        if self.task == "hops" and self.layout == "sorted":
+            if not (self.chains >= 1 and self.distractors >= 0 and (self.distractors + 1) * top <= self.names <= len(NAMES)):
+                raise ValueError(f"data.names: {self.names} names cannot hold {self.distractors} distractor chains and one "
+                                 f"queried chain of up to {top} names (expected chains >= 1 and (distractors + 1) * "
+                                 f"{top} <= names <= {len(NAMES)})")
+        elif self.task == "hops" and not (self.chains >= 1 and self.distractors >= 0
                                         and (self.chains + self.distractors) * top <= len(NAMES)):
             raise ValueError(f"data.chains: {self.chains} queried and {self.distractors} distractor chains of up to "
                              f"{top} names need more than the {len(NAMES)} names there are (expected chains >= 1 and "
@@ -137,6 +151,38 @@ def hops(rng: random.Random, k_range: tuple[int, int], chains: int, distractors:
     return inst
 
 
+def hops_sorted(rng: random.Random, k_range: tuple[int, int], chains: int, distractors: int, names: int) -> Instance:
+    """The first `names` names, shuffled and cut into chains of lengths drawn from k_range
+    (the leftover, shorter than the range's low end, is one more chain), one statement per
+    name in alphabetical order (` a = f b = 3 c = a ...`), then ` ? x v` for the heads x of
+    up to `chains` chains of the range (difficulty k), leaving at least `distractors`
+    chains unqueried. A name's statement sits at a fixed place in every instance, so the
+    lookup is by position, which a layer learns directly; following the chain still takes
+    one lookup per hop."""
+    order = NAMES[:names]
+    perm = rng.sample(order, names)
+    target, full, i = {}, [], 0
+    while i < names:
+        k = rng.randint(*k_range)
+        if i + k > names:
+            k = names - i  # the leftover: shorter than k_range, never queried
+        chain, i = perm[i : i + k], i + k
+        value = rng.choice(DIGITS)
+        for a, b in zip(chain, [*chain[1:], value]):
+            target[a] = b
+        if k >= k_range[0]:
+            full.append((chain[0], value, k))
+    leftover = 1 if sum(k for *_, k in full) < names else 0  # the short chain: one more distractor
+    rng.shuffle(full)
+    queried = full[: max(0, min(chains, len(full) + leftover - distractors))]
+    inst: Instance = []
+    for x in order:
+        inst += [(x, 0), ("=", 0), (target[x], 0)]
+    for x, value, k in queried:
+        inst += [("?", 0), (x, 0), (value, k)]
+    return inst
+
+
 def carry_difficulty(column_sums: list[int]) -> list[int]:
     """Per column i = 0 (units) .. n (the final carry): 1 + the lower columns the digit of
     column i depends on (down to the first column below i whose sum is not 9, inclusive,
@@ -181,6 +227,8 @@ def modsum(rng: random.Random, k_range: tuple[int, int], modulus: int) -> Instan
 
 def generator(spec: TaskSpec, split: str) -> Callable[[random.Random], Instance]:
     lo_hi = spec.sizes(split)
+    if spec.task == "hops" and spec.layout == "sorted":
+        return lambda rng: hops_sorted(rng, lo_hi, spec.chains, spec.distractors, spec.names)
     if spec.task == "hops":
         return lambda rng: hops(rng, lo_hi, spec.chains, spec.distractors)
     if spec.task == "addition":
@@ -234,6 +282,9 @@ def records(spec: TaskSpec, split: str, seed: int, n_records: int, length: int, 
     newline) packed greedily, the rest EOT. Returns GPT-2 ids and labels (uint8), both
     [n_records * length]. A record is one training/evaluation window's inputs: windows of
     block_size = length tokens at multiples of length see one record each, from its EOT."""
+    # The sorted hops layout gives every name's statement a fixed place: one instance a record,
+    # right after its EOT, keeps that place fixed in the window too.
+    one_each = spec.task == "hops" and spec.layout == "sorted"
     tokens = np.full((n_records, length), eot, dtype=np.uint16)
     labels = np.zeros((n_records, length), dtype=np.uint8)
     it = instances(spec, split, seed)
@@ -247,7 +298,7 @@ def records(spec: TaskSpec, split: str, seed: int, n_records: int, length: int, 
             if n > length - 1:
                 raise ValueError(f"data.block_size: a {spec.task} instance of {n} tokens (size "
                                  f"{list(spec.sizes(split))}) does not fit a window of {length} tokens after its EOT")
-            if pos + n > length:
+            if pos + n > length or (one_each and pos > 1):
                 pending = inst
                 break
             for j, (s, lab) in enumerate(inst):

@@ -96,10 +96,15 @@ def instances_of(dm: TokenDataModule, tokens: np.ndarray, labels: np.ndarray):
             ans.append((s.strip(), lab))
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
+# hops in the sorted layout: 12 names hold one queried chain and one distractor of up to 6
+SORTED = dict(layout="sorted", names=12, chains=3, distractors=1)
+VARIANTS = [(t, {}) for t in tasks.TASKS] + [("hops", SORTED)]
+
+
+@pytest.mark.parametrize("task, kw", VARIANTS, ids=[*tasks.TASKS, "hops-sorted"])
 @pytest.mark.parametrize("split", ["train", "test", "validation", "extrapolation"])
-def test_answers_and_difficulties_agree_with_an_independent_solver(tmp_path, task, split):
-    dm = data_module(tmp_path, task)
+def test_answers_and_difficulties_agree_with_an_independent_solver(tmp_path, task, kw, split):
+    dm = data_module(tmp_path, task, **kw)
     if split == "train":
         toks, labs = np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels)
     else:
@@ -109,16 +114,17 @@ def test_answers_and_difficulties_agree_with_an_independent_solver(tmp_path, tas
     for text, ans in instances_of(dm, toks, labs):
         assert ans == solve(task, text), text
         seen += len(ans)
-    assert seen == int((labs > 0).sum()) >= 16  # 8 records: hops at sizes 5-6 fits one instance, 2 answers, each
+    assert seen == int((labs > 0).sum()) >= 8  # 8 records, each with at least one instance and answer
     lo, hi = (dm.task_spec.extrapolation if split == "extrapolation" else dm.task_spec.size)
     sizes = {d for _, d in (a for text, ans in instances_of(dm, toks, labs) for a in ans)}
     if task != "addition":  # hops and modsum: difficulty = the instance's size
         assert sizes <= set(range(lo, hi + 1)) and len(sizes) > 1
 
 
-@pytest.mark.parametrize("task", tasks.TASKS)
-def test_generators_are_deterministic_and_splits_share_no_instance(task):
-    spec = tasks.TaskSpec(task, size=(1, 2), extrapolation=(3, 3), chains=2)
+@pytest.mark.parametrize("task, kw", [(t, {"chains": 2}) for t in tasks.TASKS]
+                         + [("hops", dict(SORTED, names=6))], ids=[*tasks.TASKS, "hops-sorted"])
+def test_generators_are_deterministic_and_splits_share_no_instance(task, kw):
+    spec = tasks.TaskSpec(task, size=(1, 2), extrapolation=(3, 3), **kw)
     ids = tasks.symbol_ids(gpt2().encode_ordinary)
     a = tasks.records(spec, "train", 0, 50, 64, ids, EOT_ID)
     b = tasks.records(spec, "train", 0, 50, 64, ids, EOT_ID)
@@ -134,6 +140,34 @@ def test_generators_are_deterministic_and_splits_share_no_instance(task):
     train, val, test = take("train", 3000), take("validation", 300), take("test", 300)
     assert not (train & test) and not (train & val) and not (val & test)
     assert len(test) >= 5  # modsum at sizes 1-2 has 110 instances, ~10% of them test's
+
+
+@pytest.mark.parametrize("split", ["train", "extrapolation"])
+def test_sorted_hops_layout(tmp_path, split):
+    """Every record holds one instance right after its EOT: the `names` first names, each
+    assigned once, in alphabetical order (so a name's statement has a fixed place), then
+    queries of chain heads, leaving at least `distractors` chains unqueried."""
+    dm = data_module(tmp_path, "hops", block_size=64, **SORTED)
+    T, names = dm.block_size, tasks.NAMES[:SORTED["names"]]
+    if split == "train":
+        toks, labs = np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels)
+    else:
+        first, n = dm.region(split)
+        toks, labs = dm.heldout_tokens(n, first), dm.heldout_labels(n, first)
+    eot = dm.vocab.from_gpt2(np.array([EOT_ID]))[0]
+    records = [toks[i : i + T] for i in range(0, len(toks) - T + 1, T)]
+    assert len(records) >= 8 and all(r[0] == eot and r[1] != eot for r in records)
+    found = list(instances_of(dm, toks, labs))
+    assert len(found) == len(records)  # one instance a record
+    for text, ans in found:
+        s = text.split()
+        q = s.index("?")
+        assert s[0:q:3] == names  # each name once, in order, at a fixed place
+        targets = s[2:q:3]
+        heads = [x for x in names if x not in targets]  # a chain per head
+        queried = s[q + 1 :: 3]
+        assert set(queried) <= set(heads) and len(queried) == len(ans) >= 1
+        assert len(heads) - len(queried) >= SORTED["distractors"]
 
 
 def test_labels_stay_aligned_through_cache_and_training_windows(tmp_path):
@@ -192,6 +226,9 @@ def test_spearman_matches_pearson_of_ranks_by_hand():
     ({"extrapolation": [2, 6]}, "data.extrapolation"),
     ({"chains": 2, "distractors": 5, "extrapolation": [5, 8]}, "data.chains"),
     ({"train_records": 0}, "data.train_records"),
+    ({"layout": "random"}, "data.layout"),
+    ({"layout": "sorted", "names": 15, "distractors": 1, "extrapolation": [5, 8]}, "data.names"),
+    ({"layout": "sorted", "names": 60}, "data.names"),
 ])
 def test_bad_task_config_is_one_line_naming_the_field(kw, field):
     with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
