@@ -50,6 +50,8 @@ Glue: Lightning, Hydra config, data, files, figures
   checkpoints.py  opening a trained model (a training checkpoint), its held-out tokens
 
 Entry points: what a user runs
+  commands.py     `recdepth <command> ...` (the console script; __main__.py: `python -m
+                  recdepth ...`): every entry point below behind one front door
   train.py        `python -m recdepth.train` (Hydra entry point; `train(cfg)` returns metrics)
   evaluate.py     `python -m recdepth.evaluate ckpt=...` (a checkpoint under an exit rule)
   train_gate.py   `python -m recdepth.train_gate ckpt=...` (fit a checkpoint's exit gate: gate.pt)
