@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from recdepth import stats, tasks
-from recdepth.exits import ORACLE, ExitPolicy, build
+from recdepth.exits import ORACLE, ExitPolicy, MixedPolicy, build
 from recdepth.model import LoopedGPT
 
 SHARING = ("latest", "per_step")
@@ -568,6 +568,84 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     add_latency(ev, rec, timings)
     model.train(was_training)
     return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
+
+
+@torch.no_grad()
+def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                    seed: int = 0, cache: str = "latest", max_rows: int = 16, warm_start: bool = False,
+                    first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
+                    context_steps: int | None = None) -> tuple[list[dict], float]:
+    """`evaluate_exit`'s batched pass for several exit settings at once (a sweep): every
+    (setting, window) pair is a row, up to `max_rows` rows a batch, each row looping under
+    its own setting (`exits.MixedPolicy`) and keyed by its window's noise, so each setting's
+    records are those it gets decoded alone (exactly in float64; within rounding of the
+    batched matmuls in float32, where a criterion within rounding of τ can flip a row's
+    applications). Returns one record per setting (`_records`) and the seconds of the pass."""
+    if max_rows < 1:
+        raise ValueError(f"eval.max_rows: expected >= 1, got {max_rows}")
+    policies = [p.check_model(model.n_groups, model.cfg.n_embd) for p in policies]
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = _prepare(model, tokens, n_tokens, bos)
+    pairs = [(k, w) for k in range(len(policies)) for w in range(len(wins))]
+    parts: list[list[dict]] = [[] for _ in policies]
+    t0 = time.perf_counter()
+    for b in range(0, len(pairs), max_rows):
+        chunk = pairs[b : b + max_rows]
+        ws = [wins[w] for _, w in chunk]
+        mixed = MixedPolicy(tuple(policies), torch.tensor([k for k, _ in chunk], device=tokens.device))
+        nll, apps, _, ok = decode_windows(model, tokens, ws, mixed, cache, seed, warm_start=warm_start,
+                                          first_window=first_window, bos=bos, labels=labels,
+                                          context_steps=context_steps)
+        for k in sorted({k for k, _ in chunk}):
+            rows = [i for i, (kk, _) in enumerate(chunk) if kk == k]
+            parts[k].append(_records([ws[i] for i in rows], nll[rows], apps[rows], tokens, T, first_window, bos,
+                                     ok[rows]))
+    return [_merge(p) for p in parts], time.perf_counter() - t0
+
+
+@torch.no_grad()
+def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                   warmup_tokens: int = 8, seed: int = 0, cache: str = "latest", max_rows: int = 16,
+                   latency_tokens: int | None = None, repeats: int = 1, warm_start: bool = False,
+                   first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
+                   answers: bool | None = None, context_steps: int | None = None) -> list[tuple[dict, dict]]:
+    """`evaluate_exit` of every setting in `policies`, the quality of all of them decoded as
+    one batch (`decode_settings`); latency stays a batch-1 measurement per setting, the
+    settings timed round-robin within each of the `repeats` rounds so that drift of the
+    machine spreads over all of them. The oracle (it reads the target) runs on its own.
+    Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
+    `max_rows` and `tokens_per_s` the whole pass's tokens over its seconds."""
+    check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
+    was_training = model.training
+    model.eval()
+    out: list[tuple[dict, dict] | None] = [None] * len(policies)
+    loops = [k for k, p in enumerate(policies) if p.name != ORACLE]
+    for k, p in enumerate(policies):
+        if p.name == ORACLE:
+            out[k] = evaluate_exit(model, tokens, p, n_tokens, warmup_tokens=warmup_tokens, seed=seed, cache=cache,
+                                   batch_size=max_rows, warm_start=warm_start, first_window=first_window, bos=bos,
+                                   labels=labels, answers=answers, context_steps=context_steps)
+    model.eval()
+    if loops:
+        tokens_d, n_scored, _ = _prepare(model, tokens, n_tokens, bos)
+        for k in loops:
+            _warmup(model, tokens_d, policies[k], cache, warmup_tokens, seed, warm_start)
+        recs, seconds = decode_settings(model, tokens, [policies[k] for k in loops], n_tokens, seed, cache, max_rows,
+                                        warm_start, first_window, bos, labels, context_steps)
+        n_lat = n_scored if latency_tokens is None else min(latency_tokens, n_scored)
+        timings: dict[int, list] = {k: [] for k in loops}
+        for _ in range(repeats if n_lat > 0 else 0):
+            for k in loops:
+                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, cache, seed, warm_start,
+                                              first_window, bos=bos, labels=labels, context_steps=context_steps))
+        for k, rec in zip(loops, recs, strict=True):
+            rec["ms"] = np.full(n_scored, np.nan)
+            ev = _summary(model, policies[k], rec, cache, max_rows, warm_start, bos=bos)
+            ev["tokens_per_s"] = n_scored * len(loops) / seconds
+            add_latency(ev, rec, timings[k])
+            out[k] = score_task(model, policies[k], ev, rec, labels, answers, cache, max_rows, warm_start, bos)
+    model.train(was_training)
+    return out
 
 
 def attended(rec: dict, bos: int | None = None) -> np.ndarray:

@@ -409,3 +409,99 @@ def test_context_steps_need_answer_labels_and_match_the_oracle():
     with pytest.raises(ValueError, match="eval.context_steps: exit=oracle .*max_steps=4"):
         evaluate_exit(m, tokens, exits.build("oracle", 0.01, max_steps=4), n_tokens=12, latency_tokens=0,
                       labels=__import__("numpy").ones(13, dtype=int), context_steps=3)
+
+
+# ------------------------------------------------ several exit settings in one batch (issue 23)
+def _policies(dtype=torch.float64):
+    out = []
+    for rule, tau, kw in RULES:
+        if "gate" in kw:
+            kw = {**kw, "gate": tuple(t.to(dtype) for t in kw["gate"])}
+        out.append(exits.build(rule, tau, **{"max_steps": 12 if rule != "fixed" else 5, **kw}))
+    return out
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
+    """Every rule (per-group values and the gate included) decoded side by side, 7 rows a
+    batch, so batches mix settings and windows and rows exit early and are compacted: each
+    setting's records are its records decoded alone (float64: to rounding of the batched
+    matmuls, applications identical; float32: within 1e-4, applications differing only where
+    a criterion lies within rounding of τ, counted: none on this model)."""
+    import numpy as np
+
+    from recdepth.decoding import decode_settings
+
+    m = model([[1], [2, 3]], state_init="normal").to(dtype)
+    tokens = torch.randint(0, 60, (80,), generator=torch.Generator().manual_seed(5))
+    policies = _policies(dtype)
+    recs, _ = decode_settings(m, tokens, policies, n_tokens=70, seed=3, max_rows=7)
+    mismatched, varied = 0, 0
+    for p, rec in zip(policies, recs, strict=True):
+        _, alone = evaluate_exit(m, tokens, p, n_tokens=70, batch_size=3, latency_tokens=0, seed=3)
+        assert set(rec) == set(alone) - {"ms"}
+        for key in ("window", "position", "target", "correct"):
+            assert np.array_equal(rec[key], alone[key]), key
+        assert np.abs(rec["nll"] - alone["nll"]).max() < tol
+        mismatched += int((rec["apps"] != alone["apps"]).sum())
+        varied += len(set(rec["apps"].flatten().tolist())) > 1
+    assert mismatched == 0 and varied >= len(policies) - 1  # all but fixed exit at varied n
+
+
+def test_mixed_settings_with_context_steps_equal_each_alone():
+    """eval.context_steps (a task's prompt at fixed depth) under mixed settings."""
+    import numpy as np
+
+    from recdepth.decoding import decode_settings
+
+    m = model([[1, 2]], state_init="normal")
+    tokens = torch.randint(0, 60, (50,), generator=torch.Generator().manual_seed(8))
+    labels = (torch.arange(50) % 3 == 0).numpy().astype(np.uint8)
+    policies = [exits.build("kl", 1e-3, max_steps=10), exits.build("stepnorm", 0.3, max_steps=10),
+                exits.build("fixed", None, max_steps=2)]
+    recs, _ = decode_settings(m, tokens, policies, n_tokens=40, seed=1, max_rows=4, labels=labels, context_steps=6)
+    for p, rec in zip(policies, recs, strict=True):
+        _, alone = evaluate_exit(m, tokens, p, n_tokens=40, latency_tokens=0, seed=1, labels=labels, answers=False,
+                                 context_steps=6)
+        assert np.abs(rec["nll"] - alone["nll"]).max() < 1e-10 and (rec["apps"] == alone["apps"]).all()
+        assert (rec["apps"][labels[1:41] == 0] == 6).all()  # the context positions loop exactly 6
+
+
+def test_evaluate_exits_gives_each_setting_its_eval_block_and_times_round_robin(monkeypatch):
+    import recdepth.decoding as dec
+
+    m = model([[1], [2, 3]], state_init="normal")
+    tokens = torch.randint(0, 60, (60,), generator=torch.Generator().manual_seed(5))
+    policies = [exits.build("accel", 0.5, max_steps=12), exits.build("oracle", 0.01, max_steps=8),
+                exits.build("kl", 1e-3, max_steps=12)]
+    order = []
+    real = dec.time_tokens
+
+    def timed(model, tokens, policy, *a, **kw):
+        order.append(policy.name)
+        return real(model, tokens, policy, *a, **kw)
+
+    monkeypatch.setattr(dec, "time_tokens", timed)
+    out = dec.evaluate_exits(m, tokens, policies, n_tokens=50, max_rows=5, latency_tokens=4, repeats=2, seed=3)
+    assert order == ["accel", "kl", "accel", "kl"]  # round-robin within each repeat; no oracle timing
+    for p, (ev, rec) in zip(policies, out, strict=True):
+        ev1, rec1 = evaluate_exit(m, tokens, p, n_tokens=50, batch_size=5, latency_tokens=0, seed=3)
+        assert ev["exit"] == p.name and abs(ev["ce"] - ev1["ce"]) < 1e-10
+        assert ev["ce_ci"] == pytest.approx(ev1["ce_ci"], abs=1e-10)
+        assert ev["applications_per_token"] == ev1["applications_per_token"]
+        if p.name != "oracle":
+            assert len(ev["ms_per_token_repeats"]) == 2 and (~__import__("numpy").isnan(rec["ms"][:4])).all()
+
+
+def test_mixed_policy_errors_are_one_line():
+    with pytest.raises(ValueError, match="oracle"):
+        exits.MixedPolicy((exits.build("oracle", 0.01, max_steps=4),), torch.zeros(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="indices into 1 policies"):
+        exits.MixedPolicy((exits.build("kl", 0.01),), torch.tensor([0, 1]))
+    mixed = exits.MixedPolicy((exits.build("kl", 0.01, decode="head"), exits.build("kl", 0.1, decode="coda")),
+                              torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="exit.decode: settings decoded side by side must decode alike"):
+        mixed.decode
+    from recdepth.decoding import decode_settings
+    with pytest.raises(ValueError, match=r"eval\.max_rows: expected >= 1"):
+        decode_settings(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10, max_rows=0)
