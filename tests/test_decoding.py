@@ -501,7 +501,7 @@ def test_mixed_policy_errors_are_one_line():
     mixed = exits.MixedPolicy((exits.build("kl", 0.01, decode="head"), exits.build("kl", 0.1, decode="coda")),
                               torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="exit.decode: settings decoded side by side must decode alike"):
-        mixed.decode
+        _ = mixed.decode
     from recdepth.decoding import decode_settings
     with pytest.raises(ValueError, match=r"eval\.max_rows: expected >= 1"):
         decode_settings(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10, max_rows=0)
