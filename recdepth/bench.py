@@ -33,6 +33,11 @@ empirical search on many random calibration/test halvings of them: violation rat
 its verdicts under the older statistics (tokens resampled, cost = mean applications) and
 the current ones (whole windows, layer applications, Holm), side by side; it decodes nothing.
 
+`python -m recdepth.bench settings --ckpt PATH` decodes a frontier grid (fixed depths, stepnorm,
+kl and accel at four τ each) on the test split twice in one run: setting by setting at
+`--batch` windows a batch, and as one batch of settings × windows (`decoding.decode_settings`,
+`--rows` rows a batch); prints the wall times, their ratio and how far the records differ.
+
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
 `callbacks=none` and with the default `callbacks=loop_dynamics` (diagnostics at step 0,
@@ -781,10 +786,48 @@ def bench_intervals(args) -> dict:
     return {"widths": widths, "rows": out}
 
 
+def bench_settings(args) -> dict:
+    """A frontier grid's quality pass, setting by setting against one mixed batch."""
+    import numpy as np
+
+    from recdepth import exits
+    from recdepth.checkpoints import checkpoint_data, load_checkpoint
+    from recdepth.decoding import decode_settings, evaluate_exit
+
+    if args.ckpt is None:
+        raise ValueError("settings: --ckpt <training checkpoint> is required")
+    tune_cpu_allocator()
+    module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
+    dm = checkpoint_data(module, data, 0)
+    n = args.tokens
+    tokens, labels = torch.as_tensor(dm.heldout_tokens(n + 1, 0)), dm.heldout_labels(n + 1, 0)
+    grid = [exits.build("fixed", None, max_steps=k) for k in (1, 2, 3, 4, 6, 8, 16, 32)]
+    grid += [exits.build(r, t, max_steps=32) for r, ts in (("stepnorm", (0.01, 0.03, 0.1, 0.3)),
+                                                            ("kl", (1e-4, 1e-3, 1e-2, 3e-2)),
+                                                            ("accel", (0.01, 0.03, 0.1, 0.3))) for t in ts]
+    kw = dict(seed=0, labels=labels, context_steps=args.context_steps)
+    t0 = time.perf_counter()
+    alone = [evaluate_exit(module.model, tokens, p, n, batch_size=args.batch, latency_tokens=0, answers=False,
+                           **kw)[1] for p in grid]
+    t_alone = time.perf_counter() - t0
+    print(f"{args.ckpt}: {len(grid)} settings x {n} tokens (context_steps={args.context_steps}), "
+          f"{torch.get_num_threads()} threads\n  setting by setting at batch {args.batch}: {t_alone:.1f} s")
+    out = {"settings": len(grid), "tokens": n, "alone_s": t_alone, "mixed": []}
+    for rows in args.rows:
+        recs, secs = decode_settings(module.model, tokens, grid, n, max_rows=rows, **kw)
+        dn = max(float(np.abs(a["nll"] - r["nll"]).max()) for a, r in zip(alone, recs, strict=True))
+        mm = sum(int((a["apps"] != r["apps"]).sum()) for a, r in zip(alone, recs, strict=True))
+        print(f"  mixed, {rows} rows a batch: {secs:.1f} s ({t_alone / secs:.2f}x); max |NLL difference| "
+              f"{dn:.2e}, applications differing {mm} of {len(grid) * n}")
+        out["mixed"].append({"rows": rows, "s": secs, "speedup": t_alone / secs, "max_dnll": dn, "apps_mismatch": mm})
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative", "ltt", "intervals"])
+    p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative", "ltt", "intervals",
+                                                       "settings"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -799,7 +842,7 @@ def main(argv=None):
     p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"],
                    help="exits: rules (any of recdepth.exits.RULES, e.g. entropy_diff cosine argmax_stability)")
     p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
-    p.add_argument("--tokens", type=int, default=256, help="exits: tokens scored at batch 1 per rule and τ")
+    p.add_argument("--tokens", type=int, default=256, help="exits: tokens scored at batch 1 per rule and τ; settings: test-split tokens")
     p.add_argument("--batch-large", type=int, default=16, help="exits: rows of the batched throughput run")
     p.add_argument("--large-tokens", type=int, default=32, help="exits: tokens per row of the batched run")
     p.add_argument("--max-steps", type=int, default=32, help="exits: exit.max_steps")
@@ -836,11 +879,13 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=1337, help="ltt: loop noise and partition seed")
     p.add_argument("--sweep", default=None, help="intervals: a finished frontier sweep directory (make frontier's OUT)")
     p.add_argument("--resamples", type=int, default=1000, help="intervals: bootstrap resamples")
+    p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256], help="settings: rows a mixed batch")
+    p.add_argument("--context-steps", type=int, default=None, help="settings: eval.context_steps (a task's prompt)")
     p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
     args = p.parse_intermixed_args(argv)
     return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train,
             "huginn": bench_huginn, "speculative": bench_speculative, "ltt": bench_ltt,
-            "intervals": bench_intervals}[args.what](args)
+            "intervals": bench_intervals, "settings": bench_settings}[args.what](args)
 
 
 if __name__ == "__main__":

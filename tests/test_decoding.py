@@ -505,3 +505,16 @@ def test_mixed_policy_errors_are_one_line():
     from recdepth.decoding import decode_settings
     with pytest.raises(ValueError, match=r"eval\.max_rows: expected >= 1"):
         decode_settings(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10, max_rows=0)
+
+
+def test_bench_settings_decodes_a_frontier_grid_both_ways_alike(tiny_ckpt, ckpt_env, capsys):
+    """`recdepth bench settings`: the mixed batches give each setting its own records, in
+    float32 up to the rare application where a criterion lies within rounding of τ (counted;
+    1 of 480 on the tiny checkpoint). No timing is asserted: the figures are the benchmark's."""
+    from recdepth import bench
+
+    out = bench.main(["settings", "--ckpt", str(tiny_ckpt), "--tokens", "24", "--batch", "2", "--rows", "5", "40"])
+    assert out["settings"] == 20 and [m["rows"] for m in out["mixed"]] == [5, 40]
+    assert all(m["apps_mismatch"] <= 0.02 * 20 * 24 for m in out["mixed"])
+    assert all(m["max_dnll"] < 1e-4 for m in out["mixed"] if m["apps_mismatch"] == 0)
+    assert "setting by setting at batch 2" in capsys.readouterr().out
