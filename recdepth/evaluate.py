@@ -18,6 +18,7 @@ when the sweep has fixed-depth jobs (`make frontier`).
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -30,8 +31,8 @@ from recdepth import stats
 from recdepth.checkpoints import checkpoint_data, load_checkpoint, open_model, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
-from recdepth.decoding import evaluate_exit, has_coda
-from recdepth.exits import ExitPolicy
+from recdepth.decoding import evaluate_exit, evaluate_exits, has_coda
+from recdepth.exits import ORACLE, ExitPolicy
 from recdepth.runs import write_json
 from recdepth.schema import validated
 
@@ -65,6 +66,64 @@ def evaluate(cfg: DictConfig) -> dict:
     return metrics
 
 
+# Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
+# block, per-token record); a job finding its key writes these instead of decoding again.
+_SHARED: dict[str, tuple[dict, dict]] = {}
+KEYS = ("ckpt", "hf", "dtype", "device", "seed", "data", "eval", "exit")  # what a job's decode reads
+
+
+def job_key(cfg: DictConfig, without: tuple[str, ...] = ()) -> str:
+    """A job's decode as a string: the model, dtype, device, seed, data, eval.* and exit.*
+    (not its run_dir), with `without` left out."""
+    part = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
+            for k in KEYS if k in cfg and k not in without}
+    return json.dumps(part, sort_keys=True, default=str)
+
+
+def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
+    """Decode the jobs of a sweep (their composed configs, run_dir aside) that differ only in
+    exit.* as one batch each (`decoding.evaluate_exits`: every job's records are those it
+    gets alone, its latency timed at batch 1 round-robin with the others), ahead of the
+    jobs, which then write these results (`run_eval`). The oracle, a job alone in its
+    group and a job whose config or checkpoint fails are left to the job itself, which
+    decodes alone and reports its own error. Returns the number of jobs decoded."""
+    groups: dict[str, list[tuple[DictConfig, ExitPolicy]]] = {}
+    for cfg in jobs:
+        try:
+            validated(cfg)
+            policy = exit_policy(cfg)
+            calibrated = OmegaConf.select(cfg, "exit.calibrated_on")
+        except (ValueError, FileNotFoundError):
+            continue
+        if policy.name != ORACLE and calibrated is None:
+            groups.setdefault(job_key(cfg, without=("exit",)), []).append((cfg, policy))
+    done = 0
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        cfg, e = group[0][0], group[0][0].eval
+        try:
+            opened = open_model(validated(cfg), resolve_device(cfg.device))
+            model = opened.model
+            policies = [p.check_model(model.n_groups, model.cfg.n_embd).resolve(has_coda(model), hf=opened.kind == "hf")
+                        for _, p in group]
+            start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
+        except (ValueError, FileNotFoundError):
+            continue
+        log.info("decoding %d settings side by side (up to %d rows a batch)", len(group), max_rows)
+        results = evaluate_exits(model, opened.heldout(e.tokens + 1, start), policies, e.tokens,
+                                 warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, max_rows=max_rows,
+                                 latency_tokens=e.latency_tokens, repeats=e.repeats, warm_start=e.warm_start,
+                                 bos=opened.bos, labels=opened.labels(e.tokens + 1, start),
+                                 answers=OmegaConf.select(cfg, "eval.answers"),
+                                 context_steps=OmegaConf.select(cfg, "eval.context_steps"))
+        for (c, _), (ev, rec) in zip(group, results, strict=True):
+            ev["shared_batch"] = len(group)
+            _SHARED[job_key(c)] = (ev, rec)
+        done += len(group)
+    return done
+
+
 def split_start(opened, split: str) -> int:
     """Where eval.split starts in the held-out stream: the test split at 0; a task's
     extrapolation split at its region (docs/spec.md §6)."""
@@ -87,11 +146,15 @@ def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path
     e = cfg.eval
     if (OmegaConf.select(cfg, "eval.split") or "test") == "test":  # the other splits lie past calibration's
         check_calibration(OmegaConf.select(cfg, "exit.calibrated_on"), e.tokens)
-    ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
-                            cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
-                            repeats=e.repeats, warm_start=e.warm_start, bos=bos, labels=labels,
-                            answers=OmegaConf.select(cfg, "eval.answers"),
-                            context_steps=OmegaConf.select(cfg, "eval.context_steps"))
+    shared = _SHARED.pop(job_key(cfg), None) if _SHARED else None  # decoded with its sweep (`decode_shared`)
+    if shared is not None:
+        ev, rec = shared
+    else:
+        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
+                                cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
+                                repeats=e.repeats, warm_start=e.warm_start, bos=bos, labels=labels,
+                                answers=OmegaConf.select(cfg, "eval.answers"),
+                                context_steps=OmegaConf.select(cfg, "eval.context_steps"))
     used = policy.resolve(has_coda(model))
     ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
     write_eval(run_dir, rec, vocab_to_gpt2)

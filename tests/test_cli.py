@@ -432,3 +432,43 @@ def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle
     nll4 = [float(r["nll"]) for r in csv.DictReader(open(sweep / "2" / "eval_tokens.csv"))]
     assert by_n.shape == (40, 4) and np.allclose(by_n[:, 3], nll4, atol=1e-5)
     assert (sweep / "frontier.md").is_file() and (sweep / "fig4_exits.png").is_file()
+
+
+def test_frontier_sweep_decodes_its_settings_as_one_batch_like_job_by_job(tmp_path, env, tiny_ckpt):
+    """hydra.sweeper.shared_rows (default 64): the jobs that differ only in their exit
+    setting are decoded before they run as one batch of settings × windows; every job
+    still writes its own directory, and its files equal those of the sweep run job by job
+    (shared_rows=0): the same tokens and applications, NLL within float32 rounding."""
+    import csv
+
+    import numpy as np
+
+    def sweep(out, *extra):
+        q = subprocess.run(
+            [sys.executable, "-m", "recdepth", "frontier", f"ckpt={tiny_ckpt}", f"hydra.sweep.dir={out}",
+             "eval.tokens=40", "eval.latency_tokens=4", "eval.repeats=1", "eval.warmup_tokens=1",
+             "hydra.sweeper.fixed=[1,2,4]", "hydra.sweeper.rules.accel=[0.5]", "hydra.sweeper.rules.stepnorm=[1.0]",
+             "hydra.sweeper.rules.kl=[1e-3]", "hydra.sweeper.oracle=[0.01]", "hydra.sweeper.warm_start=false",
+             "exit.max_steps=4", *extra], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert q.returncode == 0, q.stderr[-3000:]
+        return q
+
+    shared, alone = tmp_path / "shared", tmp_path / "alone"
+    q = sweep(shared)
+    sweep(alone, "hydra.sweeper.shared_rows=0")
+    assert "decoding 6 settings side by side" in q.stderr + q.stdout
+    jobs = list(csv.DictReader(open(shared / "sweep_results.csv")))
+    assert len(jobs) == 7 and all(r["status"] == "ok" for r in jobs)
+    for r in jobs:
+        a = json.loads((shared / r["job"] / "metrics.json").read_text())["eval"]
+        b = json.loads((alone / r["job"] / "metrics.json").read_text())["eval"]
+        assert a.get("shared_batch") == (None if a["exit"] == "oracle" else 6) and "shared_batch" not in b
+        assert (a["exit"], a["tau"], a["max_steps"]) == (b["exit"], b["tau"], b["max_steps"])
+        ta = list(csv.DictReader(open(shared / r["job"] / "eval_tokens.csv")))
+        tb = list(csv.DictReader(open(alone / r["job"] / "eval_tokens.csv")))
+        assert [{k: v for k, v in x.items() if k not in ("nll", "ms")} for x in ta] == \
+               [{k: v for k, v in x.items() if k not in ("nll", "ms")} for x in tb]
+        assert np.allclose([float(x["nll"]) for x in ta], [float(x["nll"]) for x in tb], rtol=0, atol=1e-4)
+        assert len(a.get("ms_per_token_repeats") or []) == len(b.get("ms_per_token_repeats") or [])
+    fa, fb = (list(csv.DictReader(open(d / "frontier.csv"))) for d in (shared, alone))
+    assert [(x["exit"], x["verdict"]) for x in fa] == [(x["exit"], x["verdict"]) for x in fb]

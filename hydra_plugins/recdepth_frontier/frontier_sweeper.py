@@ -14,13 +14,21 @@ frontier's jobs); the frontier's own `exit.*` overrides come last, so they win. 
 override of `eval.warm_start` sets it for every job, and the warm-start copy of the grid
 is then left out (it would repeat the fixed grid). The sweep summary
 (`recdepth.sweep.SweepSummary`) then writes `frontier.csv`.
+
+With Hydra's basic launcher (jobs one after another in this process) and
+`hydra.sweeper.shared_rows` > 0 (default 64), the jobs that differ only in their exit
+setting are decoded before they run as one batch of settings × windows, up to that many
+rows a batch (`recdepth.evaluate.decode_shared`); each job then writes its own directory and
+files from those results, which equal its decoding alone. 0 decodes job by job.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+from omegaconf import open_dict
 
 WARM = "eval.warm_start=true"
 
@@ -40,7 +48,7 @@ class FrontierSweeper(BasicSweeper):
     """Hydra's basic sweeper, with the frontier's jobs crossed with the user's overrides."""
 
     def __init__(self, fixed: Sequence[int], rules: Mapping[str, Sequence[float]], oracle: Sequence[float],
-                 warm_start: bool = True, max_batch_size: int | None = None,
+                 warm_start: bool = True, shared_rows: int = 64, max_batch_size: int | None = None,
                  params: Mapping[str, str] | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=dict(params or {}))
         bad = [n for n in fixed if isinstance(n, bool) or not isinstance(n, int) or n < 1]
@@ -48,7 +56,26 @@ class FrontierSweeper(BasicSweeper):
             raise ValueError(f"hydra.sweeper.fixed: expected a non-empty list of integers >= 1, got {list(fixed)!r}")
         if not isinstance(warm_start, bool):
             raise ValueError(f"hydra.sweeper.warm_start: expected true or false, got {warm_start!r}")
+        if isinstance(shared_rows, bool) or not isinstance(shared_rows, int) or shared_rows < 0:
+            raise ValueError(f"hydra.sweeper.shared_rows: expected an integer >= 0 (0: job by job), got {shared_rows!r}")
         self.jobs = frontier_jobs(fixed, rules or {}, oracle or [], warm_start)
+        self.shared_rows = shared_rows
+
+    def validate_batch_is_legal(self, batch) -> None:
+        """Hydra's check that every job composes, then (basic launcher, shared_rows > 0) the
+        batch's settings decoded side by side ahead of the jobs."""
+        super().validate_batch_is_legal(batch)
+        if self.shared_rows and isinstance(self.launcher, BasicLauncher):
+            from recdepth.evaluate import decode_shared
+
+            jobs = []
+            for overrides in batch:
+                cfg = self.hydra_context.config_loader.load_sweep_config(self.config, list(overrides))
+                with open_dict(cfg):  # the job's config: no hydra node; its run_dir is not read
+                    del cfg["hydra"]
+                    cfg.run_dir = "."
+                jobs.append(cfg)
+            decode_shared(jobs, self.shared_rows)
 
     def split_arguments(self, overrides, max_batch_size):  # an instance method here (a staticmethod upstream)
         user = BasicSweeper.split_arguments(overrides, None)[0]
