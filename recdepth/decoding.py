@@ -614,7 +614,8 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     settings timed round-robin within each of the `repeats` rounds so that drift of the
     machine spreads over all of them. The oracle (it reads the target) runs on its own.
     Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
-    `max_rows` and `tokens_per_s` the whole pass's tokens over its seconds."""
+    `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
+    the number of settings decoded side by side."""
     check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
     was_training = model.training
     model.eval()
@@ -642,6 +643,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
             rec["ms"] = np.full(n_scored, np.nan)
             ev = _summary(model, policies[k], rec, cache, max_rows, warm_start, bos=bos)
             ev["tokens_per_s"] = n_scored * len(loops) / seconds
+            ev["shared_batch"] = len(loops)  # the settings decoded side by side
             add_latency(ev, rec, timings[k])
             out[k] = score_task(model, policies[k], ev, rec, labels, answers, cache, max_rows, warm_start, bos)
     model.train(was_training)

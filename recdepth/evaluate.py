@@ -117,9 +117,8 @@ def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
                                  bos=opened.bos, labels=opened.labels(e.tokens + 1, start),
                                  answers=OmegaConf.select(cfg, "eval.answers"),
                                  context_steps=OmegaConf.select(cfg, "eval.context_steps"))
-        for (c, _), (ev, rec) in zip(group, results, strict=True):
-            ev["shared_batch"] = len(group)
-            _SHARED[job_key(c)] = (ev, rec)
+        for (c, _), result in zip(group, results, strict=True):
+            _SHARED[job_key(c)] = result
         done += len(group)
     return done
 

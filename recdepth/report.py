@@ -59,7 +59,7 @@ from recdepth.calibrate import (
 )
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
-from recdepth.decoding import add_latency, evaluate_exit, model_cost, time_tokens
+from recdepth.decoding import add_latency, evaluate_exit, evaluate_exits, model_cost, time_tokens
 from recdepth.evaluate import write_eval
 from recdepth.exits import NO_TAU, build
 from recdepth.gate import load_gate
@@ -85,19 +85,39 @@ class Jobs:
     def run(self, family: str, policy, line: str, extra: dict | None = None) -> dict:
         """Score `policy` on the test split (quality and cost; latency later, `time_all`)."""
         e = self.cfg.eval
-        k = len(self.rows)
         t0 = time.perf_counter()
         ev, rec = evaluate_exit(self.model, self.tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens,
                                 seed=self.cfg.seed, cache=e.cache, batch_size=e.batch_size,
                                 latency_tokens=0, warm_start=e.warm_start, labels=self.labels,
                                 answers=OmegaConf.select(self.cfg, "eval.answers"),
                                 context_steps=OmegaConf.select(self.cfg, "eval.context_steps"))
+        return self.add(family, policy, line, ev, rec, time.perf_counter() - t0, extra)
+
+    def run_all(self, items: list[tuple[str, object, str]], rows: int) -> list[dict]:
+        """`run` of every (family, policy, line), in order, scored as one batch of settings ×
+        windows, `rows` rows a batch (`decoding.evaluate_exits`); rows = 0: one by one."""
+        if rows == 0 or len(items) < 2:
+            return [self.run(*item) for item in items]
+        e = self.cfg.eval
+        t0 = time.perf_counter()
+        results = evaluate_exits(self.model, self.tokens, [p for _, p, _ in items], e.tokens,
+                                 warmup_tokens=e.warmup_tokens, seed=self.cfg.seed, cache=e.cache, max_rows=rows,
+                                 latency_tokens=0, warm_start=e.warm_start, labels=self.labels,
+                                 answers=OmegaConf.select(self.cfg, "eval.answers"),
+                                 context_steps=OmegaConf.select(self.cfg, "eval.context_steps"))
+        seconds = (time.perf_counter() - t0) / len(items)
+        return [self.add(family, p, line, ev, rec, seconds) for (family, p, line), (ev, rec) in zip(items, results,
+                                                                                                  strict=True)]
+
+    def add(self, family: str, policy, line: str, ev: dict, rec: dict, seconds: float,
+            extra: dict | None = None) -> dict:
+        k = len(self.rows)
         row = {"job": k, "family": family, "overrides": line, "policy": policy, "eval": ev, "rec": rec,
                **(extra or {})}
         self.rows.append(row)
         self.write(row)
         log.info("job %d %-10s %s: CE %.4f, %.2f layer applications (%.0f s)", k, family, line, ev["ce"],
-                 ev["layer_applications"], time.perf_counter() - t0)
+                 ev["layer_applications"], seconds)
         return row
 
     def time_all(self) -> None:
@@ -166,19 +186,14 @@ def report(cfg: DictConfig) -> dict:
         return build(name, tau, patience=patience, groups=model.n_groups, **kw,
                      **({"gate": gate} if name == "gate" else {}))
 
-    for n in r.fixed:
-        jobs.run("fixed", build("fixed", None, max_steps=n), f"exit=fixed exit.max_steps={n}")
-    jobs.run("oracle", build("oracle", r.oracle, max_steps=N), f"exit=oracle exit.tau={r.oracle:g} exit.max_steps={N}")
-    for rule, taus in r.rules.items():
-        for tau in taus:
-            p = policy(rule, float(tau))
-            jobs.run("grid", p, _line(p))
-    for k in r.patience:
-        p = policy("argmax_stability", patience=int(k))
-        jobs.run("grid", p, _line(p))
-    for tau in r.gate_tau:
-        p = policy("gate", float(tau))
-        jobs.run("grid", p, _line(p, gate_path))
+    items = [("fixed", build("fixed", None, max_steps=n), f"exit=fixed exit.max_steps={n}") for n in r.fixed]
+    items.append(("oracle", build("oracle", r.oracle, max_steps=N),
+                  f"exit=oracle exit.tau={r.oracle:g} exit.max_steps={N}"))
+    grid = [policy(rule, float(tau)) for rule, taus in r.rules.items() for tau in taus]
+    grid += [policy("argmax_stability", patience=int(k)) for k in r.patience]
+    items += [("grid", p, _line(p)) for p in grid]
+    items += [("grid", p, _line(p, gate_path)) for p in (policy("gate", float(tau)) for tau in r.gate_tau)]
+    jobs.run_all(items, r.shared_rows)
 
     split = calibration_split(cfg, model, cal_tokens, labels["calibration"])
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())

@@ -774,6 +774,10 @@ class ReportSettings:
     """argmax_stability at each k."""
     gate_tau: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
     """The learned gate at each probability τ ([] leaves the gate's grid out)."""
+    shared_rows: int = 64
+    """The fixed depths, the grids and the oracle are scored as one batch of settings ×
+    windows, this many rows a batch (`decoding.evaluate_exits`; each setting's records are
+    its own); 0: setting by setting."""
     calibrate: list[str] = field(default_factory=lambda: [
         "fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
         "argmax_stability", "gate"])
@@ -788,6 +792,7 @@ class ReportSettings:
 
     def __post_init__(self):
         _int("report.max_steps", self.max_steps, 1)
+        _int("report.shared_rows", self.shared_rows, 0)
         if len(set(self.fixed)) < 2:
             raise ValueError(f"report.fixed: expected at least two depths (the frontier), got {list(self.fixed)}")
         for n in self.fixed:

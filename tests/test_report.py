@@ -152,3 +152,33 @@ def test_report_refuses_a_used_directory(done, tiny_ckpt):
     out, _ = done
     with pytest.raises(FileExistsError, match="run_dir: .* already holds a report"):
         report(compose_report(f"ckpt={tiny_ckpt}", f"run_dir={out}", *SMALL))
+
+
+def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt, ckpt_env):
+    """report.shared_rows (default 64): the fixed depths, the grids and the oracle are
+    scored together (`decoding.evaluate_exits`); each job's records are those of its
+    setting decoded alone."""
+    import torch
+
+    from recdepth.checkpoints import checkpoint_data, load_checkpoint
+    from recdepth.config import exit_policy
+    from recdepth.decoding import evaluate_exit
+
+    out, _ = done
+    module, data = load_checkpoint(tiny_ckpt, torch.device("cpu"))
+    tokens = torch.as_tensor(checkpoint_data(module, data, 1337).heldout_tokens(25))
+    shared = 0
+    for j in range(7):  # 2 fixed, the oracle, 4 grid jobs
+        d = out / "jobs" / str(j)
+        m = json.loads((d / "metrics.json").read_text())
+        shared += m["eval"].get("shared_batch") == 6
+        if m["family"] == "oracle" or "gate" in m["overrides"]:
+            continue
+        with initialize_config_dir(conf_dir(), version_base="1.3"):
+            cfg = compose("evaluate", overrides=[f"ckpt={tiny_ckpt}", "run_dir=.", *m["overrides"].split()])
+        _, alone = evaluate_exit(module.model, tokens, exit_policy(cfg), 24, seed=1337, batch_size=16,
+                                 latency_tokens=0)
+        rec = read_tokens(d / "eval_tokens.csv")
+        assert np.allclose(rec["nll"], alone["nll"], rtol=0, atol=1e-4)
+        assert np.array_equal(rec["apps"], alone["apps"]), m["overrides"]
+    assert shared == 6
