@@ -214,16 +214,24 @@ ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve
 ORACLE = "oracle (best uniform depth within ε; reads the target)"  # its verdict cell: not a rule, not a bound
 
 
+# Differences this small are float rounding, not a measurement: a setting decoded in another
+# batch (a shared sweep batch, a calibrated job decoded alone) gets the same records to
+# ~1e-7 nats in float32, and an interval of such differences must not "resolve".
+ROUNDING = 1e-6
+
+
 def _verdict(lo: float, hi: float) -> str:
-    """From the 95% CI of CE − (fixed frontier at the rule's own layer applications)."""
-    if not (math.isfinite(lo) and math.isfinite(hi)):
+    """From the 95% CI of CE − (fixed frontier at the rule's own layer applications); an
+    interval inside ±`ROUNDING` is not resolved."""
+    if not (math.isfinite(lo) and math.isfinite(hi)) or max(abs(lo), abs(hi)) < ROUNDING:
         return "not resolved"
     return "beats the fixed frontier" if hi < 0 else ("worse than the fixed frontier" if lo > 0 else "not resolved")
 
 
 def _holm_verdict(d: float, p_adj: float) -> str:
-    """The verdict at family-wise level 5% (Holm): resolved only if the adjusted p < 0.05."""
-    if not (_num(p_adj) and _num(d)) or p_adj >= 1 - stats.LEVEL:
+    """The verdict at family-wise level 5% (Holm): resolved only if the adjusted p < 0.05
+    (and the difference exceeds float rounding, `ROUNDING`)."""
+    if not (_num(p_adj) and _num(d)) or p_adj >= 1 - stats.LEVEL or abs(d) < ROUNDING:
         return "not resolved"
     return "beats the fixed frontier" if d < 0 else "worse than the fixed frontier"
 
