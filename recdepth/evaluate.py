@@ -52,8 +52,7 @@ def evaluate(cfg: DictConfig) -> dict:
     device = resolve_device(cfg.device)
     opened = open_model(run, device)
     model = opened.model
-    policy.check_model(model.n_groups, model.cfg.n_embd)  # per-group values, a gate: this model's
-    policy = policy.resolve(has_coda(model), hf=opened.kind == "hf")  # exit.decode, exit.kl_direction: auto
+    policy = for_model(policy, opened)
     start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
     tokens = opened.heldout(cfg.eval.tokens + 1, start)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -64,6 +63,22 @@ def evaluate(cfg: DictConfig) -> dict:
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)
     return metrics
+
+
+def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
+    """The policy checked against the opened model (per-group values, a gate) and with its
+    `auto` exit.decode and exit.kl_direction decided for it."""
+    model = opened.model
+    policy.check_model(model.n_groups, model.cfg.n_embd)
+    return policy.resolve(has_coda(model), hf=opened.kind == "hf")
+
+
+def eval_settings(cfg: DictConfig) -> dict:
+    """cfg.eval's decoding settings (and the seed) as keywords of `decoding.evaluate_exit(s)`."""
+    e = cfg.eval
+    return dict(warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, latency_tokens=e.latency_tokens,
+                repeats=e.repeats, warm_start=e.warm_start, answers=OmegaConf.select(cfg, "eval.answers"),
+                context_steps=OmegaConf.select(cfg, "eval.context_steps"))
 
 
 # Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
@@ -101,22 +116,16 @@ def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
     for group in groups.values():
         if len(group) < 2:
             continue
-        cfg, e = group[0][0], group[0][0].eval
+        cfg, n = group[0][0], group[0][0].eval.tokens
         try:
             opened = open_model(validated(cfg), resolve_device(cfg.device))
-            model = opened.model
-            policies = [p.check_model(model.n_groups, model.cfg.n_embd).resolve(has_coda(model), hf=opened.kind == "hf")
-                        for _, p in group]
+            policies = [for_model(p, opened) for _, p in group]
             start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
         except (ValueError, FileNotFoundError):
             continue
         log.info("decoding %d settings side by side (up to %d rows a batch)", len(group), max_rows)
-        results = evaluate_exits(model, opened.heldout(e.tokens + 1, start), policies, e.tokens,
-                                 warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, max_rows=max_rows,
-                                 latency_tokens=e.latency_tokens, repeats=e.repeats, warm_start=e.warm_start,
-                                 bos=opened.bos, labels=opened.labels(e.tokens + 1, start),
-                                 answers=OmegaConf.select(cfg, "eval.answers"),
-                                 context_steps=OmegaConf.select(cfg, "eval.context_steps"))
+        results = evaluate_exits(opened.model, opened.heldout(n + 1, start), policies, n, max_rows=max_rows,
+                                 bos=opened.bos, labels=opened.labels(n + 1, start), **eval_settings(cfg))
         for (c, _), result in zip(group, results, strict=True):
             _SHARED[job_key(c)] = result
         done += len(group)
@@ -149,11 +158,8 @@ def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path
     if shared is not None:
         ev, rec = shared
     else:
-        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens, seed=cfg.seed,
-                                cache=e.cache, batch_size=e.batch_size, latency_tokens=e.latency_tokens,
-                                repeats=e.repeats, warm_start=e.warm_start, bos=bos, labels=labels,
-                                answers=OmegaConf.select(cfg, "eval.answers"),
-                                context_steps=OmegaConf.select(cfg, "eval.context_steps"))
+        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, batch_size=e.batch_size, bos=bos, labels=labels,
+                                **eval_settings(cfg))
     used = policy.resolve(has_coda(model))
     ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
     write_eval(run_dir, rec, vocab_to_gpt2)

@@ -60,7 +60,7 @@ from recdepth.calibrate import (
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir
 from recdepth.decoding import add_latency, evaluate_exit, evaluate_exits, model_cost, time_tokens
-from recdepth.evaluate import write_eval
+from recdepth.evaluate import eval_settings, write_eval
 from recdepth.exits import NO_TAU, build
 from recdepth.gate import load_gate
 from recdepth.runs import write_json
@@ -84,13 +84,9 @@ class Jobs:
 
     def run(self, family: str, policy, line: str, extra: dict | None = None) -> dict:
         """Score `policy` on the test split (quality and cost; latency later, `time_all`)."""
-        e = self.cfg.eval
         t0 = time.perf_counter()
-        ev, rec = evaluate_exit(self.model, self.tokens, policy, e.tokens, warmup_tokens=e.warmup_tokens,
-                                seed=self.cfg.seed, cache=e.cache, batch_size=e.batch_size,
-                                latency_tokens=0, warm_start=e.warm_start, labels=self.labels,
-                                answers=OmegaConf.select(self.cfg, "eval.answers"),
-                                context_steps=OmegaConf.select(self.cfg, "eval.context_steps"))
+        ev, rec = evaluate_exit(self.model, self.tokens, policy, self.cfg.eval.tokens,
+                                batch_size=self.cfg.eval.batch_size, labels=self.labels, **self.settings())
         return self.add(family, policy, line, ev, rec, time.perf_counter() - t0, extra)
 
     def run_all(self, items: list[tuple[str, object, str]], rows: int) -> list[dict]:
@@ -98,16 +94,16 @@ class Jobs:
         windows, `rows` rows a batch (`decoding.evaluate_exits`); rows = 0: one by one."""
         if rows == 0 or len(items) < 2:
             return [self.run(*item) for item in items]
-        e = self.cfg.eval
         t0 = time.perf_counter()
-        results = evaluate_exits(self.model, self.tokens, [p for _, p, _ in items], e.tokens,
-                                 warmup_tokens=e.warmup_tokens, seed=self.cfg.seed, cache=e.cache, max_rows=rows,
-                                 latency_tokens=0, warm_start=e.warm_start, labels=self.labels,
-                                 answers=OmegaConf.select(self.cfg, "eval.answers"),
-                                 context_steps=OmegaConf.select(self.cfg, "eval.context_steps"))
+        results = evaluate_exits(self.model, self.tokens, [p for _, p, _ in items], self.cfg.eval.tokens,
+                                 max_rows=rows, labels=self.labels, **self.settings())
         seconds = (time.perf_counter() - t0) / len(items)
         return [self.add(family, p, line, ev, rec, seconds) for (family, p, line), (ev, rec) in zip(items, results,
                                                                                                   strict=True)]
+
+    def settings(self) -> dict:
+        """evaluate's decoding settings, latency left to `time_all`."""
+        return {**eval_settings(self.cfg), "latency_tokens": 0, "repeats": 1}
 
     def add(self, family: str, policy, line: str, ev: dict, rec: dict, seconds: float,
             extra: dict | None = None) -> dict:
