@@ -64,6 +64,7 @@ and, for engines that drive their own loop, `policy.group(g).monitor(x0, decode)
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -329,6 +330,8 @@ class MixedPolicy:
 
     policies: tuple[ExitPolicy, ...]
     setting: Tensor  # [B] long: the index into `policies` of each row
+    # group(g)'s policies, built once per batch: a loop asks for them at every position
+    _groups: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         if not self.policies:
@@ -356,8 +359,15 @@ class MixedPolicy:
             raise ValueError(f"exit.decode: settings decoded side by side must decode alike, got {sorted(modes)}")
         return modes.pop()
 
+    @functools.cached_property
+    def rows(self) -> list[tuple[ExitPolicy, Tensor]]:
+        """(policy, its rows) of every setting with rows in this batch."""
+        return [(p, r) for k, p in enumerate(self.policies) if (r := (self.setting == k).nonzero()[:, 0]).numel()]
+
     def group(self, g: int) -> MixedPolicy:
-        return MixedPolicy(tuple(p.group(g) for p in self.policies), self.setting)
+        if g not in self._groups:
+            self._groups[g] = MixedPolicy(tuple(p.group(g) for p in self.policies), self.setting)
+        return self._groups[g]
 
     def resolve(self, coda: bool, hf: bool = False) -> MixedPolicy:
         return MixedPolicy(tuple(p.resolve(coda, hf) for p in self.policies), self.setting)
@@ -381,12 +391,8 @@ class MixedMonitor:
         self.decode = decode
         self._x: Tensor | None = None
         self._logits: Tensor | None = None
-        setting = policy.setting.to(x0.device)
-        self.parts = []
-        for k, p in enumerate(policy.policies):
-            rows = (setting == k).nonzero()[:, 0]
-            if rows.numel():
-                self.parts.append((rows, p.monitor(x0[rows], self._rows_decoder(rows) if p.needs_decode else None)))
+        self.parts = [(rows, p.monitor(x0[rows], self._rows_decoder(rows) if p.needs_decode else None))
+                      for p, rows in policy.rows]
 
     def _rows_decoder(self, rows: Tensor) -> Callable[[Tensor], Tensor]:
         def decode(_x_rows: Tensor) -> Tensor:  # the rows' states: x_new[rows], decoded with the batch
