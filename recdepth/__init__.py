@@ -13,6 +13,8 @@ Core: the math, torch and numpy only
   exits.py        early-exit rules (the gate's too) and the reference `iterate` loop
   decoding.py     token-by-token evaluation with a KV cache under an exit rule, batched
                   exactly (per-row noise keys), and the oracle bound
+  lean_step.py    the lean decode step: one token's layers in static shapes, eager or
+                  torch.compile'd (eval.step)
   gate_states.py  the learned gate's data from the states the decoding engine visits
   calibration.py  the search that calibrates an exit rule per group to a CE-increase or
                   application target (real decodes of a calibration split)
@@ -68,6 +70,8 @@ Entry points: what a user runs
                   frontier.csv, Fig. 4)
   task_tables.py  a task's sweep by difficulty (accuracy per difficulty and depth)
   bench.py        `python -m recdepth.bench` (throughput / MFU, exit kernels, callback overhead)
+  bench_decode.py `python -m recdepth.bench decode` (ms per layer application by eval.step,
+                  against the arithmetic lower bound)
 """
 
 __version__ = "0.1.0"

@@ -38,6 +38,10 @@ kl and accel at four τ each) on the test split twice in one run: setting by set
 `--batch` windows a batch, and as one batch of settings × windows (`decoding.decode_settings`,
 `--rows` rows a batch); prints the wall times, their ratio and how far the records differ.
 
+`python -m recdepth.bench decode [--ckpt PATH]` times one layer application of token-by-token
+decoding per `eval.step` (module, lean, compiled) at batch 1 and 16, for the default and the
+paper shape, beside its arithmetic lower bound (recdepth/bench_decode.py).
+
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
 `callbacks=none` and with the default `callbacks=loop_dynamics` (diagnostics at step 0,
@@ -54,6 +58,7 @@ from pathlib import Path
 
 import torch
 
+from recdepth import bench_decode
 from recdepth.model import GPTConfig, LoopedGPT
 from recdepth.runtime import measured_cpu_peak_flops, tune_cpu_allocator
 
@@ -567,14 +572,16 @@ def bench_ltt(args) -> dict:
     mean layer applications per token (`decoding.model_cost`) of the chosen setting on the
     test half. The path is decoded until its pooled CE increase exceeds 2 max(δ) and its
     pooled risk exceeds 2 max(α) (or the grid ends); a partition whose LTT walk or empirical
-    choice reaches the last decoded setting is counted and reported (`truncated`)."""
+    choice reaches the last decoded setting is counted and reported (`truncated`). With
+    `--ltt-shared-rows`, the path's settings are decoded --ltt-shared-rows // --windows at a
+    time as one batch (`decoding.evaluate_exits`; a few past the stop are decoded unread)."""
     import json
 
     import numpy as np
 
     from recdepth import ltt
     from recdepth.checkpoints import heldout_tokens, load_checkpoint
-    from recdepth.decoding import evaluate_exit, model_cost
+    from recdepth.decoding import evaluate_exit, evaluate_exits, model_cost
     from recdepth.exits import build
 
     tune_cpu_allocator()
@@ -633,8 +640,22 @@ def bench_ltt(args) -> dict:
 
     add(ref, f"fixed-{N} (full depth)", secs)  # index 0: full depth, the fallback of both methods
     stop_inc, stop_risk = 2 * max(deltas), {b: 2 * max(deltas) / b for b in bounds}
-    for s in path:
-        rec, _, secs = decode(policy(s))
+    chunk = max(1, args.ltt_shared_rows // W)  # settings decoded side by side (0: one by one)
+
+    def decoded_path():
+        for i in range(0, len(path), chunk):
+            part = path[i : i + chunk]
+            if len(part) == 1:
+                yield part[0], *decode(policy(part[0]))[::2]
+                continue
+            t = time.perf_counter()
+            out = evaluate_exits(model, tokens, [policy(s) for s in part], W * T, warmup_tokens=0, seed=args.seed,
+                                 max_rows=args.ltt_shared_rows, latency_tokens=0)
+            secs = (time.perf_counter() - t) / len(part)
+            for s, (_, rec) in zip(part, out, strict=True):
+                yield s, rec, secs
+
+    for s, rec, secs in decoded_path():
         row = add(rec, " ".join(f"{grid[i]:g}" for i in sorted(set(s))) if len(set(s)) == 1
                   else "[" + ",".join(f"{grid[i]:g}" for i in s) + "]", secs)
         if row["ce_increase"] > stop_inc and all(row["risk"][str(b)] > stop_risk[b] for b in bounds):
@@ -827,7 +848,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative", "ltt", "intervals",
-                                                       "settings"])
+                                                       "settings", "decode"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -876,16 +897,21 @@ def main(argv=None):
     p.add_argument("--ltt-path", choices=["shared", "staircase"], default="shared",
                    help="ltt: one value for every group (shared) or ltt.staircase over the per-group grid")
     p.add_argument("--ltt-batch", type=int, default=16, help="ltt: windows decoded side by side")
+    p.add_argument("--ltt-shared-rows", type=int, default=0,
+                   help="ltt: decode the path's settings side by side, this many rows (settings x windows) a batch, "
+                        "each record as decoded alone (0: setting by setting)")
     p.add_argument("--seed", type=int, default=1337, help="ltt: loop noise and partition seed")
     p.add_argument("--sweep", default=None, help="intervals: a finished frontier sweep directory (make frontier's OUT)")
     p.add_argument("--resamples", type=int, default=1000, help="intervals: bootstrap resamples")
     p.add_argument("--rows", type=int, nargs="+", default=[16, 64, 256], help="settings: rows a mixed batch")
     p.add_argument("--context-steps", type=int, default=None, help="settings: eval.context_steps (a task's prompt)")
+    bench_decode.add_arguments(p)
     p.add_argument("overrides", nargs="*", default=[], help="callbacks: extra Hydra overrides for both runs")
     args = p.parse_intermixed_args(argv)
     return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train,
             "huginn": bench_huginn, "speculative": bench_speculative, "ltt": bench_ltt,
-            "intervals": bench_intervals, "settings": bench_settings}[args.what](args)
+            "intervals": bench_intervals, "settings": bench_settings,
+            "decode": bench_decode.bench_decode}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -48,11 +48,11 @@ from recdepth import calibration, ltt, stats
 from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_device
 from recdepth.cli import guarded, run_hydra_main
 from recdepth.config import conf_dir, exit_policy
-from recdepth.decoding import evaluate_exit, model_cost
+from recdepth.decoding import evaluate_exit, evaluate_exits, lean_steps, model_cost
 from recdepth.evaluate import run_eval
 from recdepth.exits import ExitPolicy, build
 from recdepth.runs import write_json
-from recdepth.schema import validated
+from recdepth.schema import EvalConfig, validated
 
 log = logging.getLogger("recdepth.calibrate")
 
@@ -118,6 +118,20 @@ class CalibrationSplit:
         self.cost = model_cost(model)
         self.seconds = 0.0
 
+    def decode_many(self, policies: list[ExitPolicy], max_rows: int) -> list[dict]:
+        """`decode` of several policies as one batch of settings × windows, `max_rows` rows
+        a batch (`decoding.evaluate_exits`: each record the one `decode` gives it alone);
+        max_rows 0 or one policy: one by one."""
+        if max_rows == 0 or len(policies) < 2:
+            return [self.decode(p) for p in policies]
+        t0 = time.perf_counter()
+        out = evaluate_exits(self.model, self.tokens, policies, self.n_tokens, warmup_tokens=0, seed=self.seed,
+                             cache=self.cache, max_rows=max_rows, latency_tokens=0, warm_start=self.warm_start,
+                             first_window=self.first_window, labels=self.labels, answers=self.answers,
+                             context_steps=self.context_steps)
+        self.seconds += time.perf_counter() - t0
+        return [rec for _, rec in out]
+
     def decode(self, policy: ExitPolicy) -> dict:
         t0 = time.perf_counter()
         _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, warmup_tokens=0, seed=self.seed,
@@ -158,7 +172,7 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
 
 def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
                   max_evals: int, epsilon: float, loss_bound: float,
-                  ref: dict | None = None) -> tuple[ExitPolicy, calibration.Result, dict, list, dict]:
+                  ref: dict | None = None, shared_rows: int = 0) -> tuple[ExitPolicy, calibration.Result, dict, list, dict]:
     """Learn then Test on the calibration split (`recdepth.ltt`, docs/spec.md §4e): the
     settings of `base`'s knob along a fixed path, most conservative first (`ltt.staircase`
     over the per-group grid with `per_group`, else the shared grid), each window's loss its
@@ -170,7 +184,10 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
     certified setting; if none is, `fixed` at max_steps (full depth, loss 0). Returns the
     policy, a `calibration.Result` (history: the decoded settings), the answer's per-token
     record, the rows of calibration.csv ("meets" = certified) and calibration.json's method
-    block."""
+    block. `shared_rows` (calibration.shared_rows): the path's next settings are decoded as
+    one batch of settings × windows of about this many rows (`CalibrationSplit.decode_many`;
+    records as decoded alone), so up to that many settings past the first uncertified one
+    are decoded and not read; 0: one by one."""
     if target.kind != "max_ce_increase":
         raise ValueError("calibration.method: ltt needs target.max_ce_increase (a layer-applications budget has "
                          "no risk to certify); use calibration.method=empirical for it")
@@ -188,11 +205,16 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
     def at(setting):
         return policy_at(base, field, [grid[i] for i in setting])
 
+    windows = len(np.unique(ref["window"]))
+    chunk = max(1, -(-shared_rows // windows)) if shared_rows else 1  # settings a batch
+
     def losses():
-        for s in path[:max_evals]:
-            rec = split.decode(at(s))
-            decoded.append((s, rec))
-            yield ltt.window_losses(rec["nll"], ref["nll"], rec["window"], loss_bound)
+        todo = path[:max_evals]
+        for i in range(0, len(todo), chunk):
+            part = todo[i : i + chunk]
+            for s, rec in zip(part, split.decode_many([at(s) for s in part], shared_rows), strict=True):
+                decoded.append((s, rec))
+                yield ltt.window_losses(rec["nll"], ref["nll"], rec["window"], loss_bound)
 
     out = ltt.ltt_lazy(losses(), alpha, epsilon)
     k, n = out["certified"], out["n"]
@@ -289,6 +311,7 @@ def load_splits(cfg: DictConfig):
     after them; one line naming calibration.tokens if the val split is too short), and
     their task labels {"test": ..., "calibration": ...} (None each on text)."""
     module, data = load_checkpoint(cfg.ckpt, resolve_device(cfg.device))
+    lean_steps(module.model, OmegaConf.select(cfg, "eval.step", default=EvalConfig.step))  # every decode below
     c = cfg.calibration
     sp = splits(cfg.eval.tokens, c.tokens)
     dm = checkpoint_data(module, data, cfg.seed)
@@ -343,7 +366,7 @@ def calibrate(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     if c.method == "ltt":
         policy, res, cal_rec, rows, method = calibrate_ltt(split, base, target, c.per_group, c.max_evals, c.epsilon,
-                                                           c.loss_bound)
+                                                           c.loss_bound, shared_rows=c.shared_rows)
     else:
         policy, res, cal_rec, rows = calibrate_policy(split, base, target, c.per_group, c.max_evals)
         method = {"method": "empirical", "guarantee": "no guarantee"}

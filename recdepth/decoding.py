@@ -42,9 +42,11 @@ from torch import Tensor
 
 from recdepth import stats, tasks
 from recdepth.exits import ORACLE, ExitPolicy, MixedPolicy, build
+from recdepth.lean_step import LeanSteps
 from recdepth.model import LoopedGPT
 
 SHARING = ("latest", "per_step")
+STEPS = ("module", "lean", "compiled")  # eval.step: how a token's layers are computed (`lean_steps`)
 
 
 class KVCache:
@@ -225,6 +227,61 @@ def state_decoder(model: LoopedGPT, g: int, policy: ExitPolicy, caches: list[KVC
     return lambda x: coda_logits(model, g, x[:, None], caches, pos)[:, 0]
 
 
+def lean_steps(model: LoopedGPT, step: str) -> LoopedGPT:
+    """Decode `model` with `step` (`eval.step`, `STEPS`): "module" = `Block.forward`, the
+    reference; "lean" = `recdepth.lean_step`'s static-shape step, eager; "compiled" = the
+    same under torch.compile (graphs built on first use). Attaches the lean steps to the
+    model (`model.lean_steps`, None for "module") and returns it; the engine takes them
+    wherever they apply (`lean_of`)."""
+    if step not in STEPS:
+        raise ValueError(f"eval.step: expected one of {', '.join(STEPS)}, got {step!r}")
+    lean = getattr(model, "lean_steps", None)
+    if step == "module":
+        lean = None
+    elif lean is None or lean.compiled != (step == "compiled"):
+        lean = LeanSteps(model, compile=step == "compiled")
+    model.lean_steps = lean
+    return model
+
+
+def step_of(model: LoopedGPT) -> str:
+    """The `eval.step` the model decodes with now (`lean_steps`)."""
+    lean = getattr(model, "lean_steps", None)
+    return "module" if lean is None else "compiled" if lean.compiled else "lean"
+
+
+def lean_of(model: LoopedGPT, caches: list) -> LeanSteps | None:
+    """The model's lean steps if they compute a one-token call on these layer caches:
+    one-entry-per-position caches (`KVCache`, not `StepKVCache` or the coda's `PeekCache`);
+    else None (the caller runs `Block.forward`)."""
+    lean = getattr(model, "lean_steps", None)
+    if lean is None or any(type(c) is not KVCache for c in caches):
+        return None
+    return lean
+
+
+def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
+                rows: Tensor | None) -> Tensor:
+    """One application of group g for one token, `model.apply_group` or its lean step
+    (`lean_of`; rows None or a bool mask over the batch)."""
+    mine = [caches[layer] for layer in model.cfg.groups[g]]
+    lean = lean_of(model, mine)
+    if lean is None or s.shape[1] != 1:
+        return model.apply_group(g, s, e_proj, caches, pos, rows)
+    return lean.group(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
+
+
+def _forced(fired: Tensor, n: Tensor, fixed_rows: Tensor | None, fixed_steps: int | None,
+            limit: Tensor | None) -> Tensor:
+    """`fired` with the rows the rule does not decide: `fixed_rows` stop exactly at
+    `fixed_steps` applications, and every row at its `limit` (n: applications so far)."""
+    if fixed_rows is not None:
+        fired = torch.where(fixed_rows, n >= fixed_steps, fired)
+    if limit is not None:
+        fired = fired | (n >= limit)
+    return fired
+
+
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
                pos: int, generator: torch.Generator | None = None, compact: bool = True,
                noise: RowNoise | None = None, limit: Tensor | None = None,
@@ -264,23 +321,30 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         for c in step_caches:
             c.step = j
         if B == 1:  # the one row is active while looping
-            s = s_new = model.apply_group(g, s, e_proj, caches, pos, None)
+            s = s_new = apply_group(model, g, s, e_proj, caches, pos, None)
         elif compact and n_active < B:
             idx = active.nonzero()[:, 0]
             s = s_new = s.index_copy(0, idx, model.apply_group(g, s[idx], e_proj[idx], caches, pos, idx))
         else:
-            s_new = model.apply_group(g, s, e_proj, caches, pos, active)
+            s_new = apply_group(model, g, s, e_proj, caches, pos, active)
             s = torch.where(active[:, None, None], s_new, s)
-        n += active
-        fired = monitor.observe(s_new[:, 0])
-        if fixed_rows is not None:
-            fired = torch.where(fixed_rows, n >= fixed_steps, fired)
-        if limit is not None:
-            fired = fired | (n >= limit)
-        active = active & ~fired
         j += 1
-        n_active = int(active.sum()) if B > 1 else 1
-        if n_active == 0 or (B == 1 and bool(fired[0])):
+        if B == 1:  # the one row has run j applications: no row bookkeeping per application
+            fired = monitor.observe(s_new[:, 0])
+            if fixed_rows is not None or limit is not None:
+                n.fill_(j)
+                fired = _forced(fired, n, fixed_rows, fixed_steps, limit)
+            if bool(fired[0]):
+                n.fill_(j)
+                for c in step_caches:
+                    c.finish(pos, n)
+                return s, n
+            continue
+        n += active
+        fired = _forced(monitor.observe(s_new[:, 0]), n, fixed_rows, fixed_steps, limit)
+        active = active & ~fired
+        n_active = int(active.sum())
+        if n_active == 0:
             for c in step_caches:
                 c.finish(pos, n)
             return s, n
@@ -309,7 +373,8 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     for kind, i in model.plan:
         if kind == "layer":
-            x = model.h[i](x, caches[i], pos)
+            lean = lean_of(model, [caches[i]])
+            x = model.h[i](x, caches[i], pos) if lean is None else lean.layer(i, x, caches[i].k, caches[i].v, pos)
         else:
             x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit,
                                        None if warm is None else warm[i], fixed_rows, fixed_steps)
@@ -501,7 +566,7 @@ def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, cache: str, batch_
         "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
         "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)),
         "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": cache,
-        "warm_start": bool(warm_start), "batch_size": batch_size,
+        "warm_start": bool(warm_start), "batch_size": batch_size, "step": step_of(model),
     }
 
 
@@ -510,7 +575,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
                   seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
                   repeats: int = 1, warm_start: bool = False, first_window: int = 0,
                   bos: int | None = None, labels: np.ndarray | None = None,
-                  answers: bool | None = None, context_steps: int | None = None) -> tuple[dict, dict]:
+                  answers: bool | None = None, context_steps: int | None = None,
+                  step: str | None = None) -> tuple[dict, dict]:
     """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
     `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
     from the previous token's final state with `warm_start` (continuous compute; see
@@ -532,9 +598,13 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     every window starts with it, as `decode_windows` says, and holds `span` tokens.
     `labels` (a task's, aligned with `tokens`) and `answers`: see `score_task`.
     `context_steps`: see `decode_windows` (every pass, the timed ones included).
+    `step` (`eval.step`): how a token's layers are computed, `lean_steps` (None: as the
+    model decodes now, `step_of`).
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
     policy.check_model(model.n_groups, model.cfg.n_embd)
+    if step is not None:
+        lean_steps(model, step)
     if policy.name == ORACLE:
         if context_steps is not None and context_steps != policy.max_steps_bound:
             raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
@@ -608,15 +678,18 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
                    warmup_tokens: int = 8, seed: int = 0, cache: str = "latest", max_rows: int = 16,
                    latency_tokens: int | None = None, repeats: int = 1, warm_start: bool = False,
                    first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
-                   answers: bool | None = None, context_steps: int | None = None) -> list[tuple[dict, dict]]:
+                   answers: bool | None = None, context_steps: int | None = None,
+                   step: str | None = None) -> list[tuple[dict, dict]]:
     """`evaluate_exit` of every setting in `policies`, the quality of all of them decoded as
     one batch (`decode_settings`); latency stays a batch-1 measurement per setting, the
     settings timed round-robin within each of the `repeats` rounds so that drift of the
     machine spreads over all of them. The oracle (it reads the target) runs on its own.
     Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
     `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
-    the number of settings decoded side by side."""
+    the number of settings decoded side by side. `step`: as `evaluate_exit`'s."""
     check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
+    if step is not None:
+        lean_steps(model, step)
     was_training = model.training
     model.eval()
     out: list[tuple[dict, dict] | None] = [None] * len(policies)
@@ -625,7 +698,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
         if p.name == ORACLE:
             out[k] = evaluate_exit(model, tokens, p, n_tokens, warmup_tokens=warmup_tokens, seed=seed, cache=cache,
                                    batch_size=max_rows, warm_start=warm_start, first_window=first_window, bos=bos,
-                                   labels=labels, answers=answers, context_steps=context_steps)
+                                   labels=labels, answers=answers, context_steps=context_steps, step=step)
     model.eval()
     if loops:
         tokens_d, n_scored, _ = _prepare(model, tokens, n_tokens, bos)

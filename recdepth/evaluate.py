@@ -34,7 +34,7 @@ from recdepth.config import conf_dir, exit_policy
 from recdepth.decoding import evaluate_exit, evaluate_exits, has_coda
 from recdepth.exits import ORACLE, ExitPolicy
 from recdepth.runs import write_json
-from recdepth.schema import validated
+from recdepth.schema import EvalConfig, validated
 
 log = logging.getLogger("recdepth.evaluate")
 
@@ -78,7 +78,8 @@ def eval_settings(cfg: DictConfig) -> dict:
     e = cfg.eval
     return dict(warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, latency_tokens=e.latency_tokens,
                 repeats=e.repeats, warm_start=e.warm_start, answers=OmegaConf.select(cfg, "eval.answers"),
-                context_steps=OmegaConf.select(cfg, "eval.context_steps"))
+                context_steps=OmegaConf.select(cfg, "eval.context_steps"),
+                step=OmegaConf.select(cfg, "eval.step", default=EvalConfig.step))
 
 
 # Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval

@@ -445,9 +445,16 @@ class EvalConfig:
     """A task (docs/spec.md §6): positions whose target is not an answer (the statements,
     operands, terms: the prompt) loop exactly this many applications and the exit rule
     decides at answer positions only; null: the rule decides at every position."""
+    step: str = "lean"
+    """How a token's layers are computed (recdepth/lean_step.py): lean (fewer operators,
+    eager; 1.45x module at batch 1 on the default model, bench decode) | module
+    (Block.forward, the reference) | compiled (lean under torch.compile: 1.95x module at
+    batch 1 on the default model, slower at d = 768 on CPU; ~10-30 s to compile). Equal up
+    to float rounding."""
 
     def __post_init__(self):
         _one_of("eval.split", self.split, ("test", "extrapolation"))
+        _one_of("eval.step", self.step, decoding.STEPS)
         if self.context_steps is not None and self.context_steps < 1:
             raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
         decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
@@ -732,9 +739,14 @@ class CalibrationConfig:
     loss_bound: float = ltt.DEFAULT_LOSS_BOUND
     """ltt: each window's mean NLL increase over full depth is clipped to [0, loss_bound] nats
     (> 0; the guarantee is on the clipped loss, and must exceed target.max_ce_increase)."""
+    shared_rows: int = 64
+    """ltt: the path's next settings decoded as one batch of settings × windows of about this
+    many rows (each record as decoded alone; a few settings past the stop are decoded
+    unread); 0: one by one (>= 0)."""
 
     def __post_init__(self):
         _int("calibration.tokens", self.tokens, 1)
+        _int("calibration.shared_rows", self.shared_rows, 0)
         _int("calibration.max_evals", self.max_evals, 2)
         _int("calibration.batch_size", self.batch_size, 1)
         _one_of("calibration.method", self.method, CALIBRATION_METHODS)

@@ -15,11 +15,11 @@ PKG = Path(recdepth.__file__).parent
 # The layers, lowest first (recdepth/__init__.py lists them in the same order).
 LAYERS = {
     "core": {"model", "geometry", "sampler", "gate", "gate_states", "exits", "stats", "decoding", "diagnostics", "runtime",
-             "calibration", "generation", "ltt", "tasks"},
+             "calibration", "generation", "ltt", "tasks", "lean_step"},
     "glue": {"tokenizer", "documents", "tokens", "vocab", "windows", "data", "lit", "callbacks", "plots",
              "distributed", "schema", "runs", "config", "cli", "hf", "checkpoints"},
     "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "diagnose", "generate", "figures", "bench",
-              "sweep", "task_tables", "commands", "__main__"},
+              "sweep", "task_tables", "commands", "__main__", "bench_decode"},
 }
 RANK = {m: i for i, layer in enumerate(LAYERS.values()) for m in layer}
 CORE_THIRD_PARTY = {"torch", "numpy"}

@@ -309,6 +309,23 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     assert out["test"]["ltt_alpha"] == a and 0 <= out["test"]["ltt_risk"] <= 1
 
 
+def test_calibrate_ltt_shared_equals_one_by_one(tiny_ckpt, ckpt_env, tmp_path):
+    """The path decoded a few settings a batch (calibration.shared_rows) certifies what the
+    path decoded one setting at a time does: same settings tested and certified, the same
+    risks and answer (the records are the ones each setting gets alone)."""
+    from recdepth.calibrate import calibrate
+
+    opts = [f"ckpt={tiny_ckpt}", *CAL, "target.max_ce_increase=0.5", "calibration.tokens=300",
+            "calibration.epsilon=0.2"]
+    one = calibrate(compose_cal(*opts, f"run_dir={tmp_path / 'one'}", "calibration.shared_rows=0"))
+    shared = calibrate(compose_cal(*opts, f"run_dir={tmp_path / 'shared'}", "calibration.shared_rows=9"))
+    a, b = one["calibration"], shared["calibration"]
+    assert b["windows"] == 3  # 9 rows: three settings of three windows a batch
+    assert (a["tested"], a["certified"], a["settings"]) == (b["tested"], b["certified"], b["settings"])
+    assert a["risks"] == pytest.approx(b["risks"], abs=1e-6) and a["tested"] >= 2
+    assert one["exit"] == shared["exit"]
+
+
 def test_calibrate_ltt_with_nothing_certified_returns_full_depth(tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.calibrate import calibrate
 

@@ -1,0 +1,104 @@
+"""The lean decode step (recdepth/lean_step.py, `eval.step`): the static-shape single-token
+layer equals `Block.forward` on the decoding cache, eager and compiled, for every option
+of the block, and the engine really takes it where it applies."""
+
+import pytest
+import torch
+
+from recdepth import decoding as D
+from recdepth.exits import build
+from recdepth.model import Block, GPTConfig, LoopedGPT
+from recdepth.schema import EvalConfig
+
+PLAIN = {}
+HUGINN = dict(position="rope", qk_bias=True, mlp="gated_silu", scale_embeddings=True, latent_norm=True)
+
+
+def model(kw, dtype, groups=((1,), (2, 3)), seed=0):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=20, vocab_size=40, groups=[list(g) for g in groups],
+                    state_init="normal", **kw)
+    m = LoopedGPT(cfg).to(dtype).eval()
+    with torch.no_grad():  # leave the init's zeros (q/k bias, ...) so every weight matters
+        for p in m.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return m
+
+
+def score(m, step, policy, batch_size, n=57, cache="latest"):
+    tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
+    _, rec = D.evaluate_exit(m, tokens, policy, n, batch_size=batch_size, latency_tokens=0, warmup_tokens=0,
+                             cache=cache, seed=5, step=step)
+    return rec
+
+
+@pytest.mark.parametrize("kw", [PLAIN, HUGINN], ids=["plain", "huginn"])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("rule, tau", [("fixed", None), ("stepnorm", 0.3), ("kl", 1e-2)])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_lean_step_equals_block_forward(kw, dtype, tol, rule, tau, batch_size):
+    """Scored records under the lean step equal the module path's: NLL within rounding,
+    applications identical (batch 3 exercises the row mask and, once rows exit, the
+    compacted batch that falls back to Block.forward)."""
+    m = model(kw, dtype)
+    policy = build(rule, tau, max_steps=9)
+    ref, lean = score(m, "module", policy, batch_size), score(m, "lean", policy, batch_size)
+    assert D.step_of(m) == "lean"
+    assert abs(lean["nll"] - ref["nll"]).max() <= tol
+    assert (lean["apps"] == ref["apps"]).all()
+    assert len(set(ref["apps"].ravel().tolist())) > 1 or rule == "fixed"  # the rule really varies depth
+
+
+def test_lean_step_replaces_block_forward_at_batch_one(monkeypatch):
+    """At batch 1 with the latest cache, no token reaches Block.forward (every layer and
+    group application is the lean step); with per_step caches, every one does."""
+    m = model(PLAIN, torch.float64)
+    calls = []
+    real = Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    score(m, "lean", build("accel", 0.05, max_steps=9), 1, n=10)
+    assert calls == []
+    score(m, "lean", build("accel", 0.05, max_steps=9), 1, n=10, cache="per_step")
+    assert len(calls) >= 10 * m.cfg.n_layer
+
+
+def test_per_step_cache_under_lean_equals_module():
+    """per_step caches: looped layers run Block.forward, the others the lean step."""
+    m = model(HUGINN, torch.float64)
+    policy = build("stepnorm", 0.3, max_steps=7)
+    ref, lean = (score(m, s, policy, 3, cache="per_step") for s in ("module", "lean"))
+    assert abs(lean["nll"] - ref["nll"]).max() <= 1e-12 and (lean["apps"] == ref["apps"]).all()
+
+
+def test_step_none_keeps_the_models_step_and_module_detaches():
+    m = model(PLAIN, torch.float32)
+    D.lean_steps(m, "lean")
+    lean = m.lean_steps
+    score(m, None, build("fixed", None, max_steps=2), 1, n=3)
+    assert m.lean_steps is lean  # None: as the model decodes now
+    D.lean_steps(m, "lean")
+    assert m.lean_steps is lean  # the same steps again, not rebuilt
+    D.lean_steps(m, "module")
+    assert D.step_of(m) == "module" and m.lean_steps is None
+
+
+def test_bad_step_is_one_line():
+    m = model(PLAIN, torch.float32)
+    with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
+        D.lean_steps(m, "fast")
+    with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
+        EvalConfig(step="fast")
+
+
+def test_compiled_step_equals_eager():
+    """torch.compile'd lean step against the module path on the tiny model (float32):
+    NLL within float rounding, applications identical here (a criterion within rounding
+    of τ could flip one; bench decode counts those on real checkpoints)."""
+    m = model(HUGINN, torch.float32)
+    policy = build("kl", 1e-2, max_steps=9)
+    ref = score(m, "module", policy, 2)
+    comp = score(m, "compiled", policy, 2)
+    assert D.step_of(m) == "compiled"
+    assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
+    assert (comp["apps"] == ref["apps"]).all()
+    assert len(set(ref["apps"].ravel().tolist())) > 1
