@@ -94,7 +94,7 @@ def test_compiled_step_equals_eager():
     """torch.compile'd lean step against the module path on the tiny model (float32):
     NLL within float rounding, applications identical here (a criterion within rounding
     of τ could flip one; bench decode counts those on real checkpoints)."""
-    m = model(HUGINN, torch.float32)
+    m = model(HUGINN, torch.float32, groups=((1, 2),))  # one group: two graphs to compile, not five
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
     comp = score(m, "compiled", policy, 2)
