@@ -45,8 +45,9 @@ Glue: Lightning, Hydra config, data, files, figures
                   documented and range-checked; `validated(cfg)` checks a run's config
   runs.py         run bookkeeping: training identity, the training dir it names, locks, resume
   config.py       where conf/ is, and the objects built from the validated config
-  cli.py          the entry points' command line: argv forms, one-line errors, multirun
-                  jobs that fail without stopping the sweep
+  cli.py          the entry points' runner: job directory, refusal, config.yaml, the Hydra
+                  main, argv forms, one-line errors, multirun jobs that fail without
+                  stopping the sweep
   hf.py           Huginn checkpoints in the Hugging Face format (config.json + safetensors
                   shards): load_hf / save_hf, names and config keys of docs/spec.md §1b
   checkpoints.py  opening a trained model (a training checkpoint), its held-out tokens

@@ -39,15 +39,14 @@ import logging
 import time
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import calibration, ltt, stats
 from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_device
-from recdepth.cli import guarded, run_hydra_main
-from recdepth.config import conf_dir, exit_policy
+from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config import exit_policy
 from recdepth.decoding import evaluate_exit, evaluate_exits, lean_steps, model_cost
 from recdepth.evaluate import run_eval
 from recdepth.exits import ExitPolicy, build
@@ -344,23 +343,18 @@ def calibration_split(cfg: DictConfig, model, cal_tokens: torch.Tensor, labels=N
 def calibrate(cfg: DictConfig) -> dict:
     """Calibrate cfg.exit on the calibration split to cfg.target, evaluate the answer once on
     the test split; write and return calibration.json's dict."""
-    try:
-        run_dir = Path(cfg.run_dir)
-    except Exception:
-        raise ValueError("run_dir: set run_dir=<directory> when calling calibrate(cfg) outside Hydra") from None
+    run_dir = job_dir(cfg, "calibrate")
     validated(cfg)
     base = exit_policy(cfg)
     target = target_of(cfg)
     check_method(cfg.calibration, target)
     if base.name == "oracle":
         raise ValueError("exit.name: the oracle reads the target token; there is nothing to calibrate")
-    if (run_dir / "calibration.json").exists():
-        raise FileExistsError(f"run_dir: {run_dir} already holds calibration.json; choose a new run_dir")
+    refuse(run_dir, "calibration.json")
     module, sp, test_tokens, cal_tokens, labels = load_splits(cfg)
     model, c = module.model, cfg.calibration
     base.check_groups(model.n_groups)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    start_job(run_dir, cfg)
 
     split = calibration_split(cfg, model, cal_tokens, labels["calibration"])
     t0 = time.perf_counter()
@@ -435,13 +429,8 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
                         " ".join(f"{a:.3f}" for a in r["per_group"]), int(r["meets"])])
 
 
-@hydra.main(config_path=conf_dir(), config_name="calibrate", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(lambda c: calibrate(c)["test"]["eval"], cfg, "ce")
-
-
-def main() -> None:
-    run_hydra_main(_hydra_main)
+_task = task(lambda c: calibrate(c)["test"]["eval"], "ce")  # the Hydra task (recdepth/cli.py)
+main = hydra_main(_task, "calibrate")
 
 
 if __name__ == "__main__":

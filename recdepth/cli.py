@@ -1,6 +1,15 @@
-"""The command line of `recdepth.train` and `recdepth.evaluate`: their argv forms, their
-one-line errors and their failure-tolerant multirun jobs.
+"""The entry points' runner: their job directory, their argv forms, their one-line errors
+and their failure-tolerant multirun jobs. Every entry point (train, evaluate, calibrate,
+report, generate, diagnose, train_gate) is a plain function of its config, `job(cfg) ->
+dict`, that starts with `job_dir`, `refuse` and `start_job`, and is made a command by
 
+    _task = task(job, key)          the Hydra task function (module-level, so a launcher
+                                    that pickles it, submitit, pickles it by reference)
+    main = hydra_main(_task, name)  compose conf/<name>.yaml with the command line, run
+
+    job_dir(cfg, entry)   cfg.run_dir, or one line when called outside Hydra without one
+    refuse(run_dir, ...)  one line if the directory already holds a result (never overwritten)
+    start_job(run_dir, cfg)   the directory and its config.yaml (the resolved config)
     run_hydra_main(main)  call a @hydra.main function: `--multirun` may stand anywhere
                           among the overrides (`hoist_mode_flags`), a config OmegaConf
                           refuses is one line naming the field (`schema.config_error`),
@@ -18,15 +27,65 @@ import math
 import os
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
+import hydra
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.config import conf_dir
 from recdepth.schema import config_error
 
 log = logging.getLogger("recdepth.cli")
+
+
+def job_dir(cfg: DictConfig, entry: str) -> Path:
+    """cfg.run_dir as a Path; outside a Hydra run `${hydra:runtime.output_dir}` does not
+    resolve, so calling `entry(cfg)` without run_dir=... is one line naming it."""
+    try:
+        return Path(cfg.run_dir)
+    except Exception:
+        raise ValueError(f"run_dir: set run_dir=<directory> when calling {entry}(cfg) outside Hydra") from None
+
+
+def refuse(run_dir: Path, *names: str | Path, what: str | None = None) -> None:
+    """One line if run_dir already holds any of `names` (files or directories): nothing a
+    user produced is overwritten. `what` names the result in the message (default: the
+    first name held)."""
+    held = [n for n in names if (run_dir / n).exists()]
+    if held:
+        raise FileExistsError(f"run_dir: {run_dir} already holds {what or held[0]}; choose a new run_dir")
+
+
+def start_job(run_dir: Path, cfg: DictConfig) -> None:
+    """Create the job directory and write config.yaml, the resolved config, its first file."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+
+
+def task(job: Callable[[DictConfig], dict], key: str) -> Callable[[DictConfig], float]:
+    """The Hydra task function of an entry point: `guarded(job, cfg, key)` (`key`: the
+    metric a sweeper optimises). Bind it to `_task` in the job's module: it is named
+    `<module>._task`, so a launcher that pickles it (submitit) pickles it by reference."""
+
+    def _task(cfg: DictConfig) -> float:
+        return guarded(job, cfg, key)
+
+    _task.__module__, _task.__qualname__ = job.__module__, "_task"
+    return _task
+
+
+def hydra_main(task_fn: Callable[[DictConfig], float], config_name: str) -> Callable[[], None]:
+    """`main()` of an entry point: compose conf/<config_name>.yaml with the command line and
+    run `task_fn` (`run_hydra_main`: the documented argv forms and one-line errors)."""
+    decorated = hydra.main(config_path=conf_dir(), config_name=config_name, version_base="1.3")(task_fn)
+
+    def main() -> None:
+        run_hydra_main(decorated)
+
+    return main
 _FAILED: list[str] = []  # jobs of this process that raised (multirun only)
 
 

@@ -17,16 +17,13 @@ tokenizer.json, as recdepth.evaluate), with `loops` applications of every group.
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
-import hydra
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recdepth import diagnostics
 from recdepth.checkpoints import open_model, resolve_device
-from recdepth.cli import guarded, run_hydra_main
-from recdepth.config import conf_dir
+from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.runs import write_json
 from recdepth.schema import validated
 
@@ -35,13 +32,10 @@ log = logging.getLogger("recdepth.diagnose")
 
 def diagnose(cfg: DictConfig) -> dict:
     """Measure the loop geometry of cfg.ckpt (or cfg.hf); write and return metrics.json's dict."""
-    try:
-        run_dir = Path(cfg.run_dir)
-    except Exception:
-        raise ValueError("run_dir: set run_dir=<directory> when calling diagnose(cfg) outside Hydra") from None
+    run_dir = job_dir(cfg, "diagnose")
     run = validated(cfg)
-    if (run_dir / "metrics.json").exists() or diagnostics.diagnostics_files(run_dir):
-        raise FileExistsError(f"run_dir: {run_dir} already holds diagnostics; choose a new run_dir")
+    refuse(run_dir, "metrics.json", *[p.relative_to(run_dir) for p in diagnostics.diagnostics_files(run_dir)],
+           what="diagnostics")
     opened = open_model(run, resolve_device(run.device))
     model = opened.model
     if model.n_groups == 0:
@@ -53,8 +47,7 @@ def diagnose(cfg: DictConfig) -> dict:
     batch = opened.heldout(c.sequences * T, 0).view(c.sequences, T)
     lab = opened.labels(c.sequences * T + 1, 0)  # a task: the label of each position's target
     labels = None if lab is None else torch.as_tensor(lab[1:]).view(c.sequences, T)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    start_job(run_dir, cfg)
     d = diagnostics.measure(model, batch.to(next(model.parameters()).device), run_dir, opened.step,
                             opened.decode, loops=c.loops, seed=c.seed, pca_sequence=c.pca_sequence,
                             pca_tokens=c.pca_tokens, max_state_bytes=c.max_state_bytes, labels=labels)
@@ -74,13 +67,8 @@ def diagnose(cfg: DictConfig) -> dict:
     return metrics
 
 
-@hydra.main(config_path=conf_dir(), config_name="diagnose", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(diagnose, cfg, "seconds")
-
-
-def main() -> None:
-    run_hydra_main(_hydra_main)
+_task = task(diagnose, "seconds")  # the Hydra task (recdepth/cli.py)
+main = hydra_main(_task, "diagnose")
 
 
 if __name__ == "__main__":

@@ -22,15 +22,14 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import stats
 from recdepth.checkpoints import checkpoint_data, load_checkpoint, open_model, resolve_device
-from recdepth.cli import guarded, run_hydra_main
-from recdepth.config import conf_dir, exit_policy
+from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config import exit_policy
 from recdepth.decoding import evaluate_exit, evaluate_exits, has_coda
 from recdepth.exits import ORACLE, ExitPolicy
 from recdepth.runs import write_json
@@ -41,22 +40,17 @@ log = logging.getLogger("recdepth.evaluate")
 
 def evaluate(cfg: DictConfig) -> dict:
     """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict."""
-    try:
-        run_dir = Path(cfg.run_dir)
-    except Exception:
-        raise ValueError("run_dir: set run_dir=<directory> when calling evaluate(cfg) outside Hydra") from None
+    run_dir = job_dir(cfg, "evaluate")
     run = validated(cfg)  # every field, before any work (recdepth/schema.py)
     policy = exit_policy(cfg)
-    if (run_dir / "metrics.json").exists():
-        raise FileExistsError(f"run_dir: {run_dir} already holds metrics.json; choose a new run_dir")
+    refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
     opened = open_model(run, device)
     model = opened.model
     policy = for_model(policy, opened)
     start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
     tokens = opened.heldout(cfg.eval.tokens + 1, start)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    start_job(run_dir, cfg)
     ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos,
                   labels=opened.labels(cfg.eval.tokens + 1, start))
     metrics = {opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
@@ -223,13 +217,8 @@ def evaluate_trained(ckpt: Path, cfg: DictConfig, policy: ExitPolicy, run_dir: P
                     module.vocab_to_gpt2, labels=dm.heldout_labels(n, start))
 
 
-@hydra.main(config_path=conf_dir(), config_name="evaluate", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(evaluate, cfg, "ce")
-
-
-def main() -> None:
-    run_hydra_main(_hydra_main)
+_task = task(evaluate, "ce")  # the Hydra task (recdepth/cli.py)
+main = hydra_main(_task, "evaluate")
 
 
 if __name__ == "__main__":

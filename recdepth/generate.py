@@ -34,14 +34,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recdepth.checkpoints import open_model, resolve_device
-from recdepth.cli import guarded, run_hydra_main
-from recdepth.config import conf_dir, exit_policy
+from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config import exit_policy
 from recdepth.decoding import has_coda
 from recdepth.exits import ExitPolicy
 from recdepth.generation import Generation, TokenRecord, greedy, speculative
@@ -351,15 +350,10 @@ def _warm_up(model: LoopedGPT, prompt: list[int], policy: ExitPolicy, run: Gener
 def generate(cfg: DictConfig) -> dict:
     """Generate from cfg.prompt (or prompt_ids) with cfg.ckpt under cfg.exit; write the run
     directory's files and return generation.json's dict."""
-    try:
-        run_dir = Path(cfg.run_dir)
-    except Exception:
-        raise ValueError("run_dir: set run_dir=<directory> when calling generate(cfg) outside Hydra") from None
+    run_dir = job_dir(cfg, "generate")
     run = validated(cfg)
     policy = exit_policy(cfg)
-    held = [f for f in RESULTS if (run_dir / f).exists()]
-    if held:
-        raise FileExistsError(f"run_dir: {run_dir} already holds {held[0]}; choose a new run_dir")
+    refuse(run_dir, *RESULTS)
     device = resolve_device(run.device)
     loaded = load_model(run, device)
     model = loaded.model
@@ -370,8 +364,7 @@ def generate(cfg: DictConfig) -> dict:
     if len(ids) > T:
         raise ValueError(f"prompt: {len(ids)} tokens, more than the model's block_size={T} (its learned positions "
                          "end there)")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    start_job(run_dir, cfg)
     _warm_up(model, ids, policy, run)
 
     s = run.speculative
@@ -441,13 +434,8 @@ def generate(cfg: DictConfig) -> dict:
     return out
 
 
-@hydra.main(config_path=conf_dir(), config_name="generate", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(generate, cfg, "seconds")
-
-
-def main() -> None:
-    run_hydra_main(_hydra_main)
+_task = task(generate, "seconds")  # the Hydra task (recdepth/cli.py)
+main = hydra_main(_task, "generate")
 
 
 if __name__ == "__main__":

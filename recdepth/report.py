@@ -45,7 +45,6 @@ import math
 import time
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import calibration, stats, sweep
@@ -57,8 +56,7 @@ from recdepth.calibrate import (
     overrides,
     test_check,
 )
-from recdepth.cli import guarded, run_hydra_main
-from recdepth.config import conf_dir
+from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.decoding import add_latency, evaluate_exit, evaluate_exits, model_cost, time_tokens
 from recdepth.evaluate import eval_settings, write_eval
 from recdepth.exits import NO_TAU, build
@@ -160,19 +158,14 @@ def _line(p, gate: str | None = None) -> str:
 
 def report(cfg: DictConfig) -> dict:
     """Run the comparison of the module docstring; write and return report.json's dict."""
-    try:
-        out = Path(cfg.run_dir)
-    except Exception:
-        raise ValueError("run_dir: set run_dir=<directory> when calling report(cfg) outside Hydra") from None
+    out = job_dir(cfg, "report")
     validated(cfg)
     r = cfg.report
-    if (out / "report.md").exists() or (out / "jobs").exists():
-        raise FileExistsError(f"run_dir: {out} already holds a report; choose a new run_dir")
+    refuse(out, "report.md", "jobs", what="a report")
     t_start = time.perf_counter()
     module, sp, test_tokens, cal_tokens, labels = load_splits(cfg)
     model, c = module.model, cfg.calibration
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    start_job(out, cfg)
     jobs = Jobs(out / "jobs", model, test_tokens, cfg, module.vocab_to_gpt2, labels["test"])
     N, kw = r.max_steps, {"min_steps": 0, "max_steps": r.max_steps}
     gate_path = gate_file(cfg, out) if ("gate" in r.calibrate or r.gate_tau) else None
@@ -414,13 +407,8 @@ def gate_file(cfg: DictConfig, out: Path) -> str:
     return str((out / "gate" / "gate.pt").resolve())
 
 
-@hydra.main(config_path=conf_dir(), config_name="report", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(lambda c: {"ce": math.nan, **report(c)}, cfg, "ce")
-
-
-def main() -> None:
-    run_hydra_main(_hydra_main)
+_task = task(lambda c: {"ce": math.nan, **report(c)}, "ce")  # the Hydra task (recdepth/cli.py)
+main = hydra_main(_task, "report")
 
 
 if __name__ == "__main__":

@@ -23,14 +23,14 @@ import logging
 import sys
 from pathlib import Path
 
-import hydra
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import config, distributed
-from recdepth.cli import guarded, run_hydra_main
+from recdepth.cli import hydra_main, refuse, start_job, task
+from recdepth.cli import job_dir as cli_job_dir
 from recdepth.evaluate import evaluate_trained
 from recdepth.lit import LoopedLM, TrainingDiverged
 from recdepth.runs import TrainingRun, job_dir_lock, write_json
@@ -43,24 +43,20 @@ log = logging.getLogger("recdepth.train")
 def train(cfg: DictConfig) -> dict:
     """Train (or reuse, or resume) cfg's training run, evaluate it under cfg.exit; write
     and return metrics.json's dict."""
-    try:
-        job_dir = Path(cfg.run_dir)
-    except Exception:  # ${hydra:...} does not resolve outside a Hydra run
-        raise ValueError("run_dir: set run_dir=<directory> when calling train(cfg) outside Hydra") from None
+    job_dir = cli_job_dir(cfg, "train")
     typed = validated(cfg)  # every field, before any work (recdepth/schema.py)
     policy = config.exit_policy(typed)
     run = TrainingRun(cfg)
     if distributed.is_worker():  # a DDP rank > 0: rank 0 decided everything and writes everything
         return fit(typed, run, job_dir, run.resume_step(typed.trainer.max_steps),
                    config.loggers(cfg, run.dir, job_dir.name))
-    if (job_dir / "metrics.json").exists():
-        raise FileExistsError(f"run_dir: {job_dir} already holds metrics.json; choose a new run_dir")
+    refuse(job_dir, "metrics.json")
     job_dir.mkdir(parents=True, exist_ok=True)
     lg: list = []
     try:
         with job_dir_lock(job_dir):
             with run.locked():
-                (job_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+                start_job(job_dir, cfg)
                 run.link(job_dir)
                 metrics = run.trained()
                 if metrics is not None:
@@ -163,9 +159,8 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
         distributed.teardown(trainer, failed=sys.exc_info()[0] is not None)
 
 
-@hydra.main(config_path=config.conf_dir(), config_name="config", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(train, cfg, "val_ce")
+_task = task(train, "val_ce")  # the Hydra task (recdepth/cli.py)
+_main = hydra_main(_task, "config")
 
 
 def ddp_rank(argv: list[str]) -> None:
@@ -182,7 +177,7 @@ def ddp_rank(argv: list[str]) -> None:
 def main() -> None:
     if sys.argv[1:2] == [distributed.RANK_FLAG]:
         return ddp_rank(sys.argv[2:])
-    run_hydra_main(_hydra_main)
+    _main()
 
 
 if __name__ == "__main__":

@@ -21,14 +21,12 @@ import math
 import time
 from pathlib import Path
 
-import hydra
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_device
-from recdepth.cli import guarded, run_hydra_main
-from recdepth.config import conf_dir
+from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.gate import collect_gate_data, fit_gate, gate_labels, save_gate
 from recdepth.gate_states import decoding_gate_data
 from recdepth.runs import write_json
@@ -57,14 +55,10 @@ def train_windows(train_tokens, offsets: np.ndarray, block_size: int) -> torch.T
 def train_gate(cfg: DictConfig) -> dict:
     """Fit cfg.ckpt's gate under cfg.gate; write gate.pt, gate.json and config.yaml into
     cfg.run_dir and return gate.json's dict."""
-    try:
-        run_dir = Path(cfg.run_dir)
-    except Exception:
-        raise ValueError("run_dir: set run_dir=<directory> when calling train_gate(cfg) outside Hydra") from None
+    run_dir = job_dir(cfg, "train_gate")
     run = validated(cfg)
     g = run.gate
-    if (run_dir / "gate.pt").exists():
-        raise FileExistsError(f"run_dir: {run_dir} already holds gate.pt; choose a new run_dir")
+    refuse(run_dir, "gate.pt")
     t0 = time.perf_counter()
     device = resolve_device(run.device)
     module, data = load_checkpoint(run.ckpt, device)
@@ -108,8 +102,7 @@ def train_gate(cfg: DictConfig) -> dict:
             "label_rate": [f["label_rate"] for f in fits],
             "log_loss": [f["log_loss"] for f in fits], "nll_gain_mean": [f["nll_gain_mean"] for f in fits],
             "collect_seconds": t_collect, "seconds": time.perf_counter() - t0}
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
+    start_job(run_dir, cfg)
     path = run_dir / "gate.pt"
     save_gate(path, torch.stack(ws), torch.stack(bs), meta)
     write_json(run_dir / "gate.json", meta)
@@ -122,13 +115,8 @@ def train_gate(cfg: DictConfig) -> dict:
     return meta
 
 
-@hydra.main(config_path=conf_dir(), config_name="train_gate", version_base="1.3")
-def _hydra_main(cfg: DictConfig) -> float:
-    return guarded(train_gate, cfg, "seconds")
-
-
-def main() -> None:
-    run_hydra_main(_hydra_main)
+_task = task(train_gate, "seconds")  # the Hydra task (recdepth/cli.py)
+main = hydra_main(_task, "train_gate")
 
 
 if __name__ == "__main__":

@@ -72,3 +72,39 @@ def test_recdepth_train_composes_the_config_python_dash_m_recdepth_train_does(tm
     b = py("-m", "recdepth.train", *args, cwd=tmp_path)
     assert a.returncode == b.returncode == 0, a.stderr + b.stderr
     assert a.stdout == b.stdout and "layout: sorted" in a.stdout and "tau: 0.01" in a.stdout
+
+
+ENTRIES = ["train", "evaluate", "calibrate", "report", "generate", "diagnose", "train_gate"]
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_every_entry_point_runs_through_the_one_runner(name):
+    """Each entry point's Hydra task is cli.task's, bound at <module>._task, so pickle (and
+    submitit's cloudpickle) carry it by reference, not by value."""
+    import importlib
+    import pickle
+
+    mod = importlib.import_module(f"recdepth.{name}")
+    assert mod._task.__qualname__ == "_task" and mod._task.__module__ == f"recdepth.{name}"
+    assert pickle.loads(pickle.dumps(mod._task)) is mod._task
+    src = Path(mod.__file__).read_text()
+    assert "@hydra.main" not in src and "already holds" not in src and "config.yaml\").write_text" not in src
+
+
+def test_runner_refuses_a_held_result_and_a_missing_run_dir(tmp_path):
+    from omegaconf import OmegaConf
+
+    from recdepth import cli
+
+    run = tmp_path / "run"
+    cli.start_job(run, OmegaConf.create({"a": 1, "run_dir": str(run)}))
+    assert OmegaConf.load(run / "config.yaml") == OmegaConf.create({"a": 1, "run_dir": str(run)})
+    cli.refuse(run, "metrics.json")  # nothing held: no error
+    (run / "metrics.json").write_text("{}")
+    with pytest.raises(FileExistsError, match=rf"^run_dir: {run} already holds metrics.json; choose a new run_dir$"):
+        cli.refuse(run, "gate.pt", "metrics.json")
+    with pytest.raises(FileExistsError, match="already holds a report;"):
+        cli.refuse(run, "metrics.json", what="a report")
+    cfg = OmegaConf.create({"run_dir": "${hydra:runtime.output_dir}"})
+    with pytest.raises(ValueError, match=r"^run_dir: set run_dir=<directory> when calling evaluate\(cfg\) outside Hydra$"):
+        cli.job_dir(cfg, "evaluate")
