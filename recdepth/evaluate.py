@@ -45,14 +45,16 @@ def evaluate(cfg: DictConfig) -> dict:
     policy = exit_policy(cfg)
     refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
-    opened = open_model(run, device)
+    opened = _OPENED.pop(job_key(cfg), None) if _OPENED else None  # decoded with its sweep: the model it used
+    shared = opened is not None
+    opened = opened or open_model(run, device)
     model = opened.model
     policy = for_model(policy, opened)
     start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
-    tokens = opened.heldout(cfg.eval.tokens + 1, start)
+    n = cfg.eval.tokens + 1
+    tokens, labels = (None, None) if shared else (opened.heldout(n, start), opened.labels(n, start))
     start_job(run_dir, cfg)
-    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos,
-                  labels=opened.labels(cfg.eval.tokens + 1, start))
+    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels)
     metrics = {opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)
@@ -79,6 +81,7 @@ def eval_settings(cfg: DictConfig) -> dict:
 # Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
 # block, per-token record); a job finding its key writes these instead of decoding again.
 _SHARED: dict[str, tuple[dict, dict]] = {}
+_OPENED: dict[str, object] = {}  # job key -> the `Opened` model its shared decode used (not opened again)
 KEYS = ("ckpt", "hf", "dtype", "device", "seed", "data", "eval", "exit")  # what a job's decode reads
 
 
@@ -123,6 +126,7 @@ def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
                                  bos=opened.bos, labels=opened.labels(n + 1, start), **eval_settings(cfg))
         for (c, _), result in zip(group, results, strict=True):
             _SHARED[job_key(c)] = result
+            _OPENED[job_key(c)] = opened
         done += len(group)
     return done
 
@@ -137,7 +141,7 @@ def split_start(opened, split: str) -> int:
     return opened.region(split)[0]
 
 
-def run_eval(model, tokens: torch.Tensor, policy, cfg: DictConfig, run_dir: Path,
+def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_dir: Path,
              vocab_to_gpt2: torch.Tensor | None, bos: int | None = None, labels: np.ndarray | None = None) -> dict:
     """SPEC §4 evaluation of `model` on held-out `tokens` under `policy` with cfg.eval's
     settings; writes the per-token record into run_dir and returns the `eval` block, which
