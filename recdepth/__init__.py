@@ -73,6 +73,9 @@ Entry points: what a user runs
   bench.py        `python -m recdepth.bench` (throughput / MFU, exit kernels, callback overhead)
   bench_decode.py `python -m recdepth.bench decode` (ms per layer application by eval.step,
                   against the arithmetic lower bound)
+  bench_speculative.py  `bench speculative`: self-speculative against greedy decoding
+  bench_sweeps.py `bench ltt|intervals|settings`: LTT's coverage, a sweep's verdicts under
+                  older statistics, a frontier grid decoded one by one and as one batch
 """
 
 __version__ = "0.1.0"

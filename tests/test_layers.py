@@ -19,7 +19,7 @@ LAYERS = {
     "glue": {"tokenizer", "documents", "tokens", "vocab", "windows", "data", "lit", "callbacks", "plots",
              "distributed", "schema", "runs", "config", "cli", "hf", "checkpoints"},
     "entry": {"train", "evaluate", "train_gate", "calibrate", "report", "diagnose", "generate", "figures", "bench",
-              "sweep", "task_tables", "commands", "__main__", "bench_decode"},
+              "sweep", "task_tables", "commands", "__main__", "bench_decode", "bench_speculative", "bench_sweeps"},
 }
 RANK = {m: i for i, layer in enumerate(LAYERS.values()) for m in layer}
 CORE_THIRD_PARTY = {"torch", "numpy"}

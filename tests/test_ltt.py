@@ -362,3 +362,20 @@ def test_calibrate_empirical_is_labelled_no_guarantee(tiny_ckpt, ckpt_env, tmp_p
     c = out["calibration"]
     assert c["method"] == "empirical" and c["guarantee"] == "no guarantee"
     assert "pvalues" not in c and "ltt_risk" not in out["test"]
+
+
+def test_bench_ltt_shared_rows_decodes_the_path_as_one_by_one(tiny_ckpt, ckpt_env, capsys):
+    """`bench ltt --ltt-shared-rows`: the path's settings decoded side by side give the rows
+    (CE increase, layer applications, risks) of the path decoded setting by setting."""
+    from recdepth import bench
+
+    args = ["ltt", "--ckpt", str(tiny_ckpt), "--windows", "4", "--partitions", "20", "--max-steps", "3",
+            "--ltt-rule", "fixed", "--deltas", "0.5", "--loss-bounds", "1.0"]
+    one = bench.main(args)
+    shared = bench.main([*args, "--ltt-shared-rows", "12"])  # three settings of four windows a batch
+    a, b = one["settings"], shared["settings"]
+    assert len(a) == len(b) >= 3
+    for x, y in zip(a, b, strict=True):
+        assert x["setting"] == y["setting"]
+        assert x["ce_increase"] == pytest.approx(y["ce_increase"], abs=1e-6)
+        assert x["layer_applications"] == pytest.approx(y["layer_applications"], abs=1e-9)
