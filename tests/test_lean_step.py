@@ -102,3 +102,33 @@ def test_compiled_step_equals_eager():
     assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
     assert (comp["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1
+
+
+def test_bench_decode_bound_is_the_models_arithmetic():
+    """bench decode's lower bound: one layer application's FLOPs, counted by hand for the
+    plain block (qkv 3d², proj d², MLP 2·d·4d, attention 4·T·d, the adapter's d² spread over
+    the group's layers), and the bytes it must read (the layers' and adapters' weights once,
+    each row's K/V)."""
+    from recdepth import bench_decode as bd
+
+    m = model(PLAIN, torch.float32)  # d = 16, groups [1], [2, 3]: 3 looped layers, 2 adapters
+    d, T, B = 16, 10, 4
+    layer = 2 * (4 * d * d + 2 * d * 4 * d) + 4 * T * d
+    flops = (3 * layer + 2 * 2 * d * d) / 3  # per looped layer, per application of every group
+    assert bd.bound_seconds(m, B, T, 2, 6, peak=1.0) == pytest.approx(B * flops)
+    weights = 3 * (4 * d + 4 * d * d + 2 * d * 4 * d) + 2 * d * d  # norms, attention, MLP; the adapters' W_s
+    assert bd.bytes_per_layer(m, B, T) == pytest.approx(4 * (weights / 3 + 2 * T * d * B))
+
+
+def test_bench_decode_times_each_step_on_a_checkpoint(tiny_ckpt, ckpt_env, capsys):
+    from recdepth import bench
+
+    out = bench.main(["decode", "--ckpt", str(tiny_ckpt), "--no-paper", "--batches", "1", "2", "--rounds", "1",
+                      "--decode-reps", "2", "--context", "4", "--step-kinds", "module", "lean", "--tokens", "20"])
+    rows = [r for r in out["rows"] if "step" in r]
+    assert [(r["batch"], r["step"]) for r in rows] == [(1, "module"), (1, "lean"), (2, "module"), (2, "lean")]
+    assert all(r["bound_ms"] > 0 and r["over_bound"] == pytest.approx(r["ms"] / r["bound_ms"]) for r in rows)
+    assert all(r["vs_module"] == 1.0 for r in rows if r["step"] == "module")
+    rec = next(r["records"] for r in out["rows"] if "records" in r)
+    assert rec["module"]["max_dnll"] == 0.0 and rec["lean"]["max_dnll"] <= 1e-5
+    assert rec["lean"]["tokens"] == 20
