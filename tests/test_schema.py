@@ -304,14 +304,16 @@ def test_the_default_choices_are_the_default_run():
 def test_schema_defaults_equal_the_yaml_defaults(group):
     """Every key of the group's dataclass: its default is the default choice's YAML value;
     a key the default choice does not set has the value of every other file that sets it
-    (except DIFFERS). Only the schema defines a key that no file sets."""
+    (except DIFFERS; exit and model options hold only what differs, so an option's values
+    are its own: test_group_options_hold_only_what_differs_from_the_schema). Only the schema
+    defines a key that no file sets."""
     choice, cls = DEFAULT_CHOICE[group]
     files = {c: yaml_of(CONF / group / f"{c}.yaml") for c in choices(group)}
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
         if f.name in files[choice]:
             assert files[choice][f.name] == default, (group, f.name)
-        elif (group, f.name) not in DIFFERS:
+        elif (group, f.name) not in DIFFERS and group not in IDENTITY:
             for c, d in files.items():
                 assert d.get(f.name, default) == default, (group, c, f.name)
     for c, d in files.items():  # every key a file sets is a schema key
@@ -409,3 +411,59 @@ def test_per_group_exit_values_build_one_policy_per_group():
         exit_policy(ev).check_groups(3)  # what recdepth.evaluate does with the checkpoint's model
     one_line(str(e.value), "exit.tau")
 
+
+
+ROOT_YAML = {"train_schema": "config", "evaluate_schema": "evaluate", "calibrate_schema": "calibrate",
+             "report_schema": "report", "train_gate_schema": "train_gate", "diagnose_schema": "diagnose",
+             "generate_schema": "generate"}
+IDENTITY = {"exit": {"name"}, "model": {"name", "groups"}}  # what names an option, even when it is the default
+
+
+def _defaults(cls) -> dict:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.to_container(OmegaConf.structured(cls), resolve=False, throw_on_missing=False)
+
+
+def _leaves(node: dict, dflt, path=""):
+    for k, v in node.items():
+        if k in ("defaults", "hydra"):
+            continue
+        dv = dflt.get(k, "<no such key>") if isinstance(dflt, dict) else "<no such key>"
+        if isinstance(v, dict) and isinstance(dv, dict):
+            yield from _leaves(v, dv, f"{path}{k}.")
+        else:
+            yield f"{path}{k}", v, dv
+
+
+@pytest.mark.parametrize("schema_name", sorted(ROOT_YAML))
+def test_root_yaml_values_are_the_schema_defaults(schema_name):
+    """The schema is where a default is written: a root config (conf/<entry>.yaml) lists its
+    keys for the reader, and every value it writes is the schema's default."""
+    import yaml
+
+    from recdepth.config import conf_dir
+    from recdepth.schema import ROOTS
+
+    y = yaml.safe_load((Path(conf_dir()) / f"{ROOT_YAML[schema_name]}.yaml").read_text())
+    wrong = [(p, v, dv) for p, v, dv in _leaves(y, _defaults(ROOTS[schema_name])) if v != dv]
+    assert wrong == [], f"conf/{ROOT_YAML[schema_name]}.yaml disagrees with recdepth/schema.py: {wrong}"
+
+
+@pytest.mark.parametrize("group", sorted(IDENTITY))
+def test_group_options_hold_only_what_differs_from_the_schema(group):
+    """conf/exit/*.yaml and conf/model/*.yaml hold only what differs from the schema's
+    defaults (and the option's name; a model's groups): no file restates a default."""
+    import yaml
+
+    from recdepth.config import conf_dir
+    from recdepth.schema import TrainConfig
+
+    dflt = _defaults(TrainConfig)[group]
+    files = sorted((Path(conf_dir()) / group).glob("*.yaml"))
+    assert len(files) >= 4
+    for f in files:
+        y = yaml.safe_load(f.read_text()) or {}
+        restated = [p for p, v, dv in _leaves(y, dflt) if v == dv and p not in IDENTITY[group]]
+        unknown = [p for p, v, dv in _leaves(y, dflt) if dv == "<no such key>"]
+        assert restated == [] and unknown == [], f"{f}: restates {restated}, unknown {unknown}"
