@@ -266,7 +266,7 @@ def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: lis
     (`lean_of`; rows None or a bool mask over the batch)."""
     mine = [caches[layer] for layer in model.cfg.groups[g]]
     lean = lean_of(model, mine)
-    if lean is None or s.shape[1] != 1:
+    if lean is None:
         return model.apply_group(g, s, e_proj, caches, pos, rows)
     return lean.group(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
 

@@ -59,6 +59,7 @@ class LeanSteps:
         self.gated = cfg.mlp == "gated_silu"
         self.rotary = model.h[0].attn.rotary
         self.blocks = [_block_weights(b) for b in model.h]
+        self.group_blocks = [[self.blocks[layer] for layer in g] for g in cfg.groups]  # built once, read per application
         device = next(model.parameters()).device
         self.positions = torch.arange(cfg.block_size, device=device)
         self.pos = [self.positions[p : p + 1] for p in range(cfg.block_size)]  # no tensor made per token
@@ -135,6 +136,5 @@ class LeanSteps:
               keep: Tensor | None = None) -> Tensor:
         """`model.apply_group(g, s, e_proj, caches, pos, keep)` for one token, with the cache
         tensors (k, v) of the group's layers."""
-        layers = self.model.cfg.groups[g]
         return self._group(s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos], keep,
-                           [self.blocks[layer] for layer in layers], None if self.compiled else pos + 1)
+                           self.group_blocks[g], None if self.compiled else pos + 1)
