@@ -60,7 +60,9 @@ RAVEN_DEFAULTS: dict[str, object] = dict(
 FIXED = ("tie_embeddings", "bias", "architecture_class_name", "block_class_name", "norm_class_name",
          "mlp_class_name", "nonlin_name", "state_init", "injection_type", "test_time_noise")
 # Aliases (RavenConfig.attribute_map): config.json may spell a key either way.
-# tie_word_embeddings is the name PretrainedConfig writes for what RavenConfig passes it.
+# tie_word_embeddings is the name PretrainedConfig writes for what RavenConfig passes it;
+# it is read, never written: RavenConfig.__init__ passes tie_word_embeddings=tie_embeddings
+# to PretrainedConfig beside **kwargs, so a config.json holding both fails to load there.
 ALIASES = {"n_heads": "num_attention_heads", "n_embd": "hidden_size", "n_layers": "num_hidden_layers",
            "tie_embeddings": "tie_word_embeddings"}
 # Tensors a file may hold besides the weights: the tied head (== wte) and the rope table.
@@ -233,7 +235,6 @@ def raven_config(cfg: GPTConfig, dtype: torch.dtype) -> dict:
         "n_embd": cfg.n_embd, "n_heads": cfg.n_head, "num_attention_heads": cfg.n_head,
         "num_key_value_heads": cfg.n_head, "n_layers": cfg.n_layer, "block_size": cfg.block_size,
         "vocab_size": cfg.padded_vocab_size, "padding_multiple": cfg.pad_vocab_multiple, "tie_embeddings": True,
-        "tie_word_embeddings": True,
         "intermediate_size": cfg.mlp_hidden, "bias": False, "architecture_class_name": "RecurrentGPT",
         "block_class_name": "SandwichBlock", "norm_class_name": "RMSNorm_llama", "norm_eps": cfg.norm_eps,
         "mlp_class_name": "GatedMLP", "nonlin_name": "SiLU", "init_strategy": "takase", "state_init": "like-init",

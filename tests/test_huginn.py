@@ -299,6 +299,11 @@ def test_save_then_load_is_the_same_model(tmp_path, max_shard_bytes):
     raw = json.loads((tmp_path / "config.json").read_text())
     assert (raw["model_type"], raw["vocab_size"], raw["intermediate_size"], raw["n_layers_in_prelude"],
             raw["n_layers_in_recurrent_block"], raw["n_layers_in_coda"]) == ("huginn_raven", 128, 192, 2, 4, 2)
+
+    def raven_config_init(tie_embeddings=True, **kwargs):  # RavenConfig.__init__'s call to PretrainedConfig
+        return dict(tie_word_embeddings=tie_embeddings, **kwargs)
+
+    assert raven_config_init(**raw)["tie_word_embeddings"] is True  # loads in Huginn's own code (no key twice)
     m2, info = load_hf(tmp_path)
     assert m2.cfg == dataclasses.replace(cfg, intermediate_size=cfg.mlp_hidden)
     assert m2.state_dict().keys() == m.state_dict().keys()
