@@ -22,7 +22,7 @@ install: ## install torch (pinned, CPU build here) first, then recdepth (editabl
 	$(PIP) install -e ".[dev]" --config-settings editable_mode=compat  # compat: Hydra finds hydra_plugins/ from any directory
 
 ensure:  # install if anything is missing, or if the recdepth on the path is another checkout
-	@$(PYTHON) -I -c "import importlib.metadata as m, pathlib, recdepth, sys; [m.version(p) for p in ('torch', 'lightning', 'hydra-core', 'tiktoken', 'datasets', 'wandb', 'torchmetrics', 'matplotlib', 'safetensors', 'tokenizers', 'pytest', 'hydra-submitit-launcher')]; sys.exit(pathlib.Path(recdepth.__file__).resolve().parents[1] != pathlib.Path('$(CURDIR)').resolve())" 2>/dev/null \
+	@$(PYTHON) -I -c "import importlib.metadata as m, pathlib, recdepth, sys; [m.version(p) for p in ('torch', 'lightning', 'hydra-core', 'tiktoken', 'datasets', 'wandb', 'torchmetrics', 'matplotlib', 'safetensors', 'tokenizers', 'pytest', 'hydra-submitit-launcher', 'lm_eval')]; sys.exit(pathlib.Path(recdepth.__file__).resolve().parents[1] != pathlib.Path('$(CURDIR)').resolve())" 2>/dev/null \
 		|| $(MAKE) --no-print-directory install
 
 train: ensure ## train + evaluate the paper's grouped model on the shipped corpus (ARGS="key=value ...")

@@ -35,7 +35,7 @@ the current ones (whole windows, layer applications, Holm), side by side; it dec
 
 `python -m recdepth.bench settings --ckpt PATH` decodes a frontier grid (fixed depths, stepnorm,
 kl and accel at four τ each) on the test split twice in one run: setting by setting at
-`--batch` windows a batch, and as one batch of settings × windows (`decoding.decode_settings`,
+`--batch` windows a batch, and as one batch of settings × windows (`scoring.decode_settings`,
 `--rows` rows a batch); prints the wall times, their ratio and how far the records differ.
 
 `python -m recdepth.bench decode [--ckpt PATH]` times one layer application of token-by-token
@@ -59,8 +59,8 @@ from pathlib import Path
 import torch
 
 from recdepth import bench_decode, bench_speculative, bench_sweeps
-from recdepth.model import GPTConfig, LoopedGPT
-from recdepth.runtime import measured_cpu_peak_flops, tune_cpu_allocator
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
 
 
 def step_time(model: LoopedGPT, loops, backprop_depth, batch: int, vocab: int, steps: int, warmup: int = 2) -> float:
@@ -134,7 +134,7 @@ def bench_callbacks(args) -> dict:
 
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
+    from recdepth.glue.config import conf_dir
     from recdepth.train import train
 
     base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", *args.overrides]
@@ -178,13 +178,14 @@ def _median_time(fn, reps: int, warmup: int = 3) -> float:
 @torch.no_grad()
 def bench_exits(args) -> dict:
     """Latency / throughput / compute per exit rule and τ, and the cost of the exit check."""
-    from recdepth import exits
-    from recdepth.decoding import decode_step, evaluate_exit, new_caches
+    from recdepth.core import exits
+    from recdepth.core.decoding import decode_step, new_caches
+    from recdepth.core.scoring import evaluate_exit
 
     tune_cpu_allocator()
     torch.manual_seed(0)
     if args.ckpt:
-        from recdepth.checkpoints import heldout_tokens, load_checkpoint
+        from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
         model = module.model
@@ -284,8 +285,8 @@ def _core_params(model: LoopedGPT) -> int:
 def _decode_seconds(model: LoopedGPT, tokens, n: int, reps: int) -> float:
     """Median seconds of one decode step at batch 1 with n applications per group, for the
     last of `tokens` after the others filled the cache (at one application each: cheap)."""
-    from recdepth.decoding import decode_step, new_caches
-    from recdepth.exits import build
+    from recdepth.core.decoding import decode_step, new_caches
+    from recdepth.core.exits import build
 
     caches = new_caches(model, 1, model.cfg.block_size, "latest")
     one, policy = build("fixed", None, max_steps=1), build("fixed", None, max_steps=n)
@@ -364,7 +365,7 @@ def main(argv=None):
                    help="callbacks: trainer.max_steps of both runs (default: the config's 800)")
     p.add_argument("--ckpt", default=None, help="exits: a training checkpoint (default: a fresh cpu-size model)")
     p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"],
-                   help="exits: rules (any of recdepth.exits.RULES, e.g. entropy_diff cosine argmax_stability)")
+                   help="exits: rules (any of recdepth.core.exits.RULES, e.g. entropy_diff cosine argmax_stability)")
     p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
     p.add_argument("--tokens", type=int, default=256, help="exits: tokens scored at batch 1 per rule and τ; settings: test-split tokens")
     p.add_argument("--batch-large", type=int, default=16, help="exits: rows of the batched throughput run")

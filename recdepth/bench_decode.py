@@ -28,10 +28,11 @@ import time
 import numpy as np
 import torch
 
-from recdepth.decoding import STEPS, decode_step, evaluate_exit, lean_steps, new_caches
-from recdepth.exits import build
-from recdepth.model import GPTConfig, LoopedGPT
-from recdepth.runtime import measured_cpu_peak_flops, tune_cpu_allocator
+from recdepth.core.decoding import STEPS, decode_step, lean_steps, new_caches
+from recdepth.core.exits import build
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
+from recdepth.core.scoring import evaluate_exit
 
 GROUPS = [[4], [5, 6], [7]]  # the default model's recurrence groups (conf/model/grouped.yaml)
 
@@ -117,7 +118,7 @@ def shapes(args) -> list[tuple[str, LoopedGPT, object]]:
     """(name, model, checkpoint data or None) of each shape timed."""
     out = []
     if args.ckpt is not None:
-        from recdepth.checkpoints import load_checkpoint
+        from recdepth.glue.checkpoints import load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
         out.append(("checkpoint", module.model.eval(), (module, data)))
@@ -134,7 +135,7 @@ def shapes(args) -> list[tuple[str, LoopedGPT, object]]:
 def records(module, data, rule: str, tau: float | None, n_tokens: int, steps: tuple[str, ...]) -> dict:
     """The test split scored under `rule` with each step: seconds, and the records against
     the module step's."""
-    from recdepth.checkpoints import checkpoint_data
+    from recdepth.glue.checkpoints import checkpoint_data
 
     dm = checkpoint_data(module, data, 0)
     tokens = torch.as_tensor(dm.heldout_tokens(n_tokens + 1, 0))

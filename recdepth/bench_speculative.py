@@ -1,5 +1,5 @@
 """`recdepth bench speculative --ckpt PATH`: self-speculative against ordinary greedy
-decoding, timed fairly (docs/results.md; recdepth/generation.py). See recdepth/bench.py for
+decoding, timed fairly (docs/results.md; recdepth/core/generation.py). See recdepth/bench.py for
 the benches and their options."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from recdepth.runtime import tune_cpu_allocator
+from recdepth.core.runtime import tune_cpu_allocator
 
 
 def machine() -> str:
@@ -33,7 +33,7 @@ def speculative_medians(rows: list[dict], resamples: int = 1000, seed: int = 0) 
     prompts (the draws of `stats.Bootstrap(np.arange(n), resamples, seed)`)."""
     import numpy as np
 
-    from recdepth import stats
+    from recdepth.core import stats
 
     by = {r["config"]: r for r in rows}
     rate = {k: np.asarray(r["decode_tokens"], float) / np.asarray(r["decode_seconds"], float) for k, r in by.items()}
@@ -73,10 +73,10 @@ def bench_speculative(args) -> dict:
 
     import numpy as np
 
-    from recdepth import stats
-    from recdepth.checkpoints import heldout_tokens, load_checkpoint
-    from recdepth.exits import build
-    from recdepth.generation import greedy, speculative
+    from recdepth.core import stats
+    from recdepth.core.exits import build
+    from recdepth.core.generation import greedy, speculative
+    from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
     P, n, N = args.prompt_len, args.prompts, args.new_tokens
     if n < 1 or P < 1 or N < 2:

@@ -9,12 +9,12 @@ from pathlib import Path
 
 import torch
 
-from recdepth.runtime import tune_cpu_allocator
+from recdepth.core.runtime import tune_cpu_allocator
 
 
 @torch.no_grad()
 def bench_ltt(args) -> dict:
-    """Does Learn-then-Test calibration (docs/spec.md §4e, recdepth/ltt.py) keep its promise
+    """Does Learn-then-Test calibration (docs/spec.md §4e, recdepth/core/ltt.py) keep its promise
     on real decodes? One rule's path of settings (most conservative first) is decoded once
     over `--windows` held-out windows of the checkpoint's val split (windows decode
     independently and batched rows are exact, so a window's record does not depend on which
@@ -28,20 +28,20 @@ def bench_ltt(args) -> dict:
       same violation criterion; and for both the CE-increase criterion (test-half CE increase > δ).
     Violation rates get 95% Clopper–Pearson intervals over partitions (the partitions share
     one pool of windows: the interval is over the partition draw given this pool). Cost: the
-    mean layer applications per token (`decoding.model_cost`) of the chosen setting on the
+    mean layer applications per token (`scoring.model_cost`) of the chosen setting on the
     test half. The path is decoded until its pooled CE increase exceeds 2 max(δ) and its
     pooled risk exceeds 2 max(α) (or the grid ends); a partition whose LTT walk or empirical
     choice reaches the last decoded setting is counted and reported (`truncated`). With
     `--ltt-shared-rows`, the path's settings are decoded --ltt-shared-rows // --windows at a
-    time as one batch (`decoding.evaluate_exits`; a few past the stop are decoded unread)."""
+    time as one batch (`scoring.evaluate_exits`; a few past the stop are decoded unread)."""
     import json
 
     import numpy as np
 
-    from recdepth import ltt
-    from recdepth.checkpoints import heldout_tokens, load_checkpoint
-    from recdepth.decoding import evaluate_exit, evaluate_exits, model_cost
-    from recdepth.exits import build
+    from recdepth.core import ltt
+    from recdepth.core.exits import build
+    from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
+    from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
     tune_cpu_allocator()
     t_start = time.perf_counter()
@@ -205,7 +205,7 @@ def _bench_tau_grid() -> list[float]:
     """bench ltt's default τ path: calibration.TAU_GRID from 1e-3 to 1, two values per decade
     below 1e-2 (1e-3, 3.16e-3: the conservative end, where kl's CE barely moves on the
     default model) and all four from 1e-2 to 1."""
-    from recdepth.calibration import TAU_GRID
+    from recdepth.core.calibration import TAU_GRID
 
     return [t for i, t in enumerate(TAU_GRID) if 1e-3 <= t <= 1.0 and (t >= 1e-2 or i % 2 == 0)]
 
@@ -219,19 +219,20 @@ def bench_intervals(args) -> dict:
     jobs' eval_tokens.csv; decodes nothing."""
     import numpy as np
 
-    from recdepth import stats, sweep
+    from recdepth.core import stats
+    from recdepth.glue import frontier
 
     d = Path(args.sweep)
-    rows = sweep.collect(d)
-    inputs = sweep.frontier_inputs(d, rows)
+    rows = frontier.collect(d)
+    inputs = frontier.frontier_inputs(d, rows)
     if inputs is None:
         raise SystemExit(f"--sweep: {d} has fewer than two fixed-depth jobs (not a frontier sweep)")
     tokens, fixed, _ = inputs
     n = len(next(iter(fixed.values()))["nll"])
-    by_tok, by_win = stats.Bootstrap(np.arange(n), args.resamples), sweep.bootstrap(inputs, args.resamples)
+    by_tok, by_win = stats.Bootstrap(np.arange(n), args.resamples), frontier.bootstrap(inputs, args.resamples)
     # before: no timing spread either (the latency verdict took each ms/token as exact)
-    old = sweep.frontier_rows(inputs, [{**r, "ms_repeats": ""} for r in rows], by_tok, None)
-    new = sweep.frontier_rows(inputs, rows, by_win, sweep.sweep_cost(rows))
+    old = frontier.frontier_rows(inputs, [{**r, "ms_repeats": ""} for r in rows], by_tok, None)
+    new = frontier.frontier_rows(inputs, rows, by_win, frontier.sweep_cost(rows))
     ref = fixed[max(fixed)]["nll"]
     widths = []
     for k in sorted(fixed):
@@ -242,7 +243,7 @@ def bench_intervals(args) -> dict:
                        "ce_width_windows": w[1][2] - w[1][1], "paired_width_tokens": p[0][2] - p[0][1],
                        "paired_width_windows": p[1][2] - p[1][1]})
     print(f"{n} tokens in {by_win.n_units} windows, {args.resamples} resamples; cost: "
-          f"{sweep.sweep_cost(rows) or 'mean applications (the jobs do not say their group sizes)'}")
+          f"{frontier.sweep_cost(rows) or 'mean applications (the jobs do not say their group sizes)'}")
     print("fixed n | CE | CE 95% width: tokens / windows (ratio) | CE - CE(fixed max) width: tokens / windows")
     for w in widths:
         print(f"{w['n']:7d} | {w['ce']:.4f} | {w['ce_width_tokens']:.4f} / {w['ce_width_windows']:.4f} "
@@ -256,7 +257,7 @@ def bench_intervals(args) -> dict:
     out = []
     for a, b in zip(old, new):
         changed = "" if a["verdict"] == b["verdict"] else "  <- changed"
-        print(f"{a['job']} | {a['family']} | {sweep._tau(a)} | {a['mean_applications']:.2f} | "
+        print(f"{a['job']} | {a['family']} | {frontier._tau(a)} | {a['mean_applications']:.2f} | "
               f"{b['layer_applications']:.2f} | {fmt(a)} {a['verdict']} | {fmt(b)} {b['verdict']} | "
               f"{b.get('verdict_holm', '')} | {fmt(a, 'd_ms')} | {fmt(b, 'd_ms')}{changed}")
         keep = ("d_hull", "d_hull_lo", "d_hull_hi", "verdict", "d_ms", "d_ms_lo", "d_ms_hi")
@@ -270,9 +271,9 @@ def bench_settings(args) -> dict:
     """A frontier grid's quality pass, setting by setting against one mixed batch."""
     import numpy as np
 
-    from recdepth import exits
-    from recdepth.checkpoints import checkpoint_data, load_checkpoint
-    from recdepth.decoding import decode_settings, evaluate_exit
+    from recdepth.core import exits
+    from recdepth.core.scoring import decode_settings, evaluate_exit
+    from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
 
     if args.ckpt is None:
         raise ValueError("settings: --ckpt <training checkpoint> is required")

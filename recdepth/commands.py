@@ -32,10 +32,11 @@ COMMANDS: dict[str, tuple[str, tuple[str, ...], str]] = {
     "train-gate": ("recdepth.train_gate", (), "fit the learned exit gate of a checkpoint (gate.pt)"),
     "bench": ("recdepth.bench", (), "benchmarks: train, callbacks, exits, huginn, speculative, ltt, intervals"),
     "figures": ("recdepth.figures", (), "redraw a training run's figures from its diagnostics"),
+    "lm-eval": ("recdepth.harness", (), "lm-evaluation-harness with --model recdepth (needs the [eval] extra)"),
 }
 # Entry points whose main parses argparse options (main(argv)); the others are Hydra mains
 # that read sys.argv.
-ARGPARSE = {"recdepth.bench", "recdepth.figures"}
+ARGPARSE = {"recdepth.bench", "recdepth.figures", "recdepth.harness"}
 
 
 def usage() -> str:

@@ -18,22 +18,16 @@ when the sweep has fixed-depth jobs (`make frontier`).
 
 from __future__ import annotations
 
-import json
 import logging
-from pathlib import Path
 
-import numpy as np
-import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth import stats
-from recdepth.checkpoints import checkpoint_data, load_checkpoint, open_model, resolve_device
-from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.config import exit_policy
-from recdepth.decoding import evaluate_exit, evaluate_exits, has_coda
-from recdepth.exits import ORACLE, ExitPolicy
-from recdepth.runs import write_json
-from recdepth.schema import EvalConfig, validated
+from recdepth.glue.checkpoints import open_model, resolve_device
+from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
+from recdepth.glue.config import exit_policy
+from recdepth.glue.evaluation import for_model, run_eval, shared_model, split_start
+from recdepth.glue.runs import write_json
+from recdepth.glue.schema import validated
 
 log = logging.getLogger("recdepth.evaluate")
 
@@ -41,11 +35,11 @@ log = logging.getLogger("recdepth.evaluate")
 def evaluate(cfg: DictConfig) -> dict:
     """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict."""
     run_dir = job_dir(cfg, "evaluate")
-    run = validated(cfg)  # every field, before any work (recdepth/schema.py)
+    run = validated(cfg)  # every field, before any work (recdepth/glue/schema.py)
     policy = exit_policy(cfg)
     refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
-    opened = _OPENED.pop(job_key(cfg), None) if _OPENED else None  # decoded with its sweep: the model it used
+    opened = shared_model(cfg)  # decoded with its sweep: the model it used
     shared = opened is not None
     opened = opened or open_model(run, device)
     model = opened.model
@@ -61,167 +55,7 @@ def evaluate(cfg: DictConfig) -> dict:
     return metrics
 
 
-def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
-    """The policy checked against the opened model (per-group values, a gate) and with its
-    `auto` exit.decode and exit.kl_direction decided for it."""
-    model = opened.model
-    policy.check_model(model.n_groups, model.cfg.n_embd)
-    return policy.resolve(has_coda(model), hf=opened.kind == "hf")
-
-
-def eval_settings(cfg: DictConfig) -> dict:
-    """cfg.eval's decoding settings (and the seed) as keywords of `decoding.evaluate_exit(s)`."""
-    e = cfg.eval
-    return dict(warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, latency_tokens=e.latency_tokens,
-                repeats=e.repeats, warm_start=e.warm_start, answers=OmegaConf.select(cfg, "eval.answers"),
-                context_steps=OmegaConf.select(cfg, "eval.context_steps"),
-                step=OmegaConf.select(cfg, "eval.step", default=EvalConfig.step))
-
-
-# Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
-# block, per-token record); a job finding its key writes these instead of decoding again.
-_SHARED: dict[str, tuple[dict, dict]] = {}
-_OPENED: dict[str, object] = {}  # job key -> the `Opened` model its shared decode used (not opened again)
-KEYS = ("ckpt", "hf", "dtype", "device", "seed", "data", "eval", "exit")  # what a job's decode reads
-
-
-def job_key(cfg: DictConfig, without: tuple[str, ...] = ()) -> str:
-    """A job's decode as a string: the model, dtype, device, seed, data, eval.* and exit.*
-    (not its run_dir), with `without` left out."""
-    part = {k: OmegaConf.to_container(cfg[k], resolve=True) if isinstance(cfg[k], DictConfig) else cfg[k]
-            for k in KEYS if k in cfg and k not in without}
-    return json.dumps(part, sort_keys=True, default=str)
-
-
-def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
-    """Decode the jobs of a sweep (their composed configs, run_dir aside) that differ only in
-    exit.* as one batch each (`decoding.evaluate_exits`: every job's records are those it
-    gets alone, its latency timed at batch 1 round-robin with the others), ahead of the
-    jobs, which then write these results (`run_eval`). The oracle, a job alone in its
-    group and a job whose config or checkpoint fails are left to the job itself, which
-    decodes alone and reports its own error. Returns the number of jobs decoded."""
-    groups: dict[str, list[tuple[DictConfig, ExitPolicy]]] = {}
-    for cfg in jobs:
-        try:
-            validated(cfg)
-            policy = exit_policy(cfg)
-            calibrated = OmegaConf.select(cfg, "exit.calibrated_on")
-        except (ValueError, FileNotFoundError):
-            continue
-        if policy.name != ORACLE and calibrated is None:
-            groups.setdefault(job_key(cfg, without=("exit",)), []).append((cfg, policy))
-    done = 0
-    for group in groups.values():
-        if len(group) < 2:
-            continue
-        cfg, n = group[0][0], group[0][0].eval.tokens
-        try:
-            opened = open_model(validated(cfg), resolve_device(cfg.device))
-            policies = [for_model(p, opened) for _, p in group]
-            start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
-        except (ValueError, FileNotFoundError):
-            continue
-        log.info("decoding %d settings side by side (up to %d rows a batch)", len(group), max_rows)
-        results = evaluate_exits(opened.model, opened.heldout(n + 1, start), policies, n, max_rows=max_rows,
-                                 bos=opened.bos, labels=opened.labels(n + 1, start), **eval_settings(cfg))
-        for (c, _), result in zip(group, results, strict=True):
-            _SHARED[job_key(c)] = result
-            _OPENED[job_key(c)] = opened
-        done += len(group)
-    return done
-
-
-def split_start(opened, split: str) -> int:
-    """Where eval.split starts in the held-out stream: the test split at 0; a task's
-    extrapolation split at its region (docs/spec.md §6)."""
-    if split == "test":
-        return 0
-    if opened.region is None:
-        raise ValueError(f"eval.split: {split} exists for data=task checkpoints only (this is an hf= model)")
-    return opened.region(split)[0]
-
-
-def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_dir: Path,
-             vocab_to_gpt2: torch.Tensor | None, bos: int | None = None, labels: np.ndarray | None = None) -> dict:
-    """SPEC §4 evaluation of `model` on held-out `tokens` under `policy` with cfg.eval's
-    settings; writes the per-token record into run_dir and returns the `eval` block, which
-    also records what the rules that decode decoded with (`decode`), the kl rule's
-    `kl_direction` (`auto` as the engine reads it) and the `bos` id each window started with
-    (an hf= model's tokenizer BOS, else null). On a task (`labels`, aligned with `tokens`)
-    the block gains `answers` (`tasks.score_answers`: accuracy, NLL and cost on the answer
-    tokens, per difficulty) and eval_tokens.csv the answer, difficulty and correct columns."""
-    e = cfg.eval
-    if (OmegaConf.select(cfg, "eval.split") or "test") == "test":  # the other splits lie past calibration's
-        check_calibration(OmegaConf.select(cfg, "exit.calibrated_on"), e.tokens)
-    shared = _SHARED.pop(job_key(cfg), None) if _SHARED else None  # decoded with its sweep (`decode_shared`)
-    if shared is not None:
-        ev, rec = shared
-    else:
-        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, batch_size=e.batch_size, bos=bos, labels=labels,
-                                **eval_settings(cfg))
-    used = policy.resolve(has_coda(model))
-    ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
-    write_eval(run_dir, rec, vocab_to_gpt2)
-    log_eval(ev)
-    return ev
-
-
-def check_calibration(calibrated_on, n_tokens: int) -> None:
-    """Refuse to score a test range that overlaps the tokens the exit was calibrated on: the
-    test split is val tokens 0 .. eval.tokens (targets 1 .. eval.tokens), docs/spec.md §4c."""
-    if calibrated_on is None:
-        return
-    first, last = int(calibrated_on[0]), int(calibrated_on[1])
-    if first <= n_tokens and last >= 0:
-        raise ValueError(f"exit.calibrated_on: this exit was calibrated on val tokens [{first}, {last}]; "
-                         f"eval.tokens={n_tokens} scores val tokens [0, {n_tokens}], which overlap them "
-                         f"(choose eval.tokens < {first})")
-
-
-def write_eval(run_dir: Path, rec: dict, vocab_to_gpt2: torch.Tensor | None) -> None:
-    """`eval_tokens.csv`: one row per scored token (window, position, target, target_gpt2
-    (-1 for the shared "other" entry), nll, apps_<g> per group, ms of the batch-1 timing or
-    empty); the oracle also writes `oracle_nll.npy`, its NLL at every n [tokens, max_steps]."""
-    target = rec["target"]
-    gpt2 = target if vocab_to_gpt2 is None else vocab_to_gpt2.cpu().numpy()[target]
-    task = None
-    if "label" in rec:
-        task = {"answer": rec["label"] > 0, "difficulty": rec["label"], "correct": rec["correct"]}
-    stats.write_tokens(run_dir / "eval_tokens.csv", rec["window"], rec["position"], target, gpt2,
-                       rec["nll"], rec["apps"], rec["ms"], task=task)
-    if "nll_by_n" in rec:
-        stats.save_array(run_dir / "oracle_nll.npy", rec["nll_by_n"])
-
-
-def log_eval(ev: dict) -> None:
-    ms = "—" if ev["ms_per_token"] is None else (f"{ev['ms_per_token']:.2f} "
-                                                 f"[{ev['ms_per_token_min']:.2f}, {ev['ms_per_token_max']:.2f}]")
-    log.info("eval (%s, tau=%s, max_steps=%s): ce %.4f [%.4f, %.4f], %s ms/token, applications %s, "
-             "%.0f tokens/s at batch %d", ev["exit"], ev["tau"], ev["max_steps"], ev["ce"], *ev["ce_ci"], ms,
-             [round(a, 2) for a in ev["applications_per_token"]], ev["tokens_per_s"], ev["batch_size"])
-    if "answers" in ev:
-        a = ev["answers"]
-        log.info("answers: accuracy %.4f [%.4f, %.4f] over %d answers, %.2f layer applications each; by "
-                 "difficulty %s", *a["accuracy"], a["tokens"], a["layer_applications"][0],
-                 {d: round(v["accuracy"][0], 3) for d, v in a["by_difficulty"].items()})
-
-
-# -------------------------------------------------------- after training
-def evaluate_trained(ckpt: Path, cfg: DictConfig, policy: ExitPolicy, run_dir: Path) -> dict:
-    """The `eval` block of `recdepth.train`: its checkpoint scored exactly as `evaluate`
-    scores one, on a GPU when trainer.accelerator allows one and there is one. Eagerly,
-    also after trainer.compile: token-by-token decoding changes the cache position on
-    every call, which a compiled block would recompile for."""
-    device = resolve_device("auto" if cfg.trainer.accelerator in ("auto", "gpu", "cuda") else "cpu")
-    module, data = load_checkpoint(ckpt, device)
-    dm = checkpoint_data(module, data, cfg.seed)
-    n, split = cfg.eval.tokens + 1, OmegaConf.select(cfg, "eval.split") or "test"
-    start = 0 if split == "test" else dm.region(split)[0]
-    return run_eval(module.model, torch.as_tensor(dm.heldout_tokens(n, start)), policy, cfg, run_dir,
-                    module.vocab_to_gpt2, labels=dm.heldout_labels(n, start))
-
-
-_task = task(evaluate, "ce")  # the Hydra task (recdepth/cli.py)
+_task = task(evaluate, "ce")  # the Hydra task (recdepth/glue/cli.py)
 main = hydra_main(_task, "evaluate")
 
 

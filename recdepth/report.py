@@ -47,8 +47,19 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth import calibration, stats, sweep
-from recdepth.calibrate import (
+from recdepth import sweep
+from recdepth.core import calibration, stats
+from recdepth.core.exits import NO_TAU, build
+from recdepth.core.gate import load_gate
+from recdepth.core.scoring import (
+    add_latency,
+    evaluate_exit,
+    evaluate_exits,
+    model_cost,
+    time_tokens,
+)
+from recdepth.glue import frontier
+from recdepth.glue.calibrating import (
     calibrate_policy,
     calibration_split,
     exit_group,
@@ -56,13 +67,10 @@ from recdepth.calibrate import (
     overrides,
     test_check,
 )
-from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.decoding import add_latency, evaluate_exit, evaluate_exits, model_cost, time_tokens
-from recdepth.evaluate import eval_settings, write_eval
-from recdepth.exits import NO_TAU, build
-from recdepth.gate import load_gate
-from recdepth.runs import write_json
-from recdepth.schema import TrainGateConfig, validated
+from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
+from recdepth.glue.evaluation import eval_settings, for_model, write_eval
+from recdepth.glue.runs import write_json
+from recdepth.glue.schema import TrainGateConfig, validated
 from recdepth.train_gate import train_gate
 
 log = logging.getLogger("recdepth.report")
@@ -74,9 +82,10 @@ class Jobs:
     """Scores settings on the test split; times them round-robin (`time_all`); writes each as
     a sweep job directory."""
 
-    def __init__(self, out: Path, model, tokens, cfg: DictConfig, vocab_to_gpt2, labels=None):
+    def __init__(self, out: Path, model, tokens, cfg: DictConfig, vocab_to_gpt2, labels=None, bos: int | None = None):
         self.out, self.model, self.tokens, self.cfg, self.v2g = out, model, tokens, cfg, vocab_to_gpt2
         self.labels = labels  # a task's: its jobs score the answer tokens (docs/spec.md §6)
+        self.bos = bos  # an hf= model's BOS, which every window starts with
         self.out.mkdir(parents=True, exist_ok=True)
         self.rows: list[dict] = []
 
@@ -84,17 +93,18 @@ class Jobs:
         """Score `policy` on the test split (quality and cost; latency later, `time_all`)."""
         t0 = time.perf_counter()
         ev, rec = evaluate_exit(self.model, self.tokens, policy, self.cfg.eval.tokens,
-                                batch_size=self.cfg.eval.batch_size, labels=self.labels, **self.settings())
+                                batch_size=self.cfg.eval.batch_size, labels=self.labels, bos=self.bos,
+                                **self.settings())
         return self.add(family, policy, line, ev, rec, time.perf_counter() - t0, extra)
 
     def run_all(self, items: list[tuple[str, object, str]], rows: int) -> list[dict]:
         """`run` of every (family, policy, line), in order, scored as one batch of settings ×
-        windows, `rows` rows a batch (`decoding.evaluate_exits`); rows = 0: one by one."""
+        windows, `rows` rows a batch (`scoring.evaluate_exits`); rows = 0: one by one."""
         if rows == 0 or len(items) < 2:
             return [self.run(*item) for item in items]
         t0 = time.perf_counter()
         results = evaluate_exits(self.model, self.tokens, [p for _, p, _ in items], self.cfg.eval.tokens,
-                                 max_rows=rows, labels=self.labels, **self.settings())
+                                 max_rows=rows, labels=self.labels, bos=self.bos, **self.settings())
         seconds = (time.perf_counter() - t0) / len(items)
         return [self.add(family, p, line, ev, rec, seconds) for (family, p, line), (ev, rec) in zip(items, results,
                                                                                                   strict=True)]
@@ -118,7 +128,7 @@ class Jobs:
         """Latency of every job but the oracle's (it reads the target, so it cannot run):
         `eval.repeats` rounds, each timing every job once at batch 1 over the first
         `eval.latency_tokens` tokens, round-robin; then each job's latency fields from its
-        repeats (`decoding.add_latency`) and its files written again."""
+        repeats (`scoring.add_latency`) and its files written again."""
         e = self.cfg.eval
         timed = [r for r in self.rows if r["family"] != "oracle"]
         if not e.latency_tokens or not timed:
@@ -130,6 +140,7 @@ class Jobs:
                 reps[r["job"]].append(time_tokens(self.model, self.tokens, r["policy"], e.latency_tokens, e.cache,
                                                   self.cfg.seed, e.warm_start,
                                                   warmup_tokens=e.warmup_tokens if i == 0 else 0, labels=self.labels,
+                                                  bos=self.bos,
                                                   context_steps=OmegaConf.select(self.cfg, "eval.context_steps")))
         for r in timed:
             add_latency(r["eval"], r["rec"], reps[r["job"]])
@@ -163,17 +174,17 @@ def report(cfg: DictConfig) -> dict:
     r = cfg.report
     refuse(out, "report.md", "jobs", what="a report")
     t_start = time.perf_counter()
-    module, sp, test_tokens, cal_tokens, labels = load_splits(cfg)
-    model, c = module.model, cfg.calibration
+    opened, sp, test_tokens, cal_tokens, labels = load_splits(cfg)
+    model, c = opened.model, cfg.calibration
     start_job(out, cfg)
-    jobs = Jobs(out / "jobs", model, test_tokens, cfg, module.vocab_to_gpt2, labels["test"])
+    jobs = Jobs(out / "jobs", model, test_tokens, cfg, opened.vocab_to_gpt2, labels["test"], bos=opened.bos)
     N, kw = r.max_steps, {"min_steps": 0, "max_steps": r.max_steps}
     gate_path = gate_file(cfg, out) if ("gate" in r.calibrate or r.gate_tau) else None
     gate = load_gate(gate_path)[:2] if gate_path else None
 
-    def policy(name, tau=None, patience=5):
-        return build(name, tau, patience=patience, groups=model.n_groups, **kw,
-                     **({"gate": gate} if name == "gate" else {}))
+    def policy(name, tau=None, patience=5):  # decode and kl_direction decided for the model, as evaluate does
+        return for_model(build(name, tau, patience=patience, groups=model.n_groups, **kw,
+                               **({"gate": gate} if name == "gate" else {})), opened)
 
     items = [("fixed", build("fixed", None, max_steps=n), f"exit=fixed exit.max_steps={n}") for n in r.fixed]
     items.append(("oracle", build("oracle", r.oracle, max_steps=N),
@@ -184,7 +195,7 @@ def report(cfg: DictConfig) -> dict:
     items += [("grid", p, _line(p, gate_path)) for p in (policy("gate", float(tau)) for tau in r.gate_tau)]
     jobs.run_all(items, r.shared_rows)
 
-    split = calibration_split(cfg, model, cal_tokens, labels["calibration"])
+    split = calibration_split(cfg, model, cal_tokens, labels["calibration"], bos=opened.bos)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     fixed_ref = next(j for j in jobs.rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"] \
         if N in r.fixed else None
@@ -193,7 +204,7 @@ def report(cfg: DictConfig) -> dict:
                                warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
                                batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start,
                                labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"),
-                               context_steps=OmegaConf.select(cfg, "eval.context_steps"))
+                               context_steps=OmegaConf.select(cfg, "eval.context_steps"), bos=opened.bos)
         fixed_ref = ref["nll"]
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
@@ -221,7 +232,7 @@ def report(cfg: DictConfig) -> dict:
     import matplotlib.pyplot as plt
 
     plt.close(fig)
-    result = {"ckpt": str(Path(cfg.ckpt).resolve()), "seconds": time.perf_counter() - t_start,
+    result = {opened.kind: opened.source, "seconds": time.perf_counter() - t_start,
               "splits": {k: list(v) for k, v in sp.items()}, "ce_ref_calibration": ce_ref,
               "winners": table["winners"], "rows": table["rows"]}
     write_json(out / "report.json", result)
@@ -249,7 +260,7 @@ def select(rows: list[dict], target: calibration.Target) -> list[int]:
     return [j["job"] for j in sorted(cand, key=key)]
 
 
-def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamples: int = sweep.RESAMPLES) -> dict:
+def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamples: int = frontier.RESAMPLES) -> dict:
     """Every calibrated job against the fixed frontier at its own layer applications
     (`stats.compare`, paired over windows), and per target the winner and runner-up chosen
     on the calibration split (`select`), then scored on the test split: the target's test
@@ -273,7 +284,7 @@ def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamp
                         "layer_applications": cmp["cost"], "layer_applications_lo": cmp["cost_lo"],
                         "layer_applications_hi": cmp["cost_hi"], "ms_per_token": j["eval"]["ms_per_token"],
                         "hull_ce": cmp["hull_ce"], "d_hull": cmp["d_hull"], "d_hull_lo": cmp["d_hull_lo"],
-                        "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": sweep._verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])})
+                        "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": frontier._verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])})
         if not order or not by_job[order[0]]["calibration"]["met"]:
             winners[t.kind] = None
             continue
@@ -299,11 +310,11 @@ def _f(v, digits=4, sign=False) -> str:
 
 
 def markdown(table: dict, targets: list[calibration.Target], cfg: DictConfig, seconds: float) -> str:
-    lines = [f"# Exit rules compared on {cfg.ckpt}", "",
+    lines = [f"# Exit rules compared on {cfg.ckpt or cfg.hf}", "",
              f"Test split: {cfg.eval.tokens} tokens (val offsets 0–{cfg.eval.tokens}); calibration split: "
              f"{cfg.calibration.tokens} tokens after it, with its own noise keys. Rules are ranked and the winner "
              "chosen on the calibration split (rank); the test split only scores the choices. Intervals: 95% "
-             f"paired bootstrap over whole test windows ({sweep.RESAMPLES} resamples), per comparison. Cost: layer "
+             f"paired bootstrap over whole test windows ({frontier.RESAMPLES} resamples), per comparison. Cost: layer "
              "applications per token (docs/spec.md §4b). Latency: batch 1, every setting timed round-robin "
              f"({cfg.eval.repeats} round(s)). Report run time: {seconds / 60:.1f} min.", ""]
     for t in targets:
@@ -369,7 +380,7 @@ def figure(rows: list[dict], n_max: int, cost: stats.Cost):
             orc = [j for j in rows if j["family"] == "oracle"]
             if orc:
                 by_n = orc[0]["rec"]["nll_by_n"]
-                pts = sorted(stats.oracle_point(by_n, e, cost)[::-1] for e in sweep.ORACLE_EPS)
+                pts = sorted(stats.oracle_point(by_n, e, cost)[::-1] for e in frontier.ORACLE_EPS)
                 ax.plot([a for a, _ in pts], [c - ref for _, c in pts], "k--", lw=1,
                         label="oracle: best uniform depth within ε (reads the target; not a bound)")
         for rule in rules:
@@ -400,14 +411,16 @@ def gate_file(cfg: DictConfig, out: Path) -> str:
     settings at N = report.max_steps (as `python -m recdepth.train_gate`; out/gate/gate.pt)."""
     if cfg.report.gate:
         return str(Path(cfg.report.gate).resolve())
+    model = {k: OmegaConf.to_container(cfg[k]) if isinstance(cfg[k], DictConfig) else cfg[k]
+             for k in ("ckpt", "hf", "data", "dtype") if OmegaConf.select(cfg, k) is not None}
     g = OmegaConf.merge(OmegaConf.structured(TrainGateConfig), {
-        "ckpt": cfg.ckpt, "seed": cfg.seed, "device": cfg.device, "run_dir": str(out / "gate"),
+        **model, "seed": cfg.seed, "device": cfg.device, "run_dir": str(out / "gate"),
         "gate": {**OmegaConf.to_container(cfg.gate), "max_steps": cfg.report.max_steps}})
     train_gate(g)
     return str((out / "gate" / "gate.pt").resolve())
 
 
-_task = task(lambda c: {"ce": math.nan, **report(c)}, "ce")  # the Hydra task (recdepth/cli.py)
+_task = task(lambda c: {"ce": math.nan, **report(c)}, "ce")  # the Hydra task (recdepth/glue/cli.py)
 main = hydra_main(_task, "report")
 
 

@@ -7,8 +7,8 @@ frozen checkpoint, one Linear(d -> 1) per recurrence group, on the checkpoint's 
 The windows are drawn (seeded by `seed`) from the checkpoint's own train split, never its
 val split, which holds the evaluation's tokens (on a task, whole records, and by default
 only the answers are fitted on). For every group g and n < N = gate.max_steps the state
-x_g^(n) is a feature and [NLL(n) − NLL(N) > gate.margin] its label (`recdepth.gate`); the
-states are those the decoding engine visits (gate.states=decode, `recdepth.gate_states`)
+x_g^(n) is a feature and [NLL(n) − NLL(N) > gate.margin] its label (`recdepth.core.gate`); the
+states are those the decoding engine visits (gate.states=decode, `recdepth.core.gate_states`)
 or the parallel pass's (gate.states=parallel), the classes weighted equally (gate.balance).
 The run directory gets `gate.pt` (what exit=gate reads: weight [G, d], bias [G] and the
 metadata), `gate.json` (the metadata) and `config.yaml`.
@@ -19,18 +19,18 @@ from __future__ import annotations
 import logging
 import math
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from recdepth.checkpoints import checkpoint_data, load_checkpoint, resolve_device
-from recdepth.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.gate import collect_gate_data, fit_gate, gate_labels, save_gate
-from recdepth.gate_states import decoding_gate_data
-from recdepth.runs import write_json
-from recdepth.schema import validated
+from recdepth.core.decoding import span
+from recdepth.core.gate import collect_gate_data, fit_gate, gate_labels, save_gate
+from recdepth.core.gate_states import decoding_gate_data
+from recdepth.glue.checkpoints import open_model, resolve_device
+from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
+from recdepth.glue.runs import write_json
+from recdepth.glue.schema import validated
 
 log = logging.getLogger("recdepth.train_gate")
 
@@ -53,26 +53,30 @@ def train_windows(train_tokens, offsets: np.ndarray, block_size: int) -> torch.T
 
 
 def train_gate(cfg: DictConfig) -> dict:
-    """Fit cfg.ckpt's gate under cfg.gate; write gate.pt, gate.json and config.yaml into
-    cfg.run_dir and return gate.json's dict."""
+    """Fit the gate of cfg's model (ckpt= or hf=) under cfg.gate on its train split; write
+    gate.pt, gate.json and config.yaml into cfg.run_dir and return gate.json's dict. An hf=
+    model's train split is the head of `data` under its tokenizer, each window starting
+    with its BOS (as its evaluation's windows do)."""
     run_dir = job_dir(cfg, "train_gate")
     run = validated(cfg)
     g = run.gate
     refuse(run_dir, "gate.pt")
     t0 = time.perf_counter()
     device = resolve_device(run.device)
-    module, data = load_checkpoint(run.ckpt, device)
-    model = module.model
+    opened = open_model(run, device)
+    model = opened.model
     if model.n_groups == 0:
-        raise ValueError(f"ckpt: {run.ckpt} has no recurrence groups (nothing to gate)")
-    T = module.config.block_size
-    dm = checkpoint_data(module, data, run.seed)
-    task_labels = dm.cache.train_labels  # a task's per-token labels (0 = not an answer), else None
+        raise ValueError(f"{opened.kind}: {opened.source} has no recurrence groups (nothing to gate)")
+    T = model.cfg.block_size
+    train_tokens, task_labels = opened.train()  # a task's per-token labels (0 = not an answer), else None
+    S = span(T, opened.bos)  # stream tokens a window scores (after BOS, if any)
     answers = task_labels is not None if g.answers is None else g.answers
     if answers and task_labels is None:
         raise ValueError("gate.answers: true needs a task's answer labels (data=task); this checkpoint's data has none")
-    offsets = train_offsets(len(dm.train_tokens), g.tokens, T, run.seed, align=T if task_labels is not None else 1)
-    wins = train_windows(dm.train_tokens, offsets, T)
+    offsets = train_offsets(len(train_tokens), g.tokens, S, run.seed, align=T if task_labels is not None else 1)
+    wins = train_windows(train_tokens, offsets, S)
+    if opened.bos is not None:
+        wins = torch.cat([torch.full((len(wins), 1), opened.bos, dtype=wins.dtype), wins], 1)
     keep = (torch.as_tensor(np.stack([np.asarray(task_labels[o + 1 : o + T + 1]) for o in offsets])) > 0
             if answers else None)
     if keep is not None and not bool(keep.any()):
@@ -94,7 +98,7 @@ def train_gate(cfg: DictConfig) -> dict:
         ws.append(w)
         bs.append(b)
         fits.append(st)
-    meta = {"ckpt": str(Path(run.ckpt).resolve()), "n_embd": module.config.n_embd, "groups": module.config.groups,
+    meta = {opened.kind: opened.source, "n_embd": model.cfg.n_embd, "groups": model.cfg.groups,
             "max_steps": g.max_steps, "margin": g.margin, "tokens": int(wins.shape[0] * T), "seed": run.seed,
             "steps": g.steps, "weight_decay": g.weight_decay, "states": g.states, "balance": g.balance,
             "answers": bool(answers), "examples": int(per_group[0][0].shape[0]),
@@ -108,14 +112,14 @@ def train_gate(cfg: DictConfig) -> dict:
     write_json(run_dir / "gate.json", meta)
     for i, f in enumerate(fits):
         log.info("gate of group %d %s: label rate %.3f, train accuracy %.3f (balanced %.3f), log-loss %.4f", i,
-                 module.config.groups[i], f["label_rate"], f["accuracy"], f["balanced_accuracy"], f["log_loss"])
+                 model.cfg.groups[i], f["label_rate"], f["accuracy"], f["balanced_accuracy"], f["log_loss"])
     use = f"exit=gate exit.gate={path.resolve()} exit.tau=0.5 exit.max_steps={g.max_steps}"
     log.info("gate fitted on %d train tokens in %.1f s; use it with: %s", meta["tokens"], meta["seconds"], use)
     print(use)
     return meta
 
 
-_task = task(train_gate, "seconds")  # the Hydra task (recdepth/cli.py)
+_task = task(train_gate, "seconds")  # the Hydra task (recdepth/glue/cli.py)
 main = hydra_main(_task, "train_gate")
 
 

@@ -1,4 +1,4 @@
-"""Calibration (recdepth/calibration.py, recdepth/calibrate.py; docs/spec.md §4c): the search
+"""Calibration (recdepth/core/calibration.py, recdepth/calibrate.py; docs/spec.md §4c): the search
 meets its target on synthetic problems whose answer is known by brute force or in closed
 form, and the calibration split never overlaps the test split (asserted on token offsets
 of the written records)."""
@@ -10,8 +10,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recdepth import calibration as cal
-from recdepth.config import conf_dir
+from recdepth.core import calibration as cal
+from recdepth.glue.config import conf_dir
 
 N_TOKENS = 50
 
@@ -93,7 +93,7 @@ def test_search_in_layer_applications_weighs_a_two_layer_group_twice():
     model), the same harm per grid step in every group: under a CE target the cost-optimal
     answer saves on the two-layer group first, which the mean-applications unit does not
     prefer; the search finds the brute-force optimum in layer applications."""
-    from recdepth.stats import Cost
+    from recdepth.core.stats import Cost
 
     K, G = 8, 3
     cost = [[12 - i for i in range(K)] for _ in range(G)]
@@ -148,8 +148,8 @@ def compose_cal(*overrides):
 
 def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.calibrate import calibrate
-    from recdepth.checkpoints import heldout_tokens, load_checkpoint
-    from recdepth.stats import read_tokens
+    from recdepth.core.stats import read_tokens
+    from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
     run = tmp_path / "cal"
     cfg = compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={run}", "exit=accel", "exit.max_steps=6",

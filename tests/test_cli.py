@@ -47,8 +47,8 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     assert (job_dir / "eval_tokens.csv").is_file()
     assert (run_dir / "csv" / "metrics.csv").is_file()
     # The checkpoint loads back, with the map from the compact vocabulary to GPT-2 ids.
-    from recdepth.lit import LoopedLM
-    from recdepth.tokenizer import gpt2
+    from recdepth.glue.lit import LoopedLM
+    from recdepth.glue.tokenizer import gpt2
 
     mod = LoopedLM.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
                                         weights_only=True)  # plain data only: loads without unpickling code
@@ -233,7 +233,7 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, monkeypatch, o
     compose API), call train(cfg); one line naming the field, before any work."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
+    from recdepth.glue.config import conf_dir
     from recdepth.train import train
 
     monkeypatch.chdir(tmp_path)
@@ -345,7 +345,7 @@ def test_wheel_ships_the_configs(tmp_path):
     # and the installed package finds them where conf_dir() looks, composing the default run
     site = tmp_path / "site"
     zipfile.ZipFile(whl).extractall(site)
-    code = ("import recdepth, recdepth.config as c; from hydra import compose, initialize_config_dir; "
+    code = ("import recdepth, recdepth.glue.config as c; from hydra import compose, initialize_config_dir; "
             f"assert recdepth.__file__.startswith({str(site)!r}), recdepth.__file__; "
             "initialize_config_dir(c.conf_dir(), version_base='1.3'); "
             "print(c.conf_dir(), compose('config', overrides=['experiment=paper']).model.size)")

@@ -1,5 +1,5 @@
-"""Tests for the data path: recdepth.documents (sources), recdepth.tokens (token caches),
-recdepth.vocab, recdepth.windows and the TokenDataModule (recdepth.data), unigram
+"""Tests for the data path: recdepth.glue.documents (sources), recdepth.glue.tokens (token caches),
+recdepth.glue.vocab, recdepth.glue.windows and the TokenDataModule (recdepth.glue.data), unigram
 baseline, errors.
 
 Every test writes its caches under tmp_path. Expected values come from independent
@@ -23,10 +23,10 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from recdepth import tokens
-from recdepth.data import TokenDataModule
-from recdepth.tokenizer import EOT_ID, gpt2
-from recdepth.windows import TrainOrder
+from recdepth.glue import tokens
+from recdepth.glue.data import TokenDataModule
+from recdepth.glue.tokenizer import EOT_ID, gpt2
+from recdepth.glue.windows import TrainOrder
 
 WORDS = (
     "the king queen sword crown night day love death honour thou thee art hath doth "

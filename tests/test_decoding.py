@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from recdepth import exits
-from recdepth.decoding import RowNoise, decode_step, evaluate_exit, evaluate_oracle, new_caches
-from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.core import exits
+from recdepth.core.decoding import RowNoise, decode_step, new_caches
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.core.scoring import evaluate_exit, evaluate_oracle
 
 
 def model(groups, state_init="zero", seed=0):
@@ -72,7 +73,7 @@ def test_per_step_cache_with_fixed_n_equals_the_parallel_forward(dtype, tol, n):
 
 
 def test_step_cache_finish_fills_later_slots_with_the_last_application():
-    from recdepth.decoding import StepKVCache
+    from recdepth.core.decoding import StepKVCache
 
     c = StepKVCache(3, 2, 5, 4, "cpu", torch.float64, max_steps=6)
     c.k.normal_()
@@ -130,7 +131,7 @@ def test_latest_sharing_reads_earlier_positions_at_their_last_application():
     caches = new_caches(m, 1, 2)
     decode_step(m, idx[:, 0], 0, caches, exits.build("fixed", None, max_steps=n))
     torch.testing.assert_close(caches[1].k[0, :, 0].reshape(-1), k0[0], rtol=1e-10, atol=1e-12)
-    from recdepth.decoding import loop_group
+    from recdepth.core.decoding import loop_group
 
     e1 = m.h[0](m.embed(idx[:, 1:2], pos0=1), caches[0], 1)
     s_engine, _ = loop_group(m, 0, e1, exits.build("fixed", None, max_steps=n), caches, 1)
@@ -170,7 +171,7 @@ def test_engine_exit_counts_equal_iterate_on_the_same_states():
 
     e = m.h[0](m.embed(idx[:, 5:6], pos0=5), caches[0], 5)
     c2 = copy.deepcopy(caches)
-    from recdepth.decoding import loop_group
+    from recdepth.core.decoding import loop_group
 
     s_eng, n_eng = loop_group(m, 0, e, policy, caches, 5)
     e_proj = m.adapters[0].input(e)
@@ -220,7 +221,7 @@ RULES = [("fixed", None, {}), ("stepnorm", 0.3, {}), ("stepnorm_rel", 0.05, {}),
          ("accel_rel", 0.6, {}), ("entropy_diff", 1e-3, {}), ("cosine", 1e-2, {}),
          ("argmax_stability", None, {"patience": 2}), ("cosine", [1e-2, 1e-3], {}),
          ("argmax_stability", None, {"patience": 1, "min_steps": [0, 4], "max_steps": [12, 9]}),
-         # the learned gate (recdepth/gate.py): a random one per group, weight [2, 32], bias [2]
+         # the learned gate (recdepth/core/gate.py): a random one per group, weight [2, 32], bias [2]
          ("gate", [0.5, 0.3], {"gate": (0.3 * torch.randn(2, 32, generator=torch.Generator().manual_seed(11),
                                                           dtype=torch.float64), torch.tensor([0.0, 0.5]))})]
 assert {r for r, _, _ in RULES} == set(exits.RULES)
@@ -332,7 +333,7 @@ def test_per_group_values_fire_per_group_in_the_engine():
     p = exits.build("cosine", taus, max_steps=maxs)
     _, apps = decode_all(m, idx, p, noise=noise)
     assert len({tuple(a) for a in apps.reshape(-1, 3).tolist()}) > 1
-    from recdepth.decoding import loop_group
+    from recdepth.core.decoding import loop_group
 
     caches = new_caches(m, 3, 6)
     x = m.embed(idx[:, :1], pos0=0)
@@ -366,7 +367,7 @@ def test_context_steps_loop_the_context_at_fixed_depth_and_the_rule_at_answers(r
     is not an answer, the rule where it is. Same noise keys, so records must match exactly."""
     import numpy as np
 
-    from recdepth.decoding import RowNoise
+    from recdepth.core.decoding import RowNoise
 
     m = model([[1], [2, 3]], state_init="normal")
     gen = torch.Generator().manual_seed(3)
@@ -430,7 +431,7 @@ def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
     a criterion lies within rounding of τ, counted: none on this model)."""
     import numpy as np
 
-    from recdepth.decoding import decode_settings
+    from recdepth.core.scoring import decode_settings
 
     m = model([[1], [2, 3]], state_init="normal").to(dtype)
     tokens = torch.randint(0, 60, (80,), generator=torch.Generator().manual_seed(5))
@@ -452,7 +453,7 @@ def test_mixed_settings_with_context_steps_equal_each_alone():
     """eval.context_steps (a task's prompt at fixed depth) under mixed settings."""
     import numpy as np
 
-    from recdepth.decoding import decode_settings
+    from recdepth.core.scoring import decode_settings
 
     m = model([[1, 2]], state_init="normal")
     tokens = torch.randint(0, 60, (50,), generator=torch.Generator().manual_seed(8))
@@ -468,7 +469,7 @@ def test_mixed_settings_with_context_steps_equal_each_alone():
 
 
 def test_evaluate_exits_gives_each_setting_its_eval_block_and_times_round_robin(monkeypatch):
-    import recdepth.decoding as dec
+    import recdepth.core.scoring as dec
 
     m = model([[1], [2, 3]], state_init="normal")
     tokens = torch.randint(0, 60, (60,), generator=torch.Generator().manual_seed(5))
@@ -502,7 +503,7 @@ def test_mixed_policy_errors_are_one_line():
                               torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="exit.decode: settings decoded side by side must decode alike"):
         _ = mixed.decode
-    from recdepth.decoding import decode_settings
+    from recdepth.core.scoring import decode_settings
     with pytest.raises(ValueError, match=r"eval\.max_rows: expected >= 1"):
         decode_settings(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10, max_rows=0)
 

@@ -10,9 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth import diagnostics, plots
-from recdepth.callbacks import LoopDynamics
-from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.core import diagnostics
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.glue import plots
+from recdepth.glue.callbacks import LoopDynamics
 from tests.tiny_fit import tiny_fit
 
 CFG = dict(n_layer=6, n_head=2, n_embd=32, block_size=16, vocab_size=100, groups=[[1], [2, 3]],
@@ -154,7 +155,7 @@ def test_white_noise_steps_have_cosine_minus_one_half():
     """Why the floor matters: once x^(k) is a fixed point plus independent rounding noise
     n_k, Δ^(k) = n_{k+1} − n_k and Δ^(k−1) = n_k − n_{k−1} share −n_k and +n_k, so
     E cos = −Var(n)/(2 Var(n)) = −1/2, whatever the loop does."""
-    from recdepth import geometry as geo
+    from recdepth.core import geometry as geo
 
     x = torch.randn(40, 2000, 64, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     assert geo.step_cosines(x).mean().item() == pytest.approx(-0.5, abs=0.01)

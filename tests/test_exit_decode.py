@@ -23,20 +23,20 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from recdepth import exits
-from recdepth.config import conf_dir, model_config
-from recdepth.decoding import (
+from recdepth.core import exits
+from recdepth.core.decoding import (
     coda_logits,
     decode_mode,
     decode_step,
-    evaluate_exit,
     has_coda,
     new_caches,
     state_decoder,
 )
-from recdepth.generation import chunk_step, new_chunk_caches
-from recdepth.hf import HFTokenizer, save_hf
-from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.core.generation import chunk_step, new_chunk_caches
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.core.scoring import evaluate_exit
+from recdepth.glue.config import conf_dir, model_config
+from recdepth.glue.hf import HFTokenizer, save_hf
 
 V = 60
 T = 16
@@ -202,7 +202,7 @@ def test_the_chunk_pass_decodes_through_the_coda_like_decode_step(rule):
     m = huginn_style(state_init="normal")
     policy = exits.build(rule, 3e-3, max_steps=10, patience=2)
     toks = torch.randint(0, V, (9,), generator=torch.Generator().manual_seed(6))
-    from recdepth.decoding import RowNoise
+    from recdepth.core.decoding import RowNoise
 
     noise = RowNoise(5, [0])
     ref_caches = new_caches(m, 1, T, "per_step", 10)
@@ -246,7 +246,7 @@ def test_bad_values_and_coda_on_several_groups_fail_in_one_line():
     assert exits.build("kl", 1e-3, decode="coda", groups=1).decode == "coda"
     grouped = huginn_style(n_layer=6, groups=((1,), (2, 3)))
     _one_line(lambda: coda_logits(grouped, 0, torch.zeros(1, 1, 32, dtype=torch.float64), [], 0), "exit.decode")
-    from recdepth.schema import validated
+    from recdepth.glue.schema import validated
 
     for overrides, field in ((["exit=kl", "exit.decode=lm_head"], "exit.decode"),
                              (["exit=kl", "exit.kl_direction=forward"], "exit.kl_direction"),
@@ -320,8 +320,8 @@ def _evaluate(d, out, *overrides):
 
 
 def test_hf_windows_start_with_bos_and_score_the_texts_tokens(hf_bos, tmp_path):
-    from recdepth.hf import load_hf
-    from recdepth.stats import read_tokens
+    from recdepth.core.stats import read_tokens
+    from recdepth.glue.hf import load_hf
 
     d, vocab = hf_bos
     tok = HFTokenizer(d)

@@ -1,4 +1,4 @@
-"""Independent tests for `recdepth.exits` (SPEC.md section 3, "Exit rules").
+"""Independent tests for `recdepth.core.exits` (SPEC.md section 3, "Exit rules").
 
 Everything expected here comes from SPEC section 3 alone: either from closed forms of
 simple maps, from hand-built trajectories, or from `_ref_row`, a slow per-row reference
@@ -34,7 +34,7 @@ import math
 import pytest
 import torch
 
-from recdepth import exits
+from recdepth.core import exits
 
 EPS = 1e-6
 PATIENCE = 5  # argmax_stability's default k

@@ -1,4 +1,4 @@
-"""The learned exit gate (recdepth/gate.py, rule `gate` in recdepth/exits.py, SPEC §3c).
+"""The learned exit gate (recdepth/core/gate.py, rule `gate` in recdepth/core/exits.py, SPEC §3c).
 
 Expected values come from the spec's equations, computed independently here:
     label   y^(n) = [nll(n) − nll(N) > margin]       (n = 1 .. N − 1)
@@ -19,10 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth import exits
-from recdepth.config import conf_dir, exit_policy
-from recdepth.decoding import RowNoise, decode_step, new_caches
-from recdepth.gate import (
+from recdepth.core import exits
+from recdepth.core.decoding import RowNoise, decode_step, new_caches
+from recdepth.core.gate import (
     class_weights,
     collect_gate_data,
     fit_gate,
@@ -31,8 +30,9 @@ from recdepth.gate import (
     load_gate,
     save_gate,
 )
-from recdepth.gate_states import decoding_gate_data
-from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.core.gate_states import decoding_gate_data
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.glue.config import conf_dir, exit_policy
 
 
 def tiny_model(groups=((1,), (2, 3)), seed=0):

@@ -15,11 +15,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recdepth import exits, generation, schema
-from recdepth.config import conf_dir
-from recdepth.decoding import RowNoise, decode_step, new_caches
-from recdepth.generation import accepted, chunk_step, greedy, new_chunk_caches, speculative
-from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.core import exits, generation
+from recdepth.core.decoding import RowNoise, decode_step, new_caches
+from recdepth.core.generation import accepted, chunk_step, greedy, new_chunk_caches, speculative
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.glue import schema
+from recdepth.glue.config import conf_dir
 from tests.conftest import REPO
 
 V = 50
@@ -368,7 +369,7 @@ def test_generate_yaml_defaults_equal_the_schema():
 
 # ---------------------------------------------------------------- timing
 class FakeClock:
-    """`time` for recdepth.generation: perf_counter() reads `now`, which the patched passes
+    """`time` for recdepth.core.generation: perf_counter() reads `now`, which the patched passes
     advance (issue 21: the benchmark times generation after the first token)."""
 
     now = 0.0

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from recdepth import geometry as geo
+from recdepth.core import geometry as geo
 
 
 def spiral(rho: float, theta: float, K: int, d: int = 6, tokens: int = 3) -> torch.Tensor:

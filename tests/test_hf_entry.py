@@ -1,4 +1,4 @@
-"""`hf=<dir>` in the entry points (recdepth/checkpoints.py: open_model): a tiny Huginn-format
+"""`hf=<dir>` in the entry points (recdepth/glue/checkpoints.py: open_model): a tiny Huginn-format
 directory with its own tokenizer.json is evaluated and diagnosed on a local text file.
 The scored tokens are checked against the file's tail tokenized here with the `tokenizers`
 library directly, the CE against a parallel forward of the same weights (per-step cache at
@@ -11,9 +11,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth.config import conf_dir
-from recdepth.hf import save_hf
-from recdepth.model import GPTConfig, LoopedGPT
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.glue.config import conf_dir
+from recdepth.glue.hf import save_hf
 
 TEXT = ("The quick brown fox jumps over the lazy dog. " * 3 + "A stitch in time saves nine. "
         "All that glitters is not gold. To be or not to be, that is the question. ") * 12
@@ -60,8 +60,8 @@ def expected_heldout(tok, n):
 
 
 def test_evaluate_scores_the_tail_of_the_text_under_its_own_tokenizer(hf_dir, tmp_path):
+    from recdepth.core.stats import read_tokens
     from recdepth.evaluate import evaluate
-    from recdepth.stats import read_tokens
 
     d, text, tok, model = hf_dir
     out = tmp_path / "e"
@@ -80,9 +80,9 @@ def test_evaluate_scores_the_tail_of_the_text_under_its_own_tokenizer(hf_dir, tm
 def test_a_zero_state_model_decodes_exactly_like_its_parallel_forward(hf_dir, tmp_path):
     """With state_init=zero there is no noise, so the decoded NLLs must equal a parallel
     forward of the loaded weights at the same depth, token for token."""
+    from recdepth.core.stats import read_tokens
     from recdepth.evaluate import evaluate
-    from recdepth.hf import load_hf
-    from recdepth.stats import read_tokens
+    from recdepth.glue.hf import load_hf
 
     d, text, tok, model = hf_dir
     z = tmp_path / "zero"
@@ -145,10 +145,10 @@ def test_generate_accepts_hf_with_its_tokenizer_and_without_one(hf_dir, tmp_path
     """The prompt is encoded by the directory's tokenizer.json, and the generated ids are
     the core's greedy decoding of the loaded weights (run here directly); without a
     tokenizer, prompt_ids still work and text fails in one line."""
-    from recdepth import exits
+    from recdepth.core import exits
+    from recdepth.core.generation import greedy
     from recdepth.generate import generate
-    from recdepth.generation import greedy
-    from recdepth.hf import load_hf
+    from recdepth.glue.hf import load_hf
 
     d, _, tok, _ = hf_dir
     gen = generate(compose_job("generate", f"hf={d}", "prompt='the quick brown fox'", "max_new_tokens=5",
@@ -172,3 +172,83 @@ def test_generate_accepts_hf_with_its_tokenizer_and_without_one(hf_dir, tmp_path
     with pytest.raises(ValueError, match=r"^prompt: .*prompt_ids"):
         generate(compose_job("generate", f"hf={bare}", "prompt=hello", "stream=false", "device=cpu",
                              f"run_dir={tmp_path / 'g3'}"))
+
+
+# ------------------------------------------- calibrate, report, train_gate with hf=
+HF_DATA = ["data=files", "data.val_fraction=0.2", "device=cpu"]
+
+
+def test_calibrate_accepts_hf_test_then_calibration_split_of_the_tail(hf_dir, tmp_path):
+    """The test split is the tail's tokens [0, eval.tokens], the calibration split the
+    calibration.tokens + 1 after it, both under the directory's tokenizer."""
+    from recdepth.calibrate import calibrate
+    from recdepth.core.stats import read_tokens
+
+    d, text, tok, _ = hf_dir
+    out = tmp_path / "c"
+    res = calibrate(compose_job("calibrate", f"hf={d}", f"data.paths={text}", *HF_DATA, f"run_dir={out}",
+                                "exit=stepnorm", "exit.max_steps=4", "target.max_ce_increase=0.05", "eval.tokens=30",
+                                "calibration.tokens=40", "eval.latency_tokens=0", "eval.warmup_tokens=0"))
+    want = expected_heldout(tok, 31 + 41)
+    assert res["hf"] == str(d.resolve()) and res["splits"] == {"test": [0, 30], "calibration": [31, 71]}
+    assert np.array_equal(read_tokens(out / "eval_tokens.csv")["target"], want[1:31])
+    cal = read_tokens(out / "calibration_tokens.csv")
+    assert np.array_equal(cal["target"], want[32:72]) and cal["position"].min() >= 31
+    assert res["test"]["eval"]["exit"] == "stepnorm" and np.isfinite(res["test"]["eval"]["ce"])
+
+
+@pytest.mark.parametrize("bos", [False, True])
+def test_train_gate_accepts_hf_and_fits_on_the_head_of_the_text(hf_dir, tmp_path, monkeypatch, bos):
+    """Every train window is a run of consecutive tokens of the text's head (the part before
+    the held-out tail), after the tokenizer's BOS when it names one."""
+    import recdepth.train_gate as tg
+
+    d, text, tok, _ = hf_dir
+    if bos:  # the same directory, its tokenizer naming the end-of-text token as BOS too
+        b = tmp_path / "bos"
+        b.mkdir()
+        for f in d.iterdir():
+            (b / f.name).write_bytes(f.read_bytes())
+        (b / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS, "bos_token": EOS}))
+        d = b
+    seen = []
+    real = tg.decoding_gate_data
+
+    def spy(model, wins, *a, **kw):
+        seen.append(wins.clone())
+        return real(model, wins, *a, **kw)
+
+    monkeypatch.setattr(tg, "decoding_gate_data", spy)
+    meta = tg.train_gate(compose_job("train_gate", f"hf={d}", f"data.paths={text}", *HF_DATA,
+                                     f"run_dir={tmp_path / 'g'}", "gate.tokens=96", "gate.max_steps=3"))
+    assert meta["hf"] == str(d.resolve()) and (tmp_path / "g" / "gate.pt").is_file()
+    ids = tok.encode(TEXT, add_special_tokens=False).ids + [tok.token_to_id(EOS)]
+    head = ids[: len(ids) - round(len(ids) * 0.2)]
+    (wins,) = seen
+    assert wins.shape[1] == 33  # block_size + 1
+    for row in wins.tolist():
+        if bos:
+            assert row[0] == tok.token_to_id(EOS)
+            row = row[1:]
+        assert any(head[o : o + len(row)] == row for o in range(len(head) - len(row) + 1))
+
+
+def test_report_accepts_hf(hf_dir, tmp_path):
+    from recdepth.core.stats import read_tokens
+    from recdepth.report import report
+
+    d, text, tok, _ = hf_dir
+    out = tmp_path / "r"
+    drop = [f"report.rules.{r}=[]" for r in ("stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine")]
+    res = report(compose_job("report", f"hf={d}", f"data.paths={text}", *HF_DATA, f"run_dir={out}",
+                             "report.max_steps=4", "report.fixed=[1,4]", "report.rules.stepnorm=[0.1]", *drop,
+                             "report.patience=[]", "report.gate_tau=[]", "report.calibrate=[stepnorm]",
+                             "eval.tokens=30", "calibration.tokens=40", "eval.latency_tokens=4",
+                             "eval.warmup_tokens=0", "calibration.max_evals=4"))
+    assert res["hf"] == str(d.resolve())
+    want = expected_heldout(tok, 31)
+    jobs = sorted((p for p in (out / "jobs").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
+    assert len(jobs) == 2 + 1 + 1 + 2  # fixed 1 and 4, the oracle, stepnorm, stepnorm calibrated to two targets
+    for j in jobs:
+        assert np.array_equal(read_tokens(j / "eval_tokens.csv")["target"], want[1:])
+    assert (out / "report.md").read_text().startswith(f"# Exit rules compared on {d}")

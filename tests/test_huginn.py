@@ -3,7 +3,7 @@ Hugging Face format (docs/spec.md §1b; issue 13).
 
 The reference forward below is written here from seal-rg/recurrent-pretraining's
 equations (recpre/raven_modeling_minimal.py), over tensors under Huginn's own names, and
-shares no code with recdepth/model.py or recdepth/hf.py. The checkpoint directories are
+shares no code with recdepth/core/model.py or recdepth/glue/hf.py. The checkpoint directories are
 written here by hand (a config.json dict, safetensors.torch.save_file)."""
 
 import dataclasses
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.flop_counter import FlopCounterMode
 
-from recdepth import exits
-from recdepth.decoding import RowNoise
-from recdepth.hf import load_hf, save_hf
-from recdepth.model import GPTConfig, LoopedGPT, apply_rope, rope_angles
+from recdepth.core import exits
+from recdepth.core.decoding import RowNoise
+from recdepth.core.model import GPTConfig, LoopedGPT, apply_rope, rope_angles
+from recdepth.glue.hf import load_hf, save_hf
 from tests.test_decoding import decode_all
 
 # A tiny Huginn: prelude 1, core 2, coda 2 layers; d = 32, 4 heads of 8; gated MLP width 48.
@@ -507,7 +507,7 @@ def huginn_run(env, tmp_path_factory):
     loop-dynamics callback, for time: `python -m recdepth.train model=huginn debug=tiny` runs it)."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
+    from recdepth.glue.config import conf_dir
     from recdepth.train import train
 
     d = tmp_path_factory.mktemp("huginn")
@@ -522,7 +522,7 @@ def huginn_run(env, tmp_path_factory):
 
 
 def test_model_huginn_trains(huginn_run):
-    from recdepth.evaluate import load_checkpoint
+    from recdepth.glue.checkpoints import load_checkpoint
 
     metrics, ckpt = huginn_run
     assert metrics["steps"] == 3 and math.isfinite(metrics["val_ce"]) and math.isfinite(metrics["eval"]["ce"])
@@ -542,7 +542,7 @@ def test_model_huginn_trains(huginn_run):
 @pytest.fixture(scope="module")
 def trained(huginn_run):
     """The trained model=huginn, in float64 for exact comparisons."""
-    from recdepth.evaluate import load_checkpoint
+    from recdepth.glue.checkpoints import load_checkpoint
 
     module, _ = load_checkpoint(huginn_run[1], torch.device("cpu"))
     return module.model.double().eval()
@@ -601,11 +601,11 @@ def test_model_huginn_decodes_batched_exactly_under_every_exit_rule(trained, rul
 
 def test_the_training_identity_of_the_options():
     """Options at their defaults leave a run's identity as it was before them; Huginn's
-    options make another network (recdepth/runs.py: what_trains)."""
+    options make another network (recdepth/glue/runs.py: what_trains)."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
-    from recdepth.runs import training_identity, what_trains
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.runs import training_identity, what_trains
 
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         single = compose("config", overrides=["model=single"])

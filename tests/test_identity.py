@@ -1,12 +1,12 @@
 """The training identity hashes what changes the trained weights, and only that
-(recdepth/runs.py: what_trains). Configs composed in-process with Hydra's compose API."""
+(recdepth/glue/runs.py: what_trains). Configs composed in-process with Hydra's compose API."""
 
 import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recdepth.config import conf_dir
-from recdepth.runs import training_identity, what_trains
+from recdepth.glue.config import conf_dir
+from recdepth.glue.runs import training_identity, what_trains
 
 
 def identity(*overrides: str) -> str:

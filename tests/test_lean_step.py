@@ -1,14 +1,15 @@
-"""The lean decode step (recdepth/lean_step.py, `eval.step`): the static-shape single-token
+"""The lean decode step (recdepth/core/lean_step.py, `eval.step`): the static-shape single-token
 layer equals `Block.forward` on the decoding cache, eager and compiled, for every option
 of the block, and the engine really takes it where it applies."""
 
 import pytest
 import torch
 
-from recdepth import decoding as D
-from recdepth.exits import build
-from recdepth.model import Block, GPTConfig, LoopedGPT
-from recdepth.schema import EvalConfig
+from recdepth.core import decoding as D
+from recdepth.core import scoring as S
+from recdepth.core.exits import build
+from recdepth.core.model import Block, GPTConfig, LoopedGPT
+from recdepth.glue.schema import EvalConfig
 
 PLAIN = {}
 HUGINN = dict(position="rope", qk_bias=True, mlp="gated_silu", scale_embeddings=True, latent_norm=True)
@@ -27,7 +28,7 @@ def model(kw, dtype, groups=((1,), (2, 3)), seed=0):
 
 def score(m, step, policy, batch_size, n=57, cache="latest"):
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
-    _, rec = D.evaluate_exit(m, tokens, policy, n, batch_size=batch_size, latency_tokens=0, warmup_tokens=0,
+    _, rec = S.evaluate_exit(m, tokens, policy, n, batch_size=batch_size, latency_tokens=0, warmup_tokens=0,
                              cache=cache, seed=5, step=step)
     return rec
 

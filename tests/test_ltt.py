@@ -1,4 +1,4 @@
-"""Learn then Test (recdepth/ltt.py, docs/spec.md §4e) against independent computations:
+"""Learn then Test (recdepth/core/ltt.py, docs/spec.md §4e) against independent computations:
 binomial tails by enumerating every outcome, the Hoeffding term from its formula written
 out here, the p-values' super-uniformity and the procedure's family-wise error by Monte
 Carlo on synthetic losses of known risk (with a deliberately invalid procedure as the
@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from recdepth import ltt
+from recdepth.core import ltt
 
 
 def brute_cdf(k, n, p):
@@ -254,7 +254,7 @@ def test_clopper_pearson():
 def compose_cal(*overrides):
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
+    from recdepth.glue.config import conf_dir
 
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         return compose("calibrate", overrides=list(overrides))
@@ -269,9 +269,10 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     Hoeffding–Bentkus p-values of the recorded risks (closed form here), the answer is the
     last setting of the certified prefix, and its recorded risk is the mean clipped window
     loss recomputed from its calibration record against a full-depth decode done here."""
-    from recdepth.calibrate import calibrate, calibration_split, load_splits
-    from recdepth.exits import build
-    from recdepth.stats import read_tokens
+    from recdepth.calibrate import calibrate
+    from recdepth.core.exits import build
+    from recdepth.core.stats import read_tokens
+    from recdepth.glue.calibrating import calibration_split, load_splits
 
     run = tmp_path / "ltt"
     opts = [f"ckpt={tiny_ckpt}", f"run_dir={run}", *CAL, "target.max_ce_increase=0.5", "calibration.tokens=300",

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from recdepth.model import GPTConfig, LoopedGPT, validate_groups
+from recdepth.core.model import GPTConfig, LoopedGPT, validate_groups
 
 
 def tiny(**kw) -> GPTConfig:

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recdepth.config import conf_dir
-from recdepth.stats import read_tokens
+from recdepth.core.stats import read_tokens
+from recdepth.glue.config import conf_dir
 
 SMALL = ["report.max_steps=4", "report.fixed=[1,4]", "report.rules.accel=[0.1]", "report.rules.kl=[0.01]",
          *(f"report.rules.{r}=[]" for r in ("stepnorm", "stepnorm_rel", "accel_rel", "entropy_diff", "cosine")), "report.patience=[1]",
@@ -85,7 +85,7 @@ class _Poison(dict):
 
 
 def test_the_selection_reads_no_test_record():
-    from recdepth.calibration import Target
+    from recdepth.core.calibration import Target
     from recdepth.report import select
 
     def job(k, met, ce_inc, cost, ce):
@@ -108,7 +108,8 @@ def test_latency_is_timed_round_robin(monkeypatch, tmp_path):
 
     order = []
 
-    def fake_time(model, tokens, policy, n, cache, seed, warm_start, warmup_tokens=0, labels=None, context_steps=None):
+    def fake_time(model, tokens, policy, n, cache, seed, warm_start, warmup_tokens=0, labels=None, bos=None,
+                  context_steps=None):
         order.append(policy)
         return np.full(n, 1.0 + len(order)), np.zeros(n), np.ones((n, 1), dtype=np.int64)
 
@@ -156,13 +157,13 @@ def test_report_refuses_a_used_directory(done, tiny_ckpt):
 
 def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt, ckpt_env):
     """report.shared_rows (default 64): the fixed depths, the grids and the oracle are
-    scored together (`decoding.evaluate_exits`); each job's records are those of its
+    scored together (`scoring.evaluate_exits`); each job's records are those of its
     setting decoded alone."""
     import torch
 
-    from recdepth.checkpoints import checkpoint_data, load_checkpoint
-    from recdepth.config import exit_policy
-    from recdepth.decoding import evaluate_exit
+    from recdepth.core.scoring import evaluate_exit
+    from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
+    from recdepth.glue.config import exit_policy
 
     out, _ = done
     module, data = load_checkpoint(tiny_ckpt, torch.device("cpu"))

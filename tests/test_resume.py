@@ -162,8 +162,8 @@ def test_a_checkpoint_that_does_not_belong_in_a_training_dir_is_refused(tmp_path
     one line naming the file, before any work, and the file is left as it was."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
-    from recdepth.runs import TrainingRun
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.runs import TrainingRun
     from recdepth.train import train
 
     _, ref_dir = straight

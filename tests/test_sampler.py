@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth.sampler import LoopSampler, lognormal_poisson
+from recdepth.core.sampler import LoopSampler, lognormal_poisson
 
 
 def draws(r=12.0, sigma=0.5, groups=3, steps=20000, seed=0):

@@ -96,7 +96,7 @@ def test_slurm_launcher_config_composes_and_submitit_accepts_it(tmp_path, env, l
     if launcher == "slurm":  # recdepth's defaults on top of the plugin's
         assert "#SBATCH --time=240" in script and "#SBATCH --gpus-per-node=1" in script
         assert "#SBATCH --ntasks-per-node=1" in script and folder.endswith("/.submitit/%j")
-    # A field the plugin does not have is refused by Hydra, in one line naming it (recdepth/cli.py).
+    # A field the plugin does not have is refused by Hydra, in one line naming it (recdepth/glue/cli.py).
     q = subprocess.run([sys.executable, "-m", "recdepth.train", f"hydra/launcher={launcher}",
                         "hydra.launcher.partiton=gpu", "--cfg", "hydra"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=300)

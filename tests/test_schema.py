@@ -1,4 +1,4 @@
-"""The config schema (recdepth/schema.py): every shipped config composes onto it and
+"""The config schema (recdepth/glue/schema.py): every shipped config composes onto it and
 validates; a bad value, a wrong type or an unknown key fails with one line naming the
 field; the schema's defaults are the YAML's. Configs composed in-process with Hydra's
 compose API, as the command line composes them."""
@@ -15,9 +15,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
-from recdepth import schema
-from recdepth.config import conf_dir, data_module, exit_policy, model_config, sampler_args
-from recdepth.data import TokenDataModule
+from recdepth.glue import schema
+from recdepth.glue.config import conf_dir, data_module, exit_policy, model_config, sampler_args
+from recdepth.glue.data import TokenDataModule
 
 CONF = Path(conf_dir())
 
@@ -231,7 +231,7 @@ def test_config_error_leaves_other_errors_alone():
 ])
 def test_the_command_line_prints_a_composition_error_in_one_line(monkeypatch, tmp_path, overrides, expected):
     """`python -m recdepth.train seed=abc`, in-process: Hydra's multi-line composition
-    report becomes one line naming the field (recdepth/cli.py: run_hydra_main)."""
+    report becomes one line naming the field (recdepth/glue/cli.py: run_hydra_main)."""
     import hydra._internal.utils as hydra_utils
 
     from recdepth.train import main
@@ -375,7 +375,7 @@ def test_unread_data_keys_default_to_what_the_data_module_does():
         if k not in schema.DATA_KEYS["shakespeare"]:
             d = sig[k].default
             assert (list(d) if isinstance(d, tuple) else d) == v, k  # a range: a tuple there, a list in the schema
-    assert set(schema.DATA_KEYS) == set(__import__("recdepth.documents", fromlist=["SOURCES"]).SOURCES)
+    assert set(schema.DATA_KEYS) == set(__import__("recdepth.glue.documents", fromlist=["SOURCES"]).SOURCES)
 
 
 # ------------------------------------------------------------ built objects
@@ -417,7 +417,8 @@ def test_per_group_exit_values_build_one_policy_per_group():
 ROOT_YAML = {"train_schema": "config", "evaluate_schema": "evaluate", "calibrate_schema": "calibrate",
              "report_schema": "report", "train_gate_schema": "train_gate", "diagnose_schema": "diagnose",
              "generate_schema": "generate"}
-IDENTITY = {"exit": {"name"}, "model": {"name", "groups"}}  # what names an option, even when it is the default
+IDENTITY = {"exit": {"name"}, "model": {"name", "groups"}, "data": {"source"}, "sampler": {"name"},
+            "trainer": set()}  # what names an option, even when it is the default
 
 
 def _defaults(cls) -> dict:
@@ -443,26 +444,26 @@ def test_root_yaml_values_are_the_schema_defaults(schema_name):
     keys for the reader, and every value it writes is the schema's default."""
     import yaml
 
-    from recdepth.config import conf_dir
-    from recdepth.schema import ROOTS
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.schema import ROOTS
 
     y = yaml.safe_load((Path(conf_dir()) / f"{ROOT_YAML[schema_name]}.yaml").read_text())
     wrong = [(p, v, dv) for p, v, dv in _leaves(y, _defaults(ROOTS[schema_name])) if v != dv]
-    assert wrong == [], f"conf/{ROOT_YAML[schema_name]}.yaml disagrees with recdepth/schema.py: {wrong}"
+    assert wrong == [], f"conf/{ROOT_YAML[schema_name]}.yaml disagrees with recdepth/glue/schema.py: {wrong}"
 
 
 @pytest.mark.parametrize("group", sorted(IDENTITY))
 def test_group_options_hold_only_what_differs_from_the_schema(group):
-    """conf/exit/*.yaml and conf/model/*.yaml hold only what differs from the schema's
+    """conf/{exit,model,data,sampler,trainer}/*.yaml hold only what differs from the schema's
     defaults (and the option's name; a model's groups): no file restates a default."""
     import yaml
 
-    from recdepth.config import conf_dir
-    from recdepth.schema import TrainConfig
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.schema import TrainConfig
 
     dflt = _defaults(TrainConfig)[group]
     files = sorted((Path(conf_dir()) / group).glob("*.yaml"))
-    assert len(files) >= 4
+    assert len(files) >= 2
     for f in files:
         y = yaml.safe_load(f.read_text()) or {}
         restated = [p for p, v, dv in _leaves(y, dflt) if v == dv and p not in IDENTITY[group]]

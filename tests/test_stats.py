@@ -1,4 +1,4 @@
-"""recdepth.stats against independent computations (docs/spec.md §4b): the closed-form CI
+"""recdepth.core.stats against independent computations (docs/spec.md §4b): the closed-form CI
 of a mean, coverage on data with a known mean (independent and dependent tokens), slow
 per-resample reference loops written here from the definitions (each resample's tokens
 gathered explicitly from its drawn windows), brute force for the oracle, hand counts of
@@ -11,7 +11,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from recdepth import stats
+from recdepth.core import stats
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -287,7 +287,7 @@ def test_cost_of_the_model_configs():
     against the layer counts by hand."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir, model_config
+    from recdepth.glue.config import conf_dir, model_config
 
     want = {"grouped": stats.Cost([1, 2, 1], 8), "single": stats.Cost([4], 8), "huginn": stats.Cost([4], 2 + 2),
             "baseline": stats.Cost([], 12)}
@@ -301,11 +301,11 @@ def test_cost_of_the_model_configs():
 @pytest.mark.parametrize("arch", ["grouped", "single", "huginn"])
 def test_cost_counts_the_layers_a_forward_runs(arch):
     """The layer applications of a real forward pass, counted with a hook on every layer,
-    equal Cost.per_token of the loops run and decoding.model_cost's model cost."""
+    equal Cost.per_token of the loops run and scoring.model_cost's model cost."""
     import torch
 
-    from recdepth.decoding import model_cost
-    from recdepth.model import GPTConfig, LoopedGPT
+    from recdepth.core.model import GPTConfig, LoopedGPT
+    from recdepth.core.scoring import model_cost
 
     groups, n_layer, loops, hand = {
         "grouped": ([[4], [5, 6], [7]], 12, [5, 6, 4], 29),
@@ -819,7 +819,7 @@ def test_sweep_summary_with_per_group_values(tmp_path, caplog):
     jobs.append(("argmax_stability", None, 8, {"patience": 3}, base + 0.06, rng.integers(4, 8, (n_tok, G))))
     for j, (rule, tau, n, kw, nll, apps) in enumerate(jobs):
         _write_job(tmp_path / str(j), rule, tau, n, nll, apps, patience=kw.get("patience", 5))
-    with caplog.at_level(logging.INFO, logger="recdepth.sweep"):
+    with caplog.at_level(logging.INFO, logger="recdepth.plots"):
         sweep.summarize(tmp_path)
     assert "job(s) 4 have one τ per group" in caplog.text
     rows = {int(r["job"]): r for r in csv.DictReader(open(tmp_path / "sweep_results.csv"))}

@@ -1,8 +1,8 @@
-"""The frontier's verdicts (recdepth/sweep.py)."""
+"""The frontier's verdicts (recdepth/glue/frontier.py)."""
 
 import pytest
 
-from recdepth.sweep import _holm_verdict, _verdict
+from recdepth.glue.frontier import _holm_verdict, _verdict
 
 
 @pytest.mark.parametrize("lo, hi, want", [

@@ -1,4 +1,4 @@
-"""data=task: generated algorithmic tasks (recdepth/tasks.py, docs/spec.md §6).
+"""data=task: generated algorithmic tasks (recdepth/core/tasks.py, docs/spec.md §6).
 
 Each task's answers are checked by a solver written here from the task's statement (it
 parses the decoded text), never by the generator's own arithmetic; the labels are followed
@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth import stats, tasks
-from recdepth.data import TokenDataModule
-from recdepth.schema import DataConfig
-from recdepth.tokenizer import EOT_ID, gpt2
-from recdepth.vocab import Vocab
+from recdepth.core import stats, tasks
+from recdepth.glue.data import TokenDataModule
+from recdepth.glue.schema import DataConfig
+from recdepth.glue.tokenizer import EOT_ID, gpt2
+from recdepth.glue.vocab import Vocab
 from tests.test_cli import run
 
 COUNTS = dict(train_records=300, test_records=8, validation_records=8, extrapolation_records=8)
@@ -240,7 +240,7 @@ def test_answer_scoring_needs_labels():
     with pytest.raises(ValueError, match=r"data\.loss: answers needs per-token answer labels") as e:
         DataConfig(source="shakespeare", loss="answers")
     assert "\n" not in str(e.value)
-    from recdepth.decoding import score_task
+    from recdepth.core.scoring import score_task
     with pytest.raises(ValueError, match=r"eval\.answers: true"):
         score_task(None, None, {}, {}, None, True, "latest", 1, False, None)
 
@@ -275,7 +275,7 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env)
     assert ev["ce"] == pytest.approx(np.mean([float(r["nll"]) for r in rows]))
     # the labels in the csv are the cache's, at each target position (position + 1)
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
-    from recdepth.checkpoints import checkpoint_data, load_checkpoint
+    from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
 
     module, data = load_checkpoint(ckpt, torch.device("cpu"))
     labels = checkpoint_data(module, data, 0).heldout_labels(513)
@@ -339,7 +339,7 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env)
     # of whole train records (offsets multiples of the block size)
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
+    from recdepth.glue.config import conf_dir
     from recdepth.train_gate import train_gate, train_offsets
 
     with initialize_config_dir(conf_dir(), version_base="1.3"):
@@ -369,9 +369,9 @@ def test_each_task_has_an_experiment_whose_evaluation_is_its_test_split(name):
     is what recdepth.calibrate needs on a task (calibration starts at the validation split)."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
-    from recdepth.model import shape_of
-    from recdepth.schema import validated
+    from recdepth.core.model import shape_of
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.schema import validated
 
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg = compose("config", overrides=[f"experiment={name}", "run_dir=/tmp/unused"])
@@ -400,7 +400,7 @@ def test_unigram_baseline_of_an_answers_loss_counts_answers_only(tmp_path):
 def test_geometry_by_difficulty_averages_the_positions_of_each_difficulty():
     import torch
 
-    from recdepth.diagnostics import by_difficulty
+    from recdepth.core.diagnostics import by_difficulty
 
     g = torch.Generator().manual_seed(0)
     sn, cos = torch.rand(3, 10, generator=g), torch.rand(2, 10, generator=g)

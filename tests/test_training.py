@@ -4,7 +4,7 @@ import lightning as L
 import pytest
 import torch
 
-from recdepth.lit import TrainingDiverged
+from recdepth.glue.lit import TrainingDiverged
 from tests.tiny_fit import tiny_fit
 
 

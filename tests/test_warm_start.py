@@ -11,16 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth import exits
-from recdepth.decoding import (
-    RowNoise,
-    decode_step,
-    evaluate_exit,
-    evaluate_oracle,
-    new_caches,
-    noise_seed,
-    windows,
-)
+from recdepth.core import exits
+from recdepth.core.decoding import RowNoise, decode_step, new_caches, noise_seed, windows
+from recdepth.core.scoring import evaluate_exit, evaluate_oracle
 from tests.test_decoding import model
 
 T = 12  # the tiny models' block size
@@ -189,8 +182,8 @@ def test_decode_step_checks_its_warm_states():
 def test_eval_warm_start_in_every_config_with_an_eval_block():
     from hydra import compose, initialize_config_dir
 
-    from recdepth.config import conf_dir
-    from recdepth.schema import validated
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.schema import validated
 
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         for name, extra in (("config", []), ("evaluate", ["ckpt=x.ckpt"]),

@@ -7,9 +7,9 @@ parallel forward. Faster to iterate on than the full run; not the shipped path.
     CHAINS, DISTRACTORS (hops), T (block size), INIT (state init), CACHE (token cache dir)
 """
 import math, sys, time, torch, numpy as np
-from recdepth.data import TokenDataModule
-from recdepth.model import LoopedGPT, GPTConfig
-from recdepth.sampler import lognormal_poisson
+from recdepth.glue.data import TokenDataModule
+from recdepth.core.model import LoopedGPT, GPTConfig
+from recdepth.core.sampler import lognormal_poisson
 torch.set_num_threads(2); torch.manual_seed(0)
 task, steps, B, lr, mean, bp = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), float(sys.argv[5]), int(sys.argv[6])
 nl = int(sys.argv[7]) if len(sys.argv) > 7 else 4

@@ -18,7 +18,7 @@ is then left out (it would repeat the fixed grid). The sweep summary
 With Hydra's basic launcher (jobs one after another in this process) and
 `hydra.sweeper.shared_rows` > 0 (default 64), the jobs that differ only in their exit
 setting are decoded before they run as one batch of settings × windows, up to that many
-rows a batch (`recdepth.evaluate.decode_shared`); each job then writes its own directory and
+rows a batch (`recdepth.glue.evaluation.decode_shared`); each job then writes its own directory and
 files from those results, which equal its decoding alone. 0 decodes job by job.
 """
 
@@ -66,7 +66,7 @@ class FrontierSweeper(BasicSweeper):
         batch's settings decoded side by side ahead of the jobs."""
         super().validate_batch_is_legal(batch)
         if self.shared_rows and isinstance(self.launcher, BasicLauncher):
-            from recdepth.evaluate import decode_shared
+            from recdepth.glue.evaluation import decode_shared
 
             jobs = []
             for overrides in batch:

@@ -1,0 +1,537 @@
+"""Token-by-token decoding with a KV cache under an exit rule (SPEC §4, the reference).
+
+Held-out text is fed left to right as in generation. For the current token every
+recurrence group loops under the exit rule, row by row; the token's next-token
+log-probability is scored (teacher forcing). Looped layers keep one K/V entry per
+position ("latest" sharing): each application overwrites the current position's entry,
+so later tokens read an earlier position at its last computed application. Each row
+reads only its own cache rows, and a row that has exited is never written again, so a
+row's result in a batch is exactly its result alone.
+
+Quality = cross-entropy / perplexity over the scored tokens; cost = mean applications per
+token per group; latency = wall-clock ms per token at batch 1 after a warm-up, exit
+checks included.
+
+Noise: with `state_init=normal` the initial state of row b's loop for the token at
+position p in group g is drawn from a generator seeded by `noise_seed(seed, sequence_b, p,
+g)` alone (SPEC §4, noise and batches), so a window's result does not depend on the
+other windows decoded beside it: batch B reproduces batch 1.
+
+Continuous compute (`warm_start`, SPEC §4, recdepth's continuous compute): row b's loop
+for the token at position p > 0 in group g starts from the state group g's loop ended
+with for row b at position p − 1 (the group's output there) instead of the initial state;
+position 0 of a window starts as above. The carried states are per row, so batch B still
+reproduces batch 1.
+
+The scoring built on this engine (evaluate_exit(s), latency, the oracle) is
+recdepth/core/scoring.py.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from recdepth.core.exits import ExitPolicy
+from recdepth.core.lean_step import LeanSteps
+from recdepth.core.model import LoopedGPT
+
+SHARING = ("latest", "per_step")
+STEPS = ("module", "lean", "compiled")  # eval.step: how a token's layers are computed (`lean_steps`)
+
+
+class KVCache:
+    """K/V of one layer for token-by-token decoding, shaped [B, H, T, head_dim].
+
+    One entry per position ("latest" sharing, SPEC §4): a looped layer overwrites its
+    position's entry at every application, so earlier positions are always read at their
+    last computed application. Each row owns its own entries; `rows` restricts a write to
+    the rows still looping, so a row that has exited is never overwritten by another's step:
+    a bool mask [B] when k/v hold every row, or an index [b] when they hold only those rows
+    (a compacted batch).
+    """
+
+    def __init__(self, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype):
+        self.k = torch.zeros(batch, n_head, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+
+    def _slot(self, pos: int) -> tuple[Tensor, Tensor]:
+        """Views [B, H, head_dim] of the entries the current application writes at `pos`."""
+        return self.k[:, :, pos], self.v[:, :, pos]
+
+    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        ks, vs = self._slot(pos)  # views: assignments below write into the cache
+        if rows is None:
+            ks[:], vs[:] = k[:, :, 0], v[:, :, 0]
+        elif rows.dtype == torch.bool:  # k/v of every row; write the masked ones
+            ks[rows], vs[rows] = k[rows, :, 0], v[rows, :, 0]
+        else:  # k/v of the rows listed in `rows` only (compacted batch)
+            ks[rows], vs[rows] = k[:, :, 0], v[:, :, 0]
+
+    def read(self, pos: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
+
+
+class StepKVCache(KVCache):
+    """K/V of one looped layer indexed by (application, position), shaped [B, H, A, T, head_dim]
+    (Huginn's per-step cache; `eval.cache=per_step`).
+
+    Application j of the layer (set `step = j` before it) writes slot j of the current
+    position and reads slot j of every position, so a token attends to earlier tokens at
+    the same depth of the loop. A position whose loop stopped after n < A applications
+    has its last entry copied into slots n..A−1 (`finish`), so later tokens read it at its
+    last application when they loop longer. With the same fixed n for every token this is
+    exactly the parallel forward pass.
+    """
+
+    def __init__(self, batch: int, n_head: int, max_len: int, head_dim: int, device, dtype, max_steps: int):
+        self.k = torch.zeros(batch, n_head, max_steps, max_len, head_dim, device=device, dtype=dtype)
+        self.v = torch.zeros_like(self.k)
+        self.step = 0
+
+    def _slot(self, pos: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, self.step, pos], self.v[:, :, self.step, pos]
+
+    def read(self, pos: int) -> tuple[Tensor, Tensor]:
+        return self.k[:, :, self.step, : pos + 1], self.v[:, :, self.step, : pos + 1]
+
+    def finish(self, pos: int, n: Tensor) -> None:
+        """Position `pos` ran n[b] applications in row b: fill slots n[b].. with slot n[b]−1."""
+        A = self.k.shape[2]
+        src = torch.minimum(torch.arange(A, device=n.device)[None, :], (n - 1)[:, None])  # [B, A]
+        idx = src[:, None, :, None].expand(-1, self.k.shape[1], -1, self.k.shape[-1])
+        self.k[:, :, :, pos] = self.k[:, :, :, pos].gather(2, idx)
+        self.v[:, :, :, pos] = self.v[:, :, :, pos].gather(2, idx)
+
+
+def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "latest",
+               max_steps: int = 32) -> list[KVCache | StepKVCache]:
+    """One K/V cache per layer. `sharing` decides what a looped layer keeps per position:
+    "latest" (SPEC §4, default): one entry, overwritten by every application;
+    "per_step": one entry per application (at most `max_steps`), read at the same depth
+    of the loop (Huginn's per-step cache; with a fixed n it equals the parallel pass)."""
+    check_cache(sharing)
+    cfg, p = model.cfg, next(model.parameters())
+    looped = {layer for g in cfg.groups for layer in g}
+    shape = (batch, cfg.n_head, max_len, cfg.n_embd // cfg.n_head, p.device, p.dtype)
+    return [StepKVCache(*shape, max_steps=max_steps) if sharing == "per_step" and layer in looped
+            else KVCache(*shape) for layer in range(cfg.n_layer)]
+
+
+def check_cache(sharing: str) -> None:
+    if sharing not in SHARING:
+        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {sharing!r}")
+
+
+def check_settings(n_tokens: int, warmup_tokens: int = 8, batch_size: int = 1, latency_tokens: int | None = None,
+                   repeats: int = 1, cache: str = "latest", warm_start: bool = False) -> None:
+    """`evaluate_exit`'s settings (the run config's `eval` block), checked with one line
+    naming the field each; the run config's schema (recdepth/glue/schema.py) checks `eval` with it."""
+    for field, v, lo in (("tokens", n_tokens, 0), ("warmup_tokens", warmup_tokens, 0), ("batch_size", batch_size, 1),
+                         ("latency_tokens", latency_tokens, 0), ("repeats", repeats, 1)):
+        if field == "latency_tokens" and v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+            raise ValueError(f"eval.{field}: expected an integer >= {lo}, got {v!r}")
+    check_cache(cache)
+    if not isinstance(warm_start, bool):
+        raise ValueError(f"eval.warm_start: expected true or false, got {warm_start!r}")
+
+
+def noise_seed(seed: int, sequence: int, position: int, group: int) -> int:
+    """The seed of one row's initial-state noise (SPEC §4, noise and batches): a hash of
+    (seed, sequence, position, group) alone, never of the batch a row is decoded in."""
+    h = hashlib.blake2b(struct.pack("<4q", seed, sequence, position, group), digest_size=8)
+    return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+
+
+class RowNoise:
+    """Per-row noise keys of a decoding batch: row b is sequence `sequences[b]`."""
+
+    def __init__(self, seed: int, sequences: Sequence[int]):
+        self.seed, self.sequences = int(seed), [int(q) for q in sequences]
+
+    def seeds(self, position: int, group: int, rows: Tensor | None = None) -> list[int]:
+        seqs = self.sequences if rows is None else [self.sequences[i] for i in rows.tolist()]
+        return [noise_seed(self.seed, q, position, group) for q in seqs]
+
+
+# ------------------------------------------------- what the decoding rules decode
+def has_coda(model: LoopedGPT) -> bool:
+    """Whether `model` is a prelude / core / coda model: exactly one recurrence group and at
+    least one layer after it (what `exit.decode=auto` decodes through the coda for)."""
+    return model.n_groups == 1 and model.cfg.groups[0][-1] < model.cfg.n_layer - 1
+
+
+def decode_mode(model: LoopedGPT, policy: ExitPolicy) -> str:
+    """`policy.decode` for this model: "coda" or "head" (`auto` resolved by `has_coda`)."""
+    return policy.resolve(has_coda(model)).decode
+
+
+class PeekCache:
+    """One layer's decoding cache, read but never written, for a hypothetical pass at
+    positions pos .. pos + T − 1: attention reads the cached K/V of positions 0 .. pos − 1
+    and the K/V this pass computes for its own positions (kept here, not in the cache)."""
+
+    def __init__(self, cache: KVCache, pos: int):
+        self.cache, self.pos = cache, pos
+        self.k = self.v = None
+
+    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
+        if pos != self.pos or rows is not None:
+            raise ValueError("PeekCache: one pass of every row at its own position")
+        self.k, self.v = k, v
+
+    def read(self, pos: int) -> tuple[Tensor, Tensor]:
+        ck, cv = self.cache.read(self.pos - 1)  # positions 0 .. pos − 1, as cached
+        return torch.cat([ck, self.k], dim=2), torch.cat([cv, self.v], dim=2)
+
+
+def coda_logits(model: LoopedGPT, g: int, s: Tensor, caches: list[KVCache], pos: int) -> Tensor:
+    """The logits the model would give if group g stopped at the states s [B, T, d] of
+    positions pos .. pos + T − 1 (Huginn's `predict_from_latents`): `leave_group`, every layer
+    after the group, the final norm and the head. The layers' attention reads the cached
+    K/V of positions < pos and the K/V computed here for s (causal among the T positions),
+    through `PeekCache`: nothing is written to `caches`. One recurrence group only."""
+    if model.n_groups != 1:
+        raise ValueError(f"exit.decode: coda decodes through the layers after the loop (Huginn's coda), defined for "
+                         f"a model with one recurrence group; this one has {model.n_groups} (use exit.decode=head)")
+    x = model.leave_group(g, s)
+    for layer in model.coda:
+        x = model.h[layer](x, PeekCache(caches[layer], pos), pos)
+    return model.decode_logits(x)
+
+
+def state_decoder(model: LoopedGPT, g: int, policy: ExitPolicy, caches: list[KVCache], pos: int,
+                  chunk: bool = False) -> Callable[[Tensor], Tensor] | None:
+    """The `decode` (state -> logits) a loop of group g at `pos` gives its exit monitor:
+    None for a rule that does not decode; `model.decode_logits` (final norm + head) for
+    exit.decode=head; `coda_logits` for coda (`decode_mode`). The monitor passes states
+    [B, d], one per row at `pos`, or with `chunk` [T, d], the positions pos .. pos + T − 1 of
+    one row (recdepth/core/generation.py's chunk pass)."""
+    if not policy.needs_decode:
+        return None
+    if decode_mode(model, policy) == "head":
+        return model.decode_logits
+    if chunk:
+        return lambda x: coda_logits(model, g, x[None], caches, pos)[0]
+    return lambda x: coda_logits(model, g, x[:, None], caches, pos)[:, 0]
+
+
+def lean_steps(model: LoopedGPT, step: str) -> LoopedGPT:
+    """Decode `model` with `step` (`eval.step`, `STEPS`): "module" = `Block.forward`, the
+    reference; "lean" = `recdepth.core.lean_step`'s static-shape step, eager; "compiled" = the
+    same under torch.compile (graphs built on first use). Attaches the lean steps to the
+    model (`model.lean_steps`, None for "module") and returns it; the engine takes them
+    wherever they apply (`lean_of`)."""
+    if step not in STEPS:
+        raise ValueError(f"eval.step: expected one of {', '.join(STEPS)}, got {step!r}")
+    lean = getattr(model, "lean_steps", None)
+    if step == "module":
+        lean = None
+    elif lean is None or lean.compiled != (step == "compiled"):
+        lean = LeanSteps(model, compile=step == "compiled")
+    model.lean_steps = lean
+    return model
+
+
+def step_of(model: LoopedGPT) -> str:
+    """The `eval.step` the model decodes with now (`lean_steps`)."""
+    lean = getattr(model, "lean_steps", None)
+    return "module" if lean is None else "compiled" if lean.compiled else "lean"
+
+
+def lean_of(model: LoopedGPT, caches: list) -> LeanSteps | None:
+    """The model's lean steps if they compute a one-token call on these layer caches:
+    one-entry-per-position caches (`KVCache`, not `StepKVCache` or the coda's `PeekCache`);
+    else None (the caller runs `Block.forward`)."""
+    lean = getattr(model, "lean_steps", None)
+    if lean is None or any(type(c) is not KVCache for c in caches):
+        return None
+    return lean
+
+
+def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
+                rows: Tensor | None) -> Tensor:
+    """One application of group g for one token, `model.apply_group` or its lean step
+    (`lean_of`; rows None or a bool mask over the batch)."""
+    mine = [caches[layer] for layer in model.cfg.groups[g]]
+    lean = lean_of(model, mine)
+    if lean is None:
+        return model.apply_group(g, s, e_proj, caches, pos, rows)
+    return lean.group(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
+
+
+def _forced(fired: Tensor, n: Tensor, fixed_rows: Tensor | None, fixed_steps: int | None,
+            limit: Tensor | None) -> Tensor:
+    """`fired` with the rows the rule does not decide: `fixed_rows` stop exactly at
+    `fixed_steps` applications, and every row at its `limit` (n: applications so far)."""
+    if fixed_rows is not None:
+        fired = torch.where(fixed_rows, n >= fixed_steps, fired)
+    if limit is not None:
+        fired = fired | (n >= limit)
+    return fired
+
+
+def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
+               pos: int, generator: torch.Generator | None = None, compact: bool = True,
+               noise: RowNoise | None = None, limit: Tensor | None = None,
+               init: Tensor | None = None, fixed_rows: Tensor | None = None,
+               fixed_steps: int | None = None) -> tuple[Tensor, Tensor]:
+    """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
+    Returns the final states [B, 1, d] and applications per row [B].
+
+    With `compact`, once some rows have exited the layers run on the rows still looping
+    only (their attention reads the full cache in place), so compute saved by early exits
+    is wall-clock saved; without it, exited rows are computed and masked out. Either way a
+    row's result is exactly its batch-1 result. `noise` keys each row's initial state
+    (otherwise all rows draw from `generator`); `limit` [B], if given, stops row b after
+    limit[b] applications at the latest (a per-row max_steps). `init` [B, 1, d], if given,
+    is row b's starting state instead of `model.initial_state` (no noise is drawn; the warm
+    start of continuous compute). `fixed_rows` [B] (bool), with `fixed_steps`: those rows
+    ignore the rule and loop exactly `fixed_steps` applications (a task's context positions
+    under `eval.context_steps`, docs/spec.md §6). A per-group `policy` loops group g under its group-g
+    values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
+    says (`state_decoder`: the head, or through the coda without writing its cache)."""
+    policy = policy.group(g)
+    B = e.shape[0]
+    e_proj = model.adapters[g].input(e)
+    if init is None:
+        s = model.initial_state(e, generator, None if noise is None else noise.seeds(pos, g))
+    elif init.shape != e.shape:
+        raise ValueError(f"loop_group: initial state of shape {tuple(init.shape)} for input {tuple(e.shape)}")
+    else:
+        s = init
+    decode = state_decoder(model, g, policy, caches, pos)  # exit.decode: head or through the coda
+    monitor = policy.monitor(s[:, 0], decode)
+    n = torch.zeros(B, dtype=torch.long, device=e.device)
+    active = torch.ones(B, dtype=torch.bool, device=e.device)
+    step_caches = [caches[layer] for layer in model.cfg.groups[g] if isinstance(caches[layer], StepKVCache)]
+    j, n_active = 0, B
+    while True:
+        for c in step_caches:
+            c.step = j
+        if B == 1:  # the one row is active while looping
+            s = s_new = apply_group(model, g, s, e_proj, caches, pos, None)
+        elif compact and n_active < B:
+            idx = active.nonzero()[:, 0]
+            s = s_new = s.index_copy(0, idx, model.apply_group(g, s[idx], e_proj[idx], caches, pos, idx))
+        else:
+            s_new = apply_group(model, g, s, e_proj, caches, pos, active)
+            s = torch.where(active[:, None, None], s_new, s)
+        j += 1
+        if B == 1:  # the one row has run j applications: no row bookkeeping per application
+            fired = monitor.observe(s_new[:, 0])
+            if fixed_rows is not None or limit is not None:
+                n.fill_(j)
+                fired = _forced(fired, n, fixed_rows, fixed_steps, limit)
+            if bool(fired[0]):
+                n.fill_(j)
+                for c in step_caches:
+                    c.finish(pos, n)
+                return s, n
+            continue
+        n += active
+        fired = _forced(monitor.observe(s_new[:, 0]), n, fixed_rows, fixed_steps, limit)
+        active = active & ~fired
+        n_active = int(active.sum())
+        if n_active == 0:
+            for c in step_caches:
+                c.finish(pos, n)
+            return s, n
+
+
+@torch.no_grad()
+def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
+                generator: torch.Generator | None = None, compact: bool = True,
+                noise: RowNoise | None = None, limit: Tensor | None = None,
+                warm: list[Tensor | None] | None = None,
+                states: list[Tensor | None] | None = None, fixed_rows: Tensor | None = None,
+                fixed_steps: int | None = None) -> tuple[Tensor, Tensor]:
+    """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
+    next token and applications [B, G] per group (`noise`, `limit`, `fixed_rows`,
+    `fixed_steps`: see `loop_group`).
+    `states`, if given (one entry per group), receives each group's final loop state
+    [B, 1, d] (before `leave_group`: what the exit monitor saw last; the gate's features).
+
+    `warm` (continuous compute): one entry per group, read and replaced in place. Group g
+    starts from warm[g] [B, 1, d] when it is not None (else from its initial state), and
+    warm[g] becomes the state its loop ended with, for the next position of the same rows.
+    Start a window with `[None] * model.n_groups`."""
+    if warm is not None and len(warm) != model.n_groups:
+        raise ValueError(f"decode_step: {len(warm)} warm states for {model.n_groups} recurrence groups")
+    x = model.embed(tokens[:, None], pos0=pos)
+    apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
+    for kind, i in model.plan:
+        if kind == "layer":
+            lean = lean_of(model, [caches[i]])
+            x = model.h[i](x, caches[i], pos) if lean is None else lean.layer(i, x, caches[i].k, caches[i].v, pos)
+        else:
+            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit,
+                                       None if warm is None else warm[i], fixed_rows, fixed_steps)
+            if states is not None:
+                states[i] = x
+            x = model.leave_group(i, x)
+            if warm is not None:  # the state leaving the group (after a latent norm: Huginn's latent_states)
+                warm[i] = x
+    return model.decode_logits(x)[:, 0], apps
+
+
+def windows(n_tokens: int, block_size: int) -> list[tuple[int, int]]:
+    """The held-out stream cut into windows of block_size + 1 tokens with stride block_size
+    (a fresh cache per window, as in generation from a fresh context): (start, scored)
+    pairs, window w scoring the targets start+1 .. start+scored."""
+    return [(w, min(block_size, n_tokens - w)) for w in range(0, n_tokens, block_size)]
+
+
+def span(block_size: int, bos: int | None = None) -> int:
+    """Targets a window scores at most, and the stride of `windows`: block_size, or with a
+    `bos` id block_size − 1 (the window's first input is then BOS, at position 0, and its
+    tokens follow at positions 1 .. block_size − 1; docs/spec.md §4)."""
+    return block_size - (bos is not None)
+
+
+def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
+    """Row b's cache entries at `pos` become row src[b]'s (every application slot)."""
+    for c in caches:
+        c.k[..., pos, :] = c.k[src][..., pos, :]
+        c.v[..., pos, :] = c.v[src][..., pos, :]
+
+
+def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
+                    cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
+                    timed: bool = False, warm_start: bool = False,
+                    first_window: int = 0, bos: int | None = None,
+                    trace: list[Tensor] | None = None, labels: np.ndarray | None = None,
+                    context_steps: int | None = None,
+                    keys: Sequence[int] | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
+    """Decode windows side by side, `reps` rows per window (row r is window r // reps).
+    Returns nll [R, L], applications [R, L, G], with `timed` the seconds of each
+    position, and whether the argmax prediction is the target [R, L] (a task's accuracy). With reps > 1 the rows of a window share their history: after each position
+    every row takes the cache entries of the window's last row (the oracle's max_steps),
+    and with `warm_start` that row's final group states too (`decode_step`'s `warm`).
+    With `bos`, each window's first input is that id (position 0, its loops run under the
+    rule) and the window's tokens follow at positions 1 ..; BOS's own prediction is neither
+    scored nor timed, so nll, applications and seconds are those of the window's tokens.
+    `trace`, if given, receives per scored position the groups' final loop states [R, G, d].
+    `context_steps` with a task's `labels` (aligned with `tokens`): a position whose target
+    is not an answer (and BOS) loops exactly that many applications, the rule deciding at
+    answer positions only (`eval.context_steps`, docs/spec.md §6). `keys`: each window's noise
+    key (SPEC §4's "sequence"), in place of first_window + its offset // span: windows of
+    separate texts laid side by side in one stream, each keyed as it would be alone."""
+    device, T = tokens.device, model.cfg.block_size
+    lead = int(bos is not None)
+    L = max(n for _, n in wins)
+    if L + lead > T:
+        raise ValueError(f"decode_windows: windows of {L} scored tokens{' after BOS' if lead else ''} exceed "
+                         f"model.block_size={T}")
+    R = len(wins) * reps
+    idx = torch.zeros(R, lead + L + 1, dtype=torch.long, device=device)
+    for w, (start, n) in enumerate(wins):
+        idx[w * reps : (w + 1) * reps, lead : lead + n + 1] = tokens[start : start + n + 1]
+    if lead:
+        idx[:, 0] = bos
+    if keys is None:
+        keys = [first_window + start // span(T, bos) for start, _ in wins]
+    elif len(keys) != len(wins):
+        raise ValueError(f"decode_windows: {len(keys)} noise keys for {len(wins)} windows")
+    noise = RowNoise(seed, [int(keys[r // reps]) for r in range(R)])
+    context = None if context_steps is None else context_rows(wins, labels, reps, lead, L).to(device)
+    caches = new_caches(model, R, T, cache, max(policy.max_steps_bound, context_steps or 0))
+    src = torch.arange(R, device=device) // reps * reps + reps - 1
+    warm = [None] * model.n_groups if warm_start else None
+    nll = torch.empty(R, L, dtype=torch.float64)
+    apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
+    correct = torch.empty(R, L, dtype=torch.bool)
+    seconds = []
+    for pos in range(lead + L):
+        t0 = time.perf_counter()
+        states = None if trace is None else [None] * model.n_groups
+        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm,
+                                states=states, fixed_rows=None if context is None else context[:, pos],
+                                fixed_steps=context_steps)
+        if timed and device.type == "cuda":
+            torch.cuda.synchronize()
+        if pos >= lead:  # BOS's step: decoded, not timed or scored
+            seconds.append(time.perf_counter() - t0)
+        if reps > 1:
+            _sync_rows(caches, pos, src)
+            if warm is not None:
+                warm[:] = [w[src] for w in warm]
+        if pos >= lead:
+            nll[:, pos - lead] = model.nll(logits, idx[:, pos + 1]).double().cpu()
+            correct[:, pos - lead] = (logits.argmax(-1) == idx[:, pos + 1]).cpu()
+            apps[:, pos - lead] = a.cpu()
+            if trace is not None:
+                trace.append(torch.cat(states, 1).float().cpu())
+    return nll, apps, seconds, correct
+
+
+def context_rows(wins: list[tuple[int, int]], labels: np.ndarray | None, reps: int, lead: int, L: int) -> Tensor:
+    """[R, lead + L] bool: True where decode_windows' row r at input position p predicts a
+    target that is not an answer (BOS and the positions past a short window included): the
+    positions `eval.context_steps` loops at fixed depth."""
+    if labels is None:
+        raise ValueError("eval.context_steps: runs a task's context at fixed depth and the rule on its answers, "
+                         "but this data has no answer labels (data=task has them; else context_steps=null)")
+    labels = np.asarray(labels)
+    ctx = torch.ones(len(wins) * reps, lead + L, dtype=torch.bool)
+    for w, (start, n) in enumerate(wins):
+        ctx[w * reps : (w + 1) * reps, lead : lead + n] = torch.from_numpy(labels[start + 1 : start + n + 1] == 0)
+    return ctx
+
+
+def records(wins: list[tuple[int, int]], nll: Tensor, apps: Tensor, tokens: Tensor, block_size: int,
+             first_window: int = 0, bos: int | None = None, correct: Tensor | None = None) -> dict:
+    """One row per scored token, in stream order: window (its noise key: first_window + the
+    window's index in the stream), position (of the input token in the held-out stream),
+    target (model id), nll, applications per group [N, G], correct (argmax = target; with
+    `correct`). With `bos` the windows are
+    `span(block_size, bos)` tokens apart; positions and targets are the stream's either way."""
+    cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0)  # noqa: E731
+    stride = span(block_size, bos)
+    rec = {} if correct is None else {"correct": cat([correct[w, :n].numpy() for w, (_, n) in enumerate(wins)])
+                                      .astype(bool)}
+    return rec | {
+        "window": cat([np.full(n, first_window + start // stride) for start, n in wins]).astype(np.int64),
+        "position": cat([np.arange(start, start + n) for start, n in wins]).astype(np.int64),
+        "target": cat([tokens[start + 1 : start + n + 1].cpu().numpy() for start, n in wins]).astype(np.int64),
+        "nll": cat([nll[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
+        "apps": np.concatenate([apps[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
+    }
+
+
+def merge_records(parts: list[dict]) -> dict:
+    return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+
+
+def prepare_windows(model: LoopedGPT, tokens: Tensor, n_tokens: int,
+             bos: int | None = None) -> tuple[Tensor, int, list[tuple[int, int]]]:
+    device = next(model.parameters()).device
+    tokens = tokens.to(device=device, dtype=torch.long)
+    n_tokens = min(n_tokens, tokens.numel() - 1)
+    if n_tokens < 1:
+        raise ValueError("eval.tokens: need at least 2 held-out tokens to score one prediction")
+    if bos is not None and not 0 <= bos < model.cfg.vocab_size:
+        raise ValueError(f"bos: id {bos} is outside the model's vocabulary 0..{model.cfg.vocab_size - 1}")
+    if bos is not None and model.cfg.block_size < 2:
+        raise ValueError("bos: a window needs block_size >= 2 to hold BOS and one token")
+    return tokens, n_tokens, windows(n_tokens, span(model.cfg.block_size, bos))
+
+
+def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int,
+            warm_start: bool = False) -> None:
+    """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels."""
+    n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
+    if n:
+        caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps_bound)
+        noise = RowNoise(seed, [-1])
+        warm = [None] * model.n_groups if warm_start else None
+        for pos in range(n):
+            decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise, warm=warm)

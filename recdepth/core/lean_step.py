@@ -1,0 +1,140 @@
+"""The lean decode step: one token's layer applications in static shapes, optionally
+compiled (issue 23; `eval.compile`, docs/spec.md §4, recdepth note on the lean step).
+
+`recdepth.core.decoding` decodes a token by calling `Block.forward` with the layer's K/V cache:
+about 60 operators per layer application (the profiler's count at d = 128), each a Python
+call and a dispatch, which at batch 1 cost fifty times the arithmetic. This module
+computes the same layer (SPEC §1's sandwich block, with the model's options: RoPE, q/k
+bias, gated MLP) for one token in fewer operators, and with shapes that need not change
+from token to token, so `torch.compile` can fuse it into a few kernels once:
+
+- the K/V cache is the preallocated `KVCache` tensor [B, H, block_size, head_dim],
+  written in place at the position (a tensor, not a Python int) with one `index_copy_`
+  per tensor; eagerly the attention reads positions 0 .. pos, compiled it reads the whole
+  block with the later positions masked (`block_token`);
+- q, k, v are views of one projection; a group application (the adapter and the group's
+  layers, `group_token`) is one call.
+
+It reads the same parameter tensors as the model (no copy), so it always computes the
+current weights. It covers what batch-1 decoding and an uncompacted batch do: a row mask
+`keep` (rows still looping) or none, one-entry-per-position caches (`eval.cache=latest`),
+one token; the decoding engine (`recdepth.core.decoding.lean_of`) runs `Block.forward` as
+before for everything else (a compacted batch's row index, `per_step` caches, a chunk of
+tokens, the coda's `PeekCache`).
+
+Equal to `Block.forward` up to float rounding (tests compare the two: float64 within
+1e-12, float32 within 1e-5). Compiled, the masked entries' softmax weights are exactly 0,
+but the attention sums over the whole block and the kernels fuse differently (within
+float32 rounding; recdepth.bench decode counts the applications that change because a
+criterion lies within rounding of τ).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, gated_silu
+
+
+def _block_weights(block) -> tuple:
+    """The tensors of one block that `block_token` reads, in its argument order."""
+    a = block.attn
+    return (block.norm1.weight, a.qkv.weight, a.qk_bias, a.proj.weight, block.norm2.weight, block.norm3.weight,
+            block.mlp.fc.weight, block.mlp.proj.weight, block.norm4.weight)
+
+
+class LeanSteps:
+    """The lean single-token steps of one model (see the module docstring).
+
+    `compile`: run them through `torch.compile` (fullgraph; graphs built on first use); False runs the same functions
+    eagerly. Made by `recdepth.core.decoding.lean_steps(model, compile)`, which attaches it to
+    the model for the decoding engine to use."""
+
+    def __init__(self, model: LoopedGPT, compile: bool = False):
+        cfg = model.cfg
+        self.model, self.compiled = model, compile
+        self.n_head, self.head_dim, self.eps = cfg.n_head, cfg.head_dim, cfg.norm_eps
+        self.gated = cfg.mlp == "gated_silu"
+        self.rotary = model.h[0].attn.rotary
+        self.blocks = [_block_weights(b) for b in model.h]
+        self.group_blocks = [[self.blocks[layer] for layer in g] for g in cfg.groups]  # built once, read per application
+        device = next(model.parameters()).device
+        self.positions = torch.arange(cfg.block_size, device=device)
+        self.pos = [self.positions[p : p + 1] for p in range(cfg.block_size)]  # no tensor made per token
+        if self.rotary is not None:
+            self.cos, self.sin = self.rotary(0, cfg.block_size, device)
+        else:
+            self.cos = self.sin = None
+        block = self.block_token
+        group = self.group_token
+        if compile:
+            # A graph per group length, qk_bias/keep present or not, and model (dynamo keys
+            # its cache on the function's code, shared by every instance); the batch size
+            # turns dynamic on its second value. More than the default 8 in a process that
+            # decodes several models (a test session), never one per token.
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+            # cpp_wrapper: the graph's launcher in C++, not Python (batch 1 at d = 128: 0.048
+            # against 0.063 ms per layer application of a two-layer group, measured)
+            block = torch.compile(block, fullgraph=True, options={"cpp_wrapper": True})
+            group = torch.compile(group, fullgraph=True, options={"cpp_wrapper": True})
+        self._block, self._group = block, group
+
+    # ---------------------------------------------------------------- the math
+    def block_token(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, keep: Tensor | None, w: tuple,
+                    n_ctx: int | None = None) -> Tensor:
+        """`Block.forward` for one token x [B, 1, d] at position `pos` ([1] long) with the
+        layer's cache kc, vc [B, H, block_size, head_dim]: this token's k/v are written at
+        `pos` (only in the rows where `keep` [B] is True, if given) and the attention reads
+        positions 0 .. pos (SPEC §1; the decoding cache of SPEC §4): the first n_ctx = pos + 1
+        entries, or with n_ctx None (compiled: no shape may depend on pos) the whole cache
+        with the later positions masked."""
+        n1, qkv_w, qk_bias, proj_w, n2, n3, fc_w, mproj_w, n4 = w
+        B, _, C = x.shape
+        H, hd = self.n_head, self.head_dim
+        h = F.rms_norm(x, (C,), n1, self.eps)
+        q, k, v = F.linear(h, qkv_w).view(B, 1, 3, H, hd).unbind(2)  # each [B, 1, H, hd]
+        if qk_bias is not None:
+            q, k = add_qk_bias(q, k, qk_bias)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, 1, hd]
+        if self.cos is not None:
+            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if keep is not None:  # rows that have exited keep their entry
+            m = keep[:, None, None, None]
+            k = torch.where(m, k, kc.index_select(2, pos))
+            v = torch.where(m, v, vc.index_select(2, pos))
+        kc.index_copy_(2, pos, k)
+        vc.index_copy_(2, pos, v)
+        if n_ctx is None:  # static shapes (compiled): the whole block, positions after pos masked
+            mask = (self.positions <= pos)[None, :]  # [1, block_size]
+            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+        else:  # eager: positions 0 .. pos only (n_ctx = pos + 1)
+            y = F.scaled_dot_product_attention(q, kc[:, :, :n_ctx], vc[:, :, :n_ctx])
+        x = F.rms_norm(F.linear(y.transpose(1, 2).reshape(B, 1, C), proj_w) + x, (C,), n2, self.eps)
+        h = F.linear(F.rms_norm(x, (C,), n3, self.eps), fc_w)
+        h = gated_silu(h) if self.gated else F.silu(h)
+        return F.rms_norm(F.linear(h, mproj_w) + x, (C,), n4, self.eps)
+
+    def group_token(self, s: Tensor, e_proj: Tensor, adapter_w: Tensor, kvs: list[tuple[Tensor, Tensor]],
+                    pos: Tensor, keep: Tensor | None, ws: list[tuple], n_ctx: int | None = None) -> Tensor:
+        """One application of a group for one token (`LoopedGPT.apply_group`): the adapter
+        W_s s + e_proj, then the group's layers (`block_token`), each with its cache."""
+        u = F.linear(s, adapter_w) + e_proj
+        for (kc, vc), w in zip(kvs, ws, strict=True):
+            u = self.block_token(u, kc, vc, pos, keep, w, n_ctx)
+        return u
+
+    # ------------------------------------------------------- the engine's calls
+    def layer(self, i: int, x: Tensor, k: Tensor, v: Tensor, pos: int, keep: Tensor | None = None) -> Tensor:
+        """Layer i for one token x [B, 1, d] (`model.h[i](x, cache, pos, keep)`) with its
+        cache tensors k, v [B, H, block_size, head_dim]."""
+        return self._block(x, k, v, self.pos[pos], keep, self.blocks[i], None if self.compiled else pos + 1)
+
+    def group(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
+              keep: Tensor | None = None) -> Tensor:
+        """`model.apply_group(g, s, e_proj, caches, pos, keep)` for one token, with the cache
+        tensors (k, v) of the group's layers."""
+        return self._group(s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos], keep,
+                           self.group_blocks[g], None if self.compiled else pos + 1)

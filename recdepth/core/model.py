@@ -1,0 +1,692 @@
+"""The looped GPT-2 of SPEC §1, in one file (nanoGPT lineage).
+
+A GPT-2-style decoder (learned absolute positions, tied embeddings, SiLU MLP, sandwich
+RMSNorm as in Huginn) in which some contiguous runs of layers — *recurrence groups* —
+are applied several times. The paper's pattern is groups = [[4], [5, 6], [7]]; the
+Huginn shape (prelude / one recurrent core / coda) is the case of a single group.
+
+Huginn's own architecture (Geiping et al. 2025, seal-rg/recurrent-pretraining) is a set
+of options of the same model (docs/spec.md §1b): rotary positions (`position: rope`,
+`apply_rope`), a gated SiLU MLP (`mlp: gated_silu`, `gated_silu`), a learned bias on q
+and k before the rotation (`qk_bias`, `add_qk_bias`), embeddings scaled by sqrt(d)
+(`scale_embeddings`) and the final norm applied to the latent as it leaves the loop
+(`latent_norm`, `LoopedGPT.leave_group`). Every option defaults to the GPT-2 model
+above, which they leave bit-identical. recdepth/glue/hf.py reads and writes Huginn's Hugging
+Face checkpoints.
+
+One application of group g (layers l_1..l_m), SPEC §1:
+
+    u      = adapter_g(concat(s, e_g))          # Linear(2d -> d, bias=False)
+    s_next = layer_{l_m}( ... layer_{l_1}(u) ... )
+
+where e_g is the hidden state entering the group (fixed across applications) and s the
+recurrent state, initialised from noise. The adapter is split into its two halves,
+W_s s + W_e e_g, so that W_e e_g is computed once per forward pass instead of once per
+application (the same function; it saves half the adapter's work and a concat per step).
+
+The same blocks serve three paths: the parallel forward (training and validation), the
+token-by-token forward with a KV cache (`recdepth.core.decoding`), and trajectory capture.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# Size presets. `cpu` trains in minutes on a 2-core laptop; `paper` is the paper's GPT-2;
+# `tiny` is for tests (seconds); `huginn-0125` is Huginn-0125's published shape
+# (recpre/raven_config_minimal.py: RavenConfig defaults; 2 + 4 + 2 layers, with
+# groups [[2, 3, 4, 5]]). A preset may also set intermediate_size.
+SIZES: dict[str, dict[str, int]] = {
+    "cpu": dict(n_layer=12, n_head=4, n_embd=128, block_size=128),
+    "paper": dict(n_layer=12, n_head=12, n_embd=768, block_size=512),
+    "tiny": dict(n_layer=8, n_head=4, n_embd=64, block_size=64),
+    "huginn-0125": dict(n_layer=8, n_head=55, n_embd=5280, block_size=4096, intermediate_size=17920),
+}
+STATE_INITS = ("normal", "zero", "input")
+POSITIONS = ("learned", "rope")
+MLPS = ("silu", "gated_silu")
+# The architecture options beyond the shape, with the defaults that are the GPT-2 model
+# of SPEC §1 (GPTConfig documents each). intermediate_size belongs with the shape (a
+# size preset may set it).
+OPTION_DEFAULTS: dict[str, object] = dict(position="learned", rope_base=10000.0, mlp="silu", qk_bias=False,
+                                          scale_embeddings=False, latent_norm=False, norm_eps=1e-6)
+
+
+def shape_of(size: str, **overrides) -> dict:
+    """A size preset's fields with the overrides that are not None on top."""
+    if size not in SIZES:
+        raise ValueError(f"model.size: unknown size {size!r} (expected one of {', '.join(SIZES)})")
+    return {**SIZES[size], **{k: v for k, v in overrides.items() if v is not None}}
+
+
+@dataclass
+class GPTConfig:
+    """Architecture of a looped GPT-2. Validated at construction."""
+
+    n_layer: int = 12
+    """Number of distinct layers L (numbered 0..L-1, like nanoGPT's h.0 .. h.{L-1})."""
+    n_head: int = 12
+    """Attention heads per layer; must divide n_embd."""
+    n_embd: int = 768
+    """Model width d."""
+    block_size: int = 512
+    """Context length (learned absolute position embeddings)."""
+    vocab_size: int = 50257
+    """Real vocabulary size (GPT-2's 50257, or a compact corpus vocabulary plus its
+    shared "other" entry)."""
+    n_other: int = 0
+    """Tokenizer ids that share the model's last logit, the "other" entry of a compact
+    vocabulary (SPEC §4, vocabulary): p(id) = p(other) / n_other for each of them, so the
+    loss stays a cross-entropy over the full tokenizer vocabulary (`token_nll`). 0 = no
+    shared entry (every tokenizer id has its own logit)."""
+    groups: list[list[int]] = field(default_factory=lambda: [[4], [5, 6], [7]])
+    """Recurrence groups: disjoint, contiguous, in-range, ordered runs of layer indices."""
+    mean_recurrence: float = 12.0
+    """r, the mean number of applications per group; sets L_eff of the init (SPEC §1)."""
+    state_init: str = "normal"
+    """Initial recurrent state: `normal` (fresh truncated Gaussian noise, Huginn),
+    `zero`, or `input` (s = e_g)."""
+    state_std: float = math.sqrt(2 / 5)
+    """Per-coordinate std of the `normal` initial state (Huginn: sqrt(2/5), cut at 3 std)."""
+    logit_bias: bool = True
+    """Add a learned bias to the logits, initialised to the train split's log unigram
+    prior (`LoopedGPT.init_logit_bias`). DEVIATION from SPEC §1 (tied head, no bias): with
+    the sandwich norm and no bias, a small model fits token frequencies by growing a
+    constant direction in its last layer, whose post-sum norm then squashes every token's
+    state onto that direction (pairwise cosine 0.96 at layer 11) and starves the layers
+    below of gradient; on Shakespeare it stayed at the unigram CE for 1000 steps. With
+    the prior in the bias it learns at once (val CE 5.29 vs 6.30 after 200 steps).
+    `logit_bias: false` is SPEC's model exactly."""
+    pad_vocab_multiple: int = 64
+    """The embedding/LM-head rows are padded up to a multiple of this (speed); padded
+    logits are masked to -inf so they never take probability mass."""
+    # --- Huginn's architecture options (docs/spec.md §1b); the defaults are SPEC §1's model
+    position: str = "learned"
+    """Positions: `learned` (GPT-2's absolute embedding `wpe`, SPEC §1) or `rope` (rotary
+    embedding of q and k in every attention, adjacent pairs, `apply_rope`; no `wpe`; Huginn)."""
+    rope_base: float = 10000.0
+    """RoPE's base b (> 1): pair i turns by angle p·b^(−2i/head_dim) at position p
+    (Huginn-0125: 50000). Read only with position=rope."""
+    mlp: str = "silu"
+    """`silu`: proj(SiLU(fc(x))) (SPEC §1); `gated_silu`: proj(SiLU(a) ⊙ b) with
+    [a, b] = fc(x) split in halves (`gated_silu`; Huginn's GatedMLP)."""
+    intermediate_size: int | None = None
+    """The MLP's hidden width I (fc: d -> I, or d -> 2I gated; proj: I -> d). None: 4d for
+    `silu`, and for `gated_silu` 8d/3 rounded up to a multiple of 64 (about the 4d MLP's
+    parameter count, LLaMA's rule). Huginn-0125: 17920."""
+    qk_bias: bool = False
+    """A learned bias on queries and keys, per head and channel, added before the rotation
+    (`add_qk_bias`; Huginn). Starts at zero; never weight-decayed."""
+    scale_embeddings: bool = False
+    """Multiply the token embeddings by sqrt(n_embd) after the lookup (Huginn's emb_scale).
+    The `normal` initial state is unaffected (its std is `state_std` either way)."""
+    latent_norm: bool = False
+    """Apply the final norm `ln_f` to each recurrence group's final state as it leaves the
+    loop, before the layer after the group (`LoopedGPT.leave_group`; Huginn's iterate_forward
+    returns ln_f(x)). It is the same `ln_f` (one weight) that normalises before the LM head;
+    with several groups every group's exit passes through it."""
+    norm_eps: float = 1e-6
+    """ε of every RMSNorm (> 0)."""
+
+    def __post_init__(self):
+        self.groups = check_architecture(self.n_layer, self.n_head, self.n_embd, self.block_size, self.groups,
+                                         self.state_init, self.intermediate_size,
+                                         **{k: getattr(self, k) for k in OPTION_DEFAULTS})
+        for name in ("vocab_size", "pad_vocab_multiple"):
+            _check_positive(name, getattr(self, name))
+        if isinstance(self.n_other, bool) or not isinstance(self.n_other, int) or self.n_other < 0:
+            raise ValueError(f"model.n_other: expected an integer >= 0, got {self.n_other!r}")
+        if not (isinstance(self.mean_recurrence, (int, float)) and self.mean_recurrence >= 1):
+            raise ValueError(f"model.mean_recurrence: expected a number >= 1, got {self.mean_recurrence!r}")
+
+    @property
+    def other_id(self) -> int | None:
+        """The model id of the shared "other" entry (the last one), or None without it."""
+        return self.vocab_size - 1 if self.n_other else None
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width I (`intermediate_size`, or its default)."""
+        if self.intermediate_size is not None:
+            return self.intermediate_size
+        if self.mlp == "gated_silu":
+            third = -(-8 * self.n_embd // 3)  # ceil(8d/3)
+            return -(-third // 64) * 64
+        return 4 * self.n_embd
+
+    @property
+    def emb_scale(self) -> float:
+        """The factor on token embeddings: sqrt(n_embd) with scale_embeddings, else 1."""
+        return math.sqrt(self.n_embd) if self.scale_embeddings else 1.0
+
+    @property
+    def padded_vocab_size(self) -> int:
+        m = self.pad_vocab_multiple
+        return (self.vocab_size + m - 1) // m * m
+
+    @property
+    def effective_depth(self) -> float:
+        """L_eff: layer applications per forward pass at the mean recurrence (SPEC §1)."""
+        looped = sum(len(g) for g in self.groups)
+        return (self.n_layer - looped) + self.mean_recurrence * looped
+
+    @classmethod
+    def from_size(cls, size: str, **overrides) -> GPTConfig:
+        return cls(**shape_of(size, **overrides))
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _check_positive(name: str, v) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"model.{name}: expected a positive integer, got {v!r}")
+
+
+def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, groups,
+                       state_init: str, intermediate_size: int | None = None, *, position: str = "learned",
+                       rope_base: float = 10000.0, mlp: str = "silu", qk_bias: bool = False,
+                       scale_embeddings: bool = False, latent_norm: bool = False,
+                       norm_eps: float = 1e-6) -> list[list[int]]:
+    """The fields of a GPTConfig that do not depend on the data (shape, recurrence groups,
+    initial state, architecture options), checked with one line naming the field each;
+    returns the groups as lists of ints. GPTConfig checks itself with it, and the run
+    config's schema (recdepth/glue/schema.py) checks `model` with it before any data is read."""
+    for name, v in (("n_layer", n_layer), ("n_head", n_head), ("n_embd", n_embd), ("block_size", block_size)):
+        _check_positive(name, v)
+    if n_embd % n_head:
+        raise ValueError(f"model.n_embd: {n_embd} is not divisible by model.n_head={n_head}")
+    if state_init not in STATE_INITS:
+        raise ValueError(f"model.state_init: unknown {state_init!r} (expected one of {', '.join(STATE_INITS)})")
+    if intermediate_size is not None:
+        _check_positive("intermediate_size", intermediate_size)
+    if position not in POSITIONS:
+        raise ValueError(f"model.position: unknown {position!r} (expected one of {', '.join(POSITIONS)})")
+    if not _finite(rope_base) or rope_base <= 1:
+        raise ValueError(f"model.rope_base: expected a finite number > 1, got {rope_base!r}")
+    if position == "rope" and (n_embd // n_head) % 2:
+        raise ValueError(f"model.position: rope rotates pairs of channels, but the head dimension "
+                         f"n_embd/n_head = {n_embd // n_head} is odd")
+    if mlp not in MLPS:
+        raise ValueError(f"model.mlp: unknown {mlp!r} (expected one of {', '.join(MLPS)})")
+    for name, v in (("qk_bias", qk_bias), ("scale_embeddings", scale_embeddings), ("latent_norm", latent_norm)):
+        if not isinstance(v, bool):
+            raise ValueError(f"model.{name}: expected true or false, got {v!r}")
+    if not _finite(norm_eps) or norm_eps <= 0:
+        raise ValueError(f"model.norm_eps: expected a finite number > 0, got {norm_eps!r}")
+    return validate_groups(groups, n_layer)
+
+
+def _finite(v) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def validate_groups(groups, n_layer: int) -> list[list[int]]:
+    """Check SPEC §1's rules for recurrence groups; return them as lists of ints."""
+    if groups is None:
+        return []
+    try:
+        groups = [[int(layer) for layer in g] for g in groups]
+    except TypeError:
+        raise ValueError(f"model.groups: expected a list of lists of layer indices, got {groups!r}") from None
+    seen: set[int] = set()
+    last = -1
+    for g in groups:
+        if not g:
+            raise ValueError(f"model.groups: empty group in {groups}")
+        for layer in g:
+            if not 0 <= layer < n_layer:
+                raise ValueError(
+                    f"model.groups: layer {layer} in group {g} is out of range 0..{n_layer - 1}"
+                )
+            if layer in seen:
+                raise ValueError(f"model.groups: layer {layer} appears in more than one group ({groups})")
+            seen.add(layer)
+        if g != list(range(g[0], g[0] + len(g))):
+            raise ValueError(f"model.groups: group {g} is not a contiguous increasing run of layers")
+        if g[0] <= last:
+            raise ValueError(f"model.groups: groups must be listed in layer order, got {groups}")
+        last = g[-1]
+    return groups
+
+
+def token_nll(logits: Tensor, targets: Tensor, other_id: int | None = None, n_other: int = 0) -> Tensor:
+    """Per-token negative log-likelihood over the full tokenizer vocabulary (SPEC §4,
+    vocabulary): −log softmax(logits)[target], plus log(n_other) where the target is the
+    shared "other" entry `other_id`, whose probability is spread evenly over the n_other
+    tokenizer ids it stands for. logits [..., V_padded], targets [...] -> [...], in float32
+    at least. A target of -1 is not scored (nll 0): a task's non-answer tokens under the
+    answers-only loss (`windows.WindowBatches`)."""
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
+                          ignore_index=-1)
+    nll = nll.view(targets.shape)
+    if other_id is not None and n_other > 1:
+        nll = nll + (targets == other_id).to(nll.dtype) * math.log(n_other)
+    return nll
+
+
+# ------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rope_angles(positions: Tensor, head_dim: int, base: float) -> Tensor:
+    """RoPE's angles θ[p, i] = p · base^(−2i/head_dim), i = 0 .. head_dim/2 − 1, for the
+    given positions: [len(positions), head_dim/2], float32 (docs/spec.md §1b; reference:
+    recpre/raven_modeling_minimal.py, `precompute_freqs_cis`, whose operations and float32
+    precision these follow, so the angles at large positions round as Huginn's did)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    return torch.outer(positions.to(torch.float32), inv_freq.to(positions.device))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate each ADJACENT channel pair (x[2i], x[2i+1]) of x [..., T, head_dim] by the
+    angle θ[t, i] whose cosine and sine are cos, sin [T, head_dim/2]:
+
+        (a, b) -> (a cos θ − b sin θ,  b cos θ + a sin θ)
+
+    i.e. the complex product (a + ib)·e^{iθ}; interleaved pairs, not GPT-NeoX's halves.
+    Computed in float32 at least (float64 stays float64), returned in x's dtype
+    (docs/spec.md §1b; reference: recpre/raven_modeling_minimal.py,
+    `apply_rotary_emb_complex_like`)."""
+    dt = torch.promote_types(x.dtype, torch.float32)
+    pairs = x.to(dt).unflatten(-1, (-1, 2))
+    a, b = pairs[..., 0], pairs[..., 1]
+    c, s = cos.to(dt), sin.to(dt)
+    return torch.stack([a * c - b * s, b * c + a * s], dim=-1).flatten(-2).to(x.dtype)
+
+
+class Rotary:
+    """cos/sin of `rope_angles` for positions 0 .. block_size − 1, computed once on the CPU
+    (as Huginn's buffer is) and kept per device; not a module buffer, so casting the model
+    (`.half()`, `.double()`) never rounds the table and it is not part of the state dict."""
+
+    def __init__(self, head_dim: int, block_size: int, base: float):
+        self.head_dim, self.block_size, self.base = head_dim, block_size, base
+        self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def __call__(self, pos0: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """cos, sin [T, head_dim/2] of positions pos0 .. pos0 + T − 1."""
+        table = self._tables.get(device)
+        if table is None:
+            theta = rope_angles(torch.arange(self.block_size), self.head_dim, self.base)
+            table = self._tables[device] = (theta.cos().to(device), theta.sin().to(device))
+        return table[0][pos0 : pos0 + T], table[1][pos0 : pos0 + T]
+
+
+def add_qk_bias(q: Tensor, k: Tensor, qk_bias: Tensor) -> tuple[Tensor, Tensor]:
+    """q + qk_bias[0], k + qk_bias[1] for q, k [B, T, n_head, head_dim] and qk_bias
+    [2, 1, n_head, head_dim] (a bias per head and channel, the same at every position),
+    BEFORE the rotary embedding (docs/spec.md §1b; reference:
+    recpre/raven_modeling_minimal.py, `CausalSelfAttention.forward`)."""
+    return (q + qk_bias[0]).to(q.dtype), (k + qk_bias[1]).to(k.dtype)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: GPTConfig, rotary: Rotary | None = None):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=False)  # [q; k; v] rows, head-major within each
+        self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_head, cfg.head_dim)) if cfg.qk_bias else None
+        self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.rotary = rotary  # shared by every layer (position=rope), else None
+
+    def forward(self, x: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
+        # cache: None (the parallel pass, positions pos .. pos + T − 1) or one layer's
+        # decoding cache (recdepth/core/decoding.py: KVCache), which this token's k/v (position
+        # `pos`, rotated there) are written to and the attended k/v read from
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.qkv(x).split(C, dim=2))
+        if self.qk_bias is not None:
+            q, k = add_qk_bias(q, k, self.qk_bias)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        if self.rotary is not None:
+            cos, sin = self.rotary(pos, T, x.device)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif T > 1:  # a chunk: T new tokens at positions pos..pos+T-1, each attending to 0..its own
+            # position (recdepth/core/generation.py's verify pass; its chunk caches write all T entries)
+            cache.write(pos, k, v, rows)
+            ck, cv = cache.read(pos + T - 1)
+            mask = torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None]
+            y = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
+        else:  # one new token at position `pos`, attending to positions 0..pos
+            cache.write(pos, k, v, rows)
+            ck, cv = cache.read(pos)
+            if rows is None or rows.dtype == torch.bool:
+                y = F.scaled_dot_product_attention(q, ck, cv)
+            else:  # x holds only the rows listed: attend over the full cache (no copy of
+                # it), with zero queries in the other rows, and keep the listed rows' output
+                qf = q.new_zeros((ck.shape[0], *q.shape[1:]))
+                qf[rows] = q
+                y = F.scaled_dot_product_attention(qf, ck, cv)[rows]
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def gated_silu(h: Tensor) -> Tensor:
+    """SiLU(a) ⊙ b for h = [a, b] split into halves along the last dimension (the first
+    half gated by SiLU, the second linear) (docs/spec.md §1b; reference:
+    recpre/raven_modeling_minimal.py, `GatedMLP.forward`)."""
+    a, b = h.chunk(2, dim=-1)
+    return F.silu(a) * b
+
+
+class MLP(nn.Module):
+    """proj(SiLU(fc(x))) (SPEC §1), or with mlp=gated_silu proj(gated_silu(fc(x))), fc
+    then d -> 2I."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.gated = cfg.mlp == "gated_silu"
+        hidden = cfg.mlp_hidden
+        self.fc = nn.Linear(cfg.n_embd, (2 if self.gated else 1) * hidden, bias=False)
+        self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.fc(x)
+        return self.proj(gated_silu(h) if self.gated else F.silu(h))
+
+
+class Block(nn.Module):
+    """Sandwich-normalised layer (SPEC §1):
+    x = norm2(attn(norm1(x)) + x);  x = norm4(mlp(norm3(x)) + x)."""
+
+    def __init__(self, cfg: GPTConfig, rotary: Rotary | None = None):
+        super().__init__()
+        d, eps = cfg.n_embd, cfg.norm_eps
+        self.norm1, self.norm2 = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.norm3, self.norm4 = RMSNorm(d, eps), RMSNorm(d, eps)
+        self.attn = CausalSelfAttention(cfg, rotary)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
+        x = self.norm2(self.attn(self.norm1(x), cache, pos, rows) + x)
+        return self.norm4(self.mlp(self.norm3(x)) + x)
+
+
+class Adapter(nn.Module):
+    """Looped-input projection Linear(2d -> d, bias=False) applied to concat(s, e),
+    stored as its two d x d halves: adapter(concat(s, e)) = W_s s + W_e e."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.state = nn.Linear(d, d, bias=False)  # W_s
+        self.input = nn.Linear(d, d, bias=False)  # W_e
+
+    def weight(self) -> Tensor:
+        """The full [d, 2d] matrix of Linear(2d -> d) on concat(s, e)."""
+        return torch.cat([self.state.weight, self.input.weight], dim=1)
+
+
+# -------------------------------------------------------------------------- model
+class LoopedGPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        d = cfg.n_embd
+        self.wte = nn.Embedding(cfg.padded_vocab_size, d)
+        self.wpe = nn.Embedding(cfg.block_size, d) if cfg.position == "learned" else None
+        rotary = Rotary(cfg.head_dim, cfg.block_size, cfg.rope_base) if cfg.position == "rope" else None
+        self.h = nn.ModuleList(Block(cfg, rotary) for _ in range(cfg.n_layer))
+        self.adapters = nn.ModuleList(Adapter(d) for _ in cfg.groups)
+        self.ln_f = RMSNorm(d, cfg.norm_eps)
+        self.lm_bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size)) if cfg.logit_bias else None
+        # Execution plan: ("layer", l) runs layer l once, ("group", g) loops group g.
+        starts = {g[0]: i for i, g in enumerate(cfg.groups)}
+        looped = {layer for g in cfg.groups for layer in g}
+        self.plan: list[tuple[str, int]] = []
+        for layer in range(cfg.n_layer):
+            if layer in starts:
+                self.plan.append(("group", starts[layer]))
+            elif layer not in looped:
+                self.plan.append(("layer", layer))
+        self.reset_parameters()
+
+    @property
+    def n_groups(self) -> int:
+        return len(self.cfg.groups)
+
+    # ---------------------------------------- Huginn's names (one recurrence group)
+    def _single_group(self, what: str) -> list[int]:
+        if self.n_groups != 1:
+            raise ValueError(f"model.groups: {what} is defined for exactly one recurrence group (Huginn's "
+                             f"prelude / core / coda), this model has {self.n_groups}: {self.cfg.groups}")
+        return self.cfg.groups[0]
+
+    @property
+    def prelude(self) -> list[int]:
+        """Indices of the layers before the one recurrence group (Huginn's prelude)."""
+        return list(range(self._single_group("prelude")[0]))
+
+    @property
+    def core(self) -> list[int]:
+        """Indices of the layers of the one recurrence group (Huginn's recurrent core block)."""
+        return list(self._single_group("core"))
+
+    @property
+    def coda(self) -> list[int]:
+        """Indices of the layers after the one recurrence group (Huginn's coda)."""
+        return list(range(self._single_group("coda")[-1] + 1, self.cfg.n_layer))
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Huginn's "takase" init (SPEC §1): truncated normal at ±3σ, σ = sqrt(2/(5d)) for
+        embeddings, qkv, adapters and MLP input; σ/sqrt(2·L_eff) for the output
+        projections of attention and MLP; norm weights 1. With mlp=gated_silu the linear
+        half of fc takes σ/sqrt(2·L_eff) too, and qk_bias starts at 0 (Huginn's
+        `init_glu`, `_init_weights`; docs/spec.md §1b)."""
+        sigma = math.sqrt(2 / (5 * self.cfg.n_embd))
+        sigma_out = sigma / math.sqrt(2 * self.cfg.effective_depth)
+        for name, p in self.named_parameters():
+            if name == "lm_bias" or name.endswith("attn.qk_bias"):
+                nn.init.zeros_(p)
+                continue
+            if p.dim() == 1:  # norm weights
+                nn.init.ones_(p)
+                continue
+            if self.cfg.mlp == "gated_silu" and name.endswith("mlp.fc.weight"):
+                # Huginn's init_glu: the SiLU half at σ, the linear half at σ_out
+                for half, s in zip(p.chunk(2, dim=0), (sigma, sigma_out)):
+                    nn.init.trunc_normal_(half, mean=0.0, std=s, a=-3 * s, b=3 * s)
+                continue
+            s = sigma_out if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else sigma
+            nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
+
+    @torch.no_grad()
+    def init_logit_bias(self, log_prior: Tensor) -> None:
+        """Start the logit bias at a log unigram prior [vocab_size] (see GPTConfig.logit_bias):
+        the untrained model then predicts token frequencies, so no layer has to learn them."""
+        if self.lm_bias is None:
+            raise ValueError("init_logit_bias: the model was built with logit_bias=False")
+        if log_prior.shape != (self.cfg.vocab_size,):
+            raise ValueError(f"init_logit_bias: expected a prior of shape ({self.cfg.vocab_size},), got {tuple(log_prior.shape)}")
+        self.lm_bias.zero_()
+        self.lm_bias[: self.cfg.vocab_size] = log_prior.to(self.lm_bias)
+
+    # ------------------------------------------------------------- the loop
+    def initial_state(self, e: Tensor, generator: torch.Generator | None = None,
+                      row_seeds: Sequence[int] | None = None) -> Tensor:
+        """s^(init) for a group entered with hidden state e (SPEC §1).
+
+        With `row_seeds` (one per row of e), row b's noise is drawn from a generator seeded
+        with row_seeds[b] alone, so it does not depend on which rows share the batch (SPEC
+        §4, noise and batches); otherwise the whole tensor is drawn from `generator`."""
+        if self.cfg.state_init == "zero":
+            return torch.zeros_like(e)
+        if self.cfg.state_init == "input":
+            return e
+        std = self.cfg.state_std
+        s = torch.empty_like(e)
+        if row_seeds is None:
+            return nn.init.trunc_normal_(s, 0.0, std, -3 * std, 3 * std, generator=generator)
+        if len(row_seeds) != e.shape[0]:
+            raise ValueError(f"initial_state: {len(row_seeds)} row seeds for {e.shape[0]} rows")
+        g = torch.Generator(device=e.device)
+        for b, seed in enumerate(row_seeds):
+            nn.init.trunc_normal_(s[b], 0.0, std, -3 * std, 3 * std, generator=g.manual_seed(seed))
+        return s
+
+    def apply_group(self, g: int, s: Tensor, e_proj: Tensor, cache=None, pos: int = 0, rows=None) -> Tensor:
+        """One application of group g (SPEC §1); `e_proj` = W_e e_g, computed once per pass."""
+        u = self.adapters[g].state(s) + e_proj
+        for layer in self.cfg.groups[g]:
+            u = self.h[layer](u, None if cache is None else cache[layer], pos, rows)
+        return u
+
+    def run_group(
+        self,
+        g: int,
+        e: Tensor,
+        n: int,
+        backprop_depth: int | None = None,
+        generator: torch.Generator | None = None,
+        record: list[Tensor] | None = None,
+    ) -> Tensor:
+        """Apply group g n times from a fresh initial state; return the final state.
+
+        Truncated backprop: only the last `backprop_depth` applications carry gradient,
+        the first n - k run under no_grad (the gradient still reaches e through the
+        adapter of every graded application). `record`, if given, receives every state
+        x^(0) .. x^(n-1) the group computes (the trajectory of SPEC §2).
+        """
+        if n < 1:
+            raise ValueError(f"loops: group {g} needs at least 1 application, got {n}")
+        e_proj = self.adapters[g].input(e)
+        s = self.initial_state(e, generator)
+        free = 0 if backprop_depth is None or not torch.is_grad_enabled() else max(n - backprop_depth, 0)
+        if free:
+            with torch.no_grad():
+                e_free = e_proj.detach()
+                for _ in range(free):
+                    s = self.apply_group(g, s, e_free)
+                    if record is not None:
+                        record.append(s)
+        for _ in range(n - free):
+            s = self.apply_group(g, s, e_proj)
+            if record is not None:
+                record.append(s)
+        return s
+
+    def leave_group(self, g: int, s: Tensor) -> Tensor:
+        """What group g passes on from its final state s: ln_f(s) with `latent_norm`
+        (Huginn: `iterate_forward` returns ln_f(x); docs/spec.md §1b), else s itself. The
+        one place this happens: the parallel forward and token-by-token decoding
+        (recdepth/core/decoding.py: decode_step) both call it. The group's trajectory (its
+        recorded states, the exit rules' inputs) is the states before it."""
+        return self.ln_f(s) if self.cfg.latent_norm else s
+
+    # --------------------------------------------------------------- forward
+    def decode_logits(self, x: Tensor) -> Tensor:
+        """The decoding head: final norm + tied LM head (+ logit bias), padded entries
+        masked to -inf."""
+        logits = F.linear(self.ln_f(x), self.wte.weight, self.lm_bias)
+        if self.cfg.padded_vocab_size != self.cfg.vocab_size:
+            logits[..., self.cfg.vocab_size :] = float("-inf")
+        return logits
+
+    def nll(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """`token_nll` with this model's "other" entry."""
+        return token_nll(logits, targets, self.cfg.other_id, self.cfg.n_other)
+
+    def embed(self, idx: Tensor, pos0: int = 0) -> Tensor:
+        """Token embeddings of idx [B, T] at positions pos0 .. pos0 + T − 1: wte(idx), times
+        sqrt(n_embd) with scale_embeddings (Huginn: `RavenForCausalLM.forward`,
+        input_embeds * emb_scale; docs/spec.md §1b), plus wpe(position) with learned
+        positions (rope rotates q and k in the attention instead)."""
+        T = idx.shape[1]
+        if pos0 + T > self.cfg.block_size:
+            raise ValueError(f"sequence of length {pos0 + T} exceeds model.block_size={self.cfg.block_size}")
+        x = self.wte(idx)
+        if self.cfg.scale_embeddings:
+            x = x * self.cfg.emb_scale
+        if self.wpe is None:
+            return x
+        pos = torch.arange(pos0, pos0 + T, device=idx.device)
+        return x + self.wpe(pos)
+
+    def forward(
+        self,
+        idx: Tensor,
+        targets: Tensor | None = None,
+        loops: Sequence[int] | None = None,
+        backprop_depth: int | None = None,
+        generator: torch.Generator | None = None,
+        trace: list[tuple[str, int, list[Tensor]]] | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """Parallel forward over [B, T] token ids with `loops[g]` applications of group g
+        (default: round(mean_recurrence)). Returns (logits, mean cross-entropy or None).
+
+        `trace`, if given, receives the hidden states in depth order, one entry per step of
+        the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
+        the group's trajectory (SPEC §2). It holds references to tensors the forward
+        computes anyway, so recording changes nothing the model returns."""
+        loops = self.default_loops() if loops is None else list(loops)
+        if len(loops) != self.n_groups:
+            raise ValueError(f"loops: expected {self.n_groups} loop counts (one per group), got {loops}")
+        x = self.embed(idx)
+        for kind, i in self.plan:
+            rec = None if trace is None else []
+            if kind == "layer":
+                x = self.h[i](x)
+                if rec is not None:
+                    rec.append(x)
+            else:
+                x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec))
+            if trace is not None:
+                trace.append((kind, i, rec))
+        logits = self.decode_logits(x)
+        loss = None
+        if targets is not None:  # mean token_nll over the scored targets (-1: not scored)
+            scored = (targets >= 0).sum().clamp(min=1)
+            loss = self.nll(logits, targets).sum() / scored
+        return logits, loss
+
+    def default_loops(self) -> list[int]:
+        return [round(self.cfg.mean_recurrence)] * self.n_groups
+
+    # ----------------------------------------------------------------- FLOPs
+    def flops_per_token(self, loops: Sequence[int], seq_len: int, backprop_depth: int | None, train: bool) -> float:
+        """FLOPs per token of one pass that ran `loops[g]` applications of group g.
+
+        Matmul FLOPs (2 per multiply-add) of every layer application actually run, plus
+        attention (nanoGPT's 2·2·T·d per layer application, forward) and the LM head.
+        Training counts 3x (forward + backward) for graded work and 1x for the
+        applications that truncated backprop ran under no_grad. Element-wise work (norms,
+        activations, RoPE, biases) is not counted.
+        """
+        d, T = self.cfg.n_embd, seq_len
+        mlp = (3 if self.cfg.mlp == "gated_silu" else 2) * d * self.cfg.mlp_hidden  # fc d->(2)I, proj I->d
+        layer = 2 * (4 * d * d + mlp) + 4 * T * d  # qkv 3d², proj d², mlp (8d² at I = 4d); attention
+        fwd_graded = (self.cfg.n_layer - sum(len(g) for g in self.cfg.groups)) * layer
+        fwd_graded += 2 * d * self.cfg.padded_vocab_size  # LM head
+        fwd_free = 0.0
+        for g, n in zip(self.cfg.groups, loops):
+            app = len(g) * layer + 2 * d * d  # layers + W_s s
+            fwd_graded += 2 * d * d  # W_e e, once per pass
+            k = n if (backprop_depth is None or not train) else min(n, backprop_depth)
+            fwd_graded += k * app
+            fwd_free += (n - k) * app
+        return (3 * fwd_graded + fwd_free) if train else (fwd_graded + fwd_free)
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())

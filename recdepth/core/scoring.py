@@ -1,0 +1,365 @@
+"""Scoring held-out text under exit rules with the decoding engine (SPEC §4, §4b).
+
+`evaluate_exit` scores held-out windows `batch_size` at a time (quality, cost, a per-token
+record), then times the first `latency_tokens` tokens again at batch 1, `repeats` times
+(latency). `evaluate_exits` / `decode_settings` decode several settings side by side, one
+row per (setting, window) (a sweep as one batch, each setting's records exactly its own).
+`score_task` keeps a task's answers. `evaluate_oracle` computes the oracle bound of SPEC
+§4b. The engine itself (caches, the group loop, `decode_step`, `decode_windows`) is
+recdepth/core/decoding.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from recdepth.core import stats, tasks
+from recdepth.core.decoding import (
+    check_settings,
+    decode_windows,
+    lean_steps,
+    merge_records,
+    prepare_windows,
+    records,
+    step_of,
+    warm_up,
+)
+from recdepth.core.exits import ORACLE, ExitPolicy, MixedPolicy, build
+from recdepth.core.model import LoopedGPT
+
+
+def _plain(v):
+    """A per-group value (a tuple) as a JSON list; one value as it is."""
+    return list(v) if isinstance(v, tuple) else v
+
+
+def model_cost(model: LoopedGPT) -> stats.Cost:
+    """The model's cost in layer applications per token (docs/spec.md §4b)."""
+    return stats.Cost.of_model(model.cfg.groups, model.cfg.n_layer)
+
+
+def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, cache: str, batch_size: int, warm_start: bool = False,
+             resamples: int = 1000, bos: int | None = None) -> dict:
+    """The eval block of metrics.json. ce_ci: 95% bootstrap over windows (the unit the
+    tokens' difficulty is shared in, spec §4b). Cost: applications per group and their
+    mean, layer applications per token (`model_cost`) and FLOPs per token (the model's own
+    count, `LoopedGPT.flops_per_token`, at the mean applications and the mean attended
+    context of the scored positions)."""
+    nll, apps = rec["nll"], rec["apps"]
+    ce, lo, hi = stats.mean_ci(nll, stats.Bootstrap(rec["window"], resamples))
+    per_group = apps.mean(axis=0).tolist()
+    cost = model_cost(model)
+    # attended positions of each scored token: its place in its window + 1 (+ 1 for a BOS input)
+    context = float(np.mean(rec["context"] if "context" in rec else attended(rec, bos))) if len(nll) else 1.0
+    return {
+        "exit": policy.name, "tau": _plain(policy.tau), "min_steps": _plain(policy.min_steps),
+        "max_steps": _plain(policy.max_steps), "patience": policy.patience,
+        "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ce_ci_unit": "window", "ppl": math.exp(ce),
+        "applications_per_token": per_group,
+        "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
+        "layer_applications": float(cost.per_token(apps).mean()) if len(nll) else 0.0,
+        "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
+        "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)),
+        "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": cache,
+        "warm_start": bool(warm_start), "batch_size": batch_size, "step": step_of(model),
+    }
+
+
+@torch.no_grad()
+def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, warmup_tokens: int = 8,
+                  seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
+                  repeats: int = 1, warm_start: bool = False, first_window: int = 0,
+                  bos: int | None = None, labels: np.ndarray | None = None,
+                  answers: bool | None = None, context_steps: int | None = None,
+                  step: str | None = None) -> tuple[dict, dict]:
+    """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
+    `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
+    from the previous token's final state with `warm_start` (continuous compute; see
+    `decode_step`). Returns the `eval` block of metrics.json and the per-token record
+    (`_records`, plus `ms`).
+
+    `tokens` is a 1-D id tensor, cut into `windows`. Quality and cost: `batch_size`
+    windows decoded side by side (each row exactly its batch-1 result; throughput
+    `tokens_per_s` at that batch). Latency: the first `latency_tokens` tokens (all by
+    default) decoded again at batch 1 after `warmup_tokens` untimed steps, `repeats` times:
+    `ms_per_token` is the median over repeats of the mean ms per token, with the min and
+    max; each timed token's record carries its median ms. `first_window` is the noise key
+    (SPEC §4's "sequence") of the stream's first window, the next ones following it: a
+    split that starts elsewhere in the held-out text (calibration after test) passes its
+    own, so its windows never draw the noise of another split's windows. The batch-1 pass is also checked
+    against the batched one: `batch_check` counts timed tokens whose applications differ
+    (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
+    batched, batch 1) uses the same `warm_start`. `bos` (an hf= model's tokenizer BOS id):
+    every window starts with it, as `decode_windows` says, and holds `span` tokens.
+    `labels` (a task's, aligned with `tokens`) and `answers`: see `score_task`.
+    `context_steps`: see `decode_windows` (every pass, the timed ones included).
+    `step` (`eval.step`): how a token's layers are computed, `lean_steps` (None: as the
+    model decodes now, `step_of`).
+    """
+    check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
+    policy.check_model(model.n_groups, model.cfg.n_embd)
+    if step is not None:
+        lean_steps(model, step)
+    if policy.name == ORACLE:
+        if context_steps is not None and context_steps != policy.max_steps_bound:
+            raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
+                             f"{policy.max_steps_bound}; set context_steps to that or null, got {context_steps}")
+        ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size,
+                                  warm_start=warm_start, first_window=first_window, bos=bos)
+        return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
+    warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
+
+    parts, t0 = [], time.perf_counter()
+    for b in range(0, len(wins), batch_size):
+        ws = wins[b : b + batch_size]
+        nll, apps, _, ok = decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start,
+                                           first_window=first_window, bos=bos, labels=labels,
+                                           context_steps=context_steps)
+        parts.append(records(ws, nll, apps, tokens, T, first_window, bos, ok))
+    batch_seconds = time.perf_counter() - t0
+    rec = merge_records(parts)
+    rec["ms"] = np.full(n_tokens, np.nan)
+    ev = _summary(model, policy, rec, cache, batch_size, warm_start, bos=bos)
+    ev["tokens_per_s"] = n_tokens / batch_seconds
+
+    n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
+    timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos,
+                           labels=labels, context_steps=context_steps)
+               for _ in range(repeats)] if n_lat > 0 else []
+    add_latency(ev, rec, timings)
+    model.train(was_training)
+    return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
+
+
+@torch.no_grad()
+def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                    seed: int = 0, cache: str = "latest", max_rows: int = 16, warm_start: bool = False,
+                    first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
+                    context_steps: int | None = None) -> tuple[list[dict], float]:
+    """`evaluate_exit`'s batched pass for several exit settings at once (a sweep): every
+    (setting, window) pair is a row, up to `max_rows` rows a batch, each row looping under
+    its own setting (`exits.MixedPolicy`) and keyed by its window's noise, so each setting's
+    records are those it gets decoded alone (exactly in float64; within rounding of the
+    batched matmuls in float32, where a criterion within rounding of τ can flip a row's
+    applications). Returns one record per setting (`_records`) and the seconds of the pass."""
+    if max_rows < 1:
+        raise ValueError(f"eval.max_rows: expected >= 1, got {max_rows}")
+    policies = [p.check_model(model.n_groups, model.cfg.n_embd) for p in policies]
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
+    pairs = [(k, w) for k in range(len(policies)) for w in range(len(wins))]
+    parts: list[list[dict]] = [[] for _ in policies]
+    t0 = time.perf_counter()
+    for b in range(0, len(pairs), max_rows):
+        chunk = pairs[b : b + max_rows]
+        ws = [wins[w] for _, w in chunk]
+        mixed = MixedPolicy(tuple(policies), torch.tensor([k for k, _ in chunk], device=tokens.device))
+        nll, apps, _, ok = decode_windows(model, tokens, ws, mixed, cache, seed, warm_start=warm_start,
+                                          first_window=first_window, bos=bos, labels=labels,
+                                          context_steps=context_steps)
+        for k in sorted({k for k, _ in chunk}):
+            rows = [i for i, (kk, _) in enumerate(chunk) if kk == k]
+            parts[k].append(records([ws[i] for i in rows], nll[rows], apps[rows], tokens, T, first_window, bos,
+                                     ok[rows]))
+    return [merge_records(p) for p in parts], time.perf_counter() - t0
+
+
+@torch.no_grad()
+def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                   warmup_tokens: int = 8, seed: int = 0, cache: str = "latest", max_rows: int = 16,
+                   latency_tokens: int | None = None, repeats: int = 1, warm_start: bool = False,
+                   first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
+                   answers: bool | None = None, context_steps: int | None = None,
+                   step: str | None = None) -> list[tuple[dict, dict]]:
+    """`evaluate_exit` of every setting in `policies`, the quality of all of them decoded as
+    one batch (`decode_settings`); latency stays a batch-1 measurement per setting, the
+    settings timed round-robin within each of the `repeats` rounds so that drift of the
+    machine spreads over all of them. The oracle (it reads the target) runs on its own.
+    Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
+    `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
+    the number of settings decoded side by side. `step`: as `evaluate_exit`'s."""
+    check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
+    if step is not None:
+        lean_steps(model, step)
+    was_training = model.training
+    model.eval()
+    out: list[tuple[dict, dict] | None] = [None] * len(policies)
+    loops = [k for k, p in enumerate(policies) if p.name != ORACLE]
+    for k, p in enumerate(policies):
+        if p.name == ORACLE:
+            out[k] = evaluate_exit(model, tokens, p, n_tokens, warmup_tokens=warmup_tokens, seed=seed, cache=cache,
+                                   batch_size=max_rows, warm_start=warm_start, first_window=first_window, bos=bos,
+                                   labels=labels, answers=answers, context_steps=context_steps, step=step)
+    model.eval()
+    if loops:
+        tokens_d, n_scored, _ = prepare_windows(model, tokens, n_tokens, bos)
+        for k in loops:
+            warm_up(model, tokens_d, policies[k], cache, warmup_tokens, seed, warm_start)
+        recs, seconds = decode_settings(model, tokens, [policies[k] for k in loops], n_tokens, seed, cache, max_rows,
+                                        warm_start, first_window, bos, labels, context_steps)
+        n_lat = n_scored if latency_tokens is None else min(latency_tokens, n_scored)
+        timings: dict[int, list] = {k: [] for k in loops}
+        for _ in range(repeats if n_lat > 0 else 0):
+            for k in loops:
+                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, cache, seed, warm_start,
+                                              first_window, bos=bos, labels=labels, context_steps=context_steps))
+        for k, rec in zip(loops, recs, strict=True):
+            rec["ms"] = np.full(n_scored, np.nan)
+            ev = _summary(model, policies[k], rec, cache, max_rows, warm_start, bos=bos)
+            ev["tokens_per_s"] = n_scored * len(loops) / seconds
+            ev["shared_batch"] = len(loops)  # the settings decoded side by side
+            add_latency(ev, rec, timings[k])
+            out[k] = score_task(model, policies[k], ev, rec, labels, answers, cache, max_rows, warm_start, bos)
+    model.train(was_training)
+    return out
+
+
+def attended(rec: dict, bos: int | None = None) -> np.ndarray:
+    """Positions each scored token attends to: its place in its window + 1 (+ 1 for a BOS
+    input), a window starting at its first scored token (so on a full record only)."""
+    first = {w: p for w, p in zip(rec["window"][::-1].tolist(), rec["position"][::-1].tolist(), strict=True)}
+    start = np.array([first[w] for w in rec["window"].tolist()], dtype=float)
+    return rec["position"] - start + 1 + (bos is not None)
+
+
+def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels: np.ndarray | None,
+               answers: bool | None, cache: str, batch_size: int, warm_start: bool,
+               bos: int | None) -> tuple[dict, dict]:
+    """A task's scoring (docs/spec.md §6). With `labels` (aligned with the held-out tokens:
+    0 = not an answer, d >= 1 = an answer of difficulty d) every record gets its target's
+    `label`, and the eval block `answers` (`tasks.score_answers`). With `answers` (None:
+    whenever there are labels) the record keeps the answer tokens only and the block's
+    quality and cost (ce, applications, layer_applications, ...) are recomputed over
+    them: what the sweep, the frontier, calibration and the report then read. Latency
+    stays that of every decoded token. `answers=True` without labels is an error."""
+    if labels is None:
+        if answers:
+            raise ValueError("eval.answers: true scores a task's answer tokens, but this data has no "
+                             "answer labels (data=task has them)")
+        return ev, rec
+    rec["label"] = np.asarray(labels, dtype=np.int64)[rec["position"] + 1]
+    if answers is None or answers:
+        keep = rec["label"] > 0
+        if not keep.any():
+            raise ValueError("eval.tokens: the scored tokens hold no answer (score more tokens)")
+        n = len(keep)
+        rec["context"] = attended(rec, bos)  # before the filter: windows start at their first token
+        rec = {k: (v[keep] if isinstance(v, np.ndarray) and len(v) == n else v) for k, v in rec.items()}
+        rec["kept"] = np.flatnonzero(keep)  # rows of the full record (`add_latency` maps timings by it)
+        latency = {k: v for k, v in ev.items() if k.startswith(("ms_", "latency", "repeats", "batch_check",
+                                                                   "tokens_per_s"))}
+        ev = {**ev, **_summary(model, policy, rec, cache, batch_size, warm_start, bos=bos), **latency}
+        if "nll_by_n" in rec:  # the oracle
+            ev["ce_at_max_steps"] = float(rec["nll_by_n"][:, -1].mean())
+    ev["scored"] = "answers" if answers is None or answers else "all"
+    ev["answers"] = tasks.score_answers(rec, rec["label"], model_cost(model).per_token(rec["apps"]))
+    return ev, rec
+
+
+@torch.no_grad()
+def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, cache: str = "latest",
+                seed: int = 0, warm_start: bool = False, first_window: int = 0,
+                warmup_tokens: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
+                context_steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One timed pass at batch 1 over the first `n_tokens` scored tokens (their windows one
+    after another, SPEC §4 latency), after `warmup_tokens` untimed steps: ms per token,
+    and the NLL and applications of the pass (for `batch_check`). `add_latency` turns
+    repeats of it into the latency fields; `recdepth.report` interleaves the repeats of
+    several policies (round-robin) so that drift of the machine hits them alike."""
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
+    warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
+    secs, nll1, apps1 = [], [], []
+    for w in wins:
+        nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
+                                         warm_start=warm_start, first_window=first_window, bos=bos,
+                                         labels=labels, context_steps=context_steps)
+        r = records([w], nll, apps, tokens, T, first_window, bos)
+        secs += sec[: w[1]]
+        nll1.append(r["nll"])
+        apps1.append(r["apps"])
+    model.train(was_training)
+    return 1000 * np.asarray(secs), np.concatenate(nll1), np.concatenate(apps1)
+
+
+def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """The latency fields of an `eval` block from repeats of `time_tokens` (in place):
+    ms_per_token = the median over repeats of the mean ms per token, its min, max and every
+    repeat (`ms_per_token_repeats`: the spread the equal-latency verdict includes), each
+    timed token's median ms in rec["ms"], and `batch_check` (timed tokens whose
+    applications differ from the batched pass, and the largest NLL difference)."""
+    if not timings:
+        ev.update(ms_per_token=None, latency_tokens=0, repeats=0)
+        return
+    ms = np.stack([t[0] for t in timings])
+    n_lat = timed = ms.shape[1]
+    per_rep = [float(m.mean()) for m in ms]
+    _, nll1, apps1 = timings[-1]
+    # a record that keeps a task's answers only (`score_task`) maps its rows to the timed tokens
+    idx = np.arange(n_lat) if "kept" not in rec else rec["kept"][rec["kept"] < n_lat]
+    nll1, apps1, n_lat = nll1[idx], apps1[idx], len(idx)
+    rec["ms"][:n_lat] = np.median(ms, axis=0)[idx]
+    ev.update(ms_per_token=float(np.median(per_rep)), ms_per_token_min=min(per_rep), ms_per_token_max=max(per_rep),
+              ms_per_token_repeats=per_rep, latency_tokens=timed, repeats=len(timings))
+    ev["batch_check"] = {"tokens": n_lat, "apps_mismatch": int((apps1 != rec["apps"][:n_lat]).any(axis=1).sum()),
+                         "max_abs_dnll": float(np.abs(nll1 - rec["nll"][:n_lat]).max()) if n_lat else 0.0}
+
+
+@torch.no_grad()
+def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, seed: int = 0,
+                    cache: str = "latest", batch_size: int = 1, warm_start: bool = False,
+                    first_window: int = 0, bos: int | None = None) -> tuple[dict, dict]:
+    """The oracle of SPEC §4b (best uniform depth per token within ε: it reads the
+    target, and it is no bound on rules that spend different depths per group) at ε = policy.tau, N = policy.max_steps: per token, the
+    smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
+    at N, with every earlier token computed at N.
+
+    Each window is decoded as N rows side by side, row n stopping every group after n
+    applications, all with the window's noise; after each position every row takes the
+    cache entries of row N, so the history is always the N-application one; with
+    `warm_start` every row also starts the next position from row N's final group states.
+    Row N is then exactly `exit=fixed max_steps=N` (with the same `warm_start`). The record carries `nll_by_n` [tokens, N], from which
+    the oracle at any other ε follows without decoding again (`recdepth.core.stats.oracle_n`).
+    No latency: the oracle reads the target, so it cannot run for real."""
+    was_training = model.training
+    model.eval()
+    N = policy.max_steps
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
+    fixed = build("fixed", None, max_steps=N)
+    parts, by_n, ok_by_n, t0 = [], [], [], time.perf_counter()
+    for b in range(0, len(wins), batch_size):
+        ws = wins[b : b + batch_size]
+        limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
+        nll, _, _, ok = decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
+                                        warm_start=warm_start, first_window=first_window, bos=bos)
+        nll, ok = nll.view(len(ws), N, -1), ok.view(len(ws), N, -1)  # [window, n, position]
+        by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
+        ok_by_n.append(np.concatenate([ok[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
+        parts.append(records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
+                                                             dtype=torch.long), tokens, T, first_window, bos))
+    seconds = time.perf_counter() - t0
+    rec = merge_records(parts)
+    rec["nll_by_n"] = np.concatenate(by_n)
+    n = stats.oracle_n(rec["nll_by_n"], policy.tau)
+    rec["nll"] = rec["nll_by_n"][np.arange(n_tokens), n - 1]
+    rec["correct"] = np.concatenate(ok_by_n)[np.arange(n_tokens), n - 1]
+    rec["apps"] = np.repeat(n[:, None], model.n_groups, axis=1)
+    rec["ms"] = np.full(n_tokens, np.nan)
+    ev = _summary(model, policy, rec, cache, batch_size, warm_start, bos=bos)
+    ev.update(ms_per_token=None, latency_tokens=0, repeats=0, tokens_per_s=n_tokens / seconds,
+              ce_at_max_steps=float(rec["nll_by_n"][:, -1].mean()))
+    model.train(was_training)
+    return ev, rec

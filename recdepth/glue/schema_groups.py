@@ -1,0 +1,508 @@
+"""The config groups: one dataclass per group of `conf/` (model, sampler, exit, data,
+trainer, optim, eval, wandb, logger, callbacks), every key typed, documented with its
+default and range-checked in `__post_init__` with the core classes' own checks. The roots
+that compose them, one per command, and `validated` are recdepth/glue/schema.py, which
+re-exports these names.
+"""
+
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from recdepth.core import (
+    decoding,
+    diagnostics,
+    exits,
+    sampler,
+    tasks,
+)
+from recdepth.core.model import OPTION_DEFAULTS, check_architecture, shape_of
+
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
+ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
+WANDB_MODES = ("auto", "online", "offline", "disabled")
+CALIBRATION_METHODS = ("empirical", "ltt")
+
+
+# The values two fields take, named here (the schema imports the core only); the glue that
+# acts on them imports them from here.
+SOURCES = ("shakespeare", "fineweb", "files", "task")  # task: generated (recdepth.core.tasks, tokens.prepare_task_tokens)
+STRATEGIES = ("auto", "ddp")  # recdepth/glue/distributed.py
+
+
+# ------------------------------------------------------------------ checks
+def _int(name: str, v, lo: int, null: bool = False) -> None:
+    if v is None and null:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name}: expected an integer >= {lo}{' or null' if null else ''}, got {v!r}")
+
+
+def _number(name: str, v, lo: float = 0.0, strict: bool = False, null: bool = False) -> None:
+    """A finite number >= lo (> lo if strict), or null if allowed."""
+    if v is None and null:
+        return
+    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and (v > lo if strict else v >= lo)
+    if not ok:
+        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {lo:g}"
+                         f"{' or null' if null else ''}, got {v!r}")
+
+
+def _one_of(name: str, v, choices) -> None:
+    if v not in choices:
+        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {v!r}")
+
+
+# ------------------------------------------------------------------ groups
+@dataclass
+class ModelConfig:
+    """`model`: the looped GPT-2 (recdepth/core/model.py). conf/model/: baseline, grouped, single,
+    huginn (Huginn's architecture, docs/spec.md §1b)."""
+
+    name: str = "grouped"
+    """A label for the run's records (baseline | grouped | single | huginn, or your own); the
+    architecture is the fields below, so it is not part of the training identity."""
+    size: str = "cpu"
+    """Size preset: cpu (12L, 4H, d=128, block 128), paper (12L, 12H, d=768, block 512),
+    tiny (8L, 4H, d=64, block 64; tests) or huginn-0125 (8L, 55H, d=5280, block 4096,
+    intermediate_size 17920)."""
+    groups: list[list[int]] = field(default_factory=lambda: [[4], [5, 6], [7]])
+    """Recurrence groups: disjoint, contiguous, ordered runs of layer indices; [] = no loops."""
+    n_layer: int | None = None
+    """Layers; null takes the size preset's (so do the four below)."""
+    n_head: int | None = None
+    """Attention heads per layer; must divide n_embd."""
+    n_embd: int | None = None
+    """Model width d."""
+    block_size: int | None = None
+    """Context length in tokens."""
+    intermediate_size: int | None = None
+    """The MLP's hidden width; null: the preset's, else 4d (silu) or 8d/3 rounded up to a
+    multiple of 64 (gated_silu)."""
+    state_init: str = "normal"
+    """Initial recurrent state: normal (Huginn noise) | zero | input."""
+    logit_bias: bool = True
+    """LM-head bias initialised to the log unigram prior (deviation from SPEC §1; false = SPEC)."""
+    position: str = "learned"
+    """Positions: learned (GPT-2's absolute embedding) | rope (rotary, Huginn)."""
+    rope_base: float = 10000.0
+    """RoPE's base (> 1; Huginn-0125: 50000); read with position=rope only."""
+    mlp: str = "silu"
+    """silu (proj(SiLU(fc x))) | gated_silu (Huginn's GatedMLP: proj(SiLU(a) * b), [a, b] = fc x)."""
+    qk_bias: bool = False
+    """A learned bias on q and k before the rotation (Huginn)."""
+    scale_embeddings: bool = False
+    """Token embeddings times sqrt(n_embd) (Huginn)."""
+    latent_norm: bool = False
+    """The final norm applied to each recurrence group's final state as it leaves the loop (Huginn)."""
+    norm_eps: float = 1.0e-6
+    """ε of every RMSNorm (> 0)."""
+
+    def shape(self) -> dict:
+        """n_layer, n_head, n_embd, block_size (and intermediate_size where the preset or
+        this config sets it): the size preset with the fields set here on top."""
+        return shape_of(self.size, n_layer=self.n_layer, n_head=self.n_head, n_embd=self.n_embd,
+                        block_size=self.block_size, intermediate_size=self.intermediate_size)
+
+    def options(self) -> dict:
+        """The architecture options beyond the shape (recdepth/core/model.py: OPTION_DEFAULTS)."""
+        return {k: getattr(self, k) for k in OPTION_DEFAULTS}
+
+    def __post_init__(self):
+        self.groups = check_architecture(**self.shape(), groups=self.groups, state_init=self.state_init,
+                                         **self.options())
+
+
+@dataclass
+class SamplerConfig:
+    """`sampler`: loop counts during training (recdepth/core/sampler.py). conf/sampler/."""
+
+    name: str = "lognormal_poisson"
+    """lognormal_poisson (Geiping et al.: n = Poisson(LogNormal) + 1 per group per step) | fixed (n = mean)."""
+    mean: float = 12.0
+    """r, the mean recurrence (paper: 12; >= 1, an integer for fixed). Validation uses n = round(mean)."""
+    sigma: float = 0.5
+    """The lognormal's σ (>= 0; fixed ignores it)."""
+    backprop_depth: int | None = 8
+    """k: applications per group that carry gradient (Huginn: 8; >= 1); null = all."""
+
+    def __post_init__(self):
+        sampler.check_args(self.name, self.mean, self.sigma, self.backprop_depth)
+
+
+@dataclass
+class ExitConfig:
+    """`exit`: the exit rule of the evaluation (recdepth/core/exits.py, SPEC §3, §3b). conf/exit/.
+    `tau`, `min_steps` and `max_steps` take one value or a list of one per recurrence group
+    (`exit.tau=[1e-3,1e-2,1e-3]`), which OmegaConf cannot type (a union of a number and a
+    list): they are `Any` here and checked by `exits.build`, their length against the
+    model's groups by `TrainConfig` (and, for a checkpoint, by the evaluation)."""
+
+    name: str = "fixed"
+    """fixed | none | stepnorm | stepnorm_rel | kl | accel | accel_rel | entropy_diff | cosine |
+    argmax_stability | gate | oracle (evaluation only)."""
+    tau: Any = None
+    """Threshold τ (finite, > 0; gate: a probability in (0, 1); the oracle's ε >= 0), one or
+    one per group; fixed, none and argmax_stability ignore it."""
+    min_steps: Any = 0
+    """No exit before this many applications (>= 0), one or one per group."""
+    max_steps: Any = 32
+    """Always exit after this many applications (>= 1, >= min_steps), one or one per group."""
+    patience: int = 5
+    """k of argmax_stability (>= 1): exit once the decoded argmax is the same for k + 1
+    applications in a row; the other rules do not read it."""
+    gate: str | None = None
+    """exit=gate only, required there: the gate.pt written by `python -m recdepth.train_gate`
+    (read by `config.exit_policy`); the other rules do not read it."""
+    decode: str = "auto"
+    """What the rules that decode a state (kl, entropy_diff, argmax_stability) decode it with:
+    head (final norm + LM head on the state) | coda (the state as it leaves the loop, then
+    the layers after it, then norm + head: Huginn's predict_from_latents; one recurrence
+    group only) | auto (coda for a model with one group and a layer after it, else head)."""
+    kl_direction: str = "auto"
+    """exit=kl: new_old = KL(p^(n) ‖ p^(n−1)) (the paper's) | old_new = KL(p^(n−1) ‖ p^(n))
+    (Huginn's code) | auto (old_new for an hf= model, new_old otherwise)."""
+    calibrated_on: list[int] | None = None
+    """The val-split token range [first, last] this exit was calibrated on (written by
+    recdepth.calibrate into exit_overrides.txt); an evaluation whose test range (val tokens
+    0 .. eval.tokens) overlaps it is refused. null: not calibrated."""
+
+    def __post_init__(self):
+        # the gate file is read (and required) where the policy is built: config.exit_policy
+        exits.validate(self.name, self.tau, self.min_steps, self.max_steps, self.patience, decode=self.decode,
+                       kl_direction=self.kl_direction)
+        c = self.calibrated_on
+        if c is not None and (len(c) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in c)
+                              or not 0 <= c[0] <= c[1]):
+            raise ValueError(f"exit.calibrated_on: expected [first, last] val-token offsets with 0 <= first <= last, "
+                             f"got {list(c)}")
+
+
+# Which data keys each source reads (recdepth/glue/documents.py: resolve_source); the others must
+# keep their defaults, so a key set for another source is refused instead of ignored.
+DATA_COMMON = ("source", "max_tokens", "val_fraction", "val_tokens", "compact_vocab", "cache_dir", "num_workers")
+DATA_KEYS = {
+    "shakespeare": DATA_COMMON,
+    "fineweb": (*DATA_COMMON, "path", "dataset_name", "dataset_config", "text_column"),
+    "files": (*DATA_COMMON, "paths", "text_column", "encoding"),
+    "task": ("source", "val_tokens", "cache_dir", "num_workers", "task", "size", "extrapolation", "chains",
+             "distractors", "layout", "names", "nines", "modulus", "train_records", "test_records", "validation_records", "extrapolation_records",
+             "instance_seed", "loss"),
+}
+
+
+@dataclass
+class DataConfig:
+    """`data`: the token source (recdepth/glue/data.py). conf/data/: shakespeare, fineweb, files.
+    One dataclass for every source; each source reads some keys (`DATA_KEYS`). The
+    defaults are data=shakespeare's (the default run); the other sources' files set theirs."""
+
+    source: str = "shakespeare"
+    """shakespeare (shipped, ~1.57M GPT-2 tokens) | fineweb | files."""
+    path: str | None = None
+    """fineweb only: local parquet files with FineWeb's columns (a file, directory or glob);
+    null streams HuggingFaceFW/fineweb from the hub."""
+    paths: Any = None
+    """files only, required there: a file, directory or glob, or a list of them (.txt = one
+    document per file; .jsonl/.json/.parquet = one document per row)."""
+    text_column: str = "text"
+    """fineweb and files: the column holding a row's text."""
+    encoding: str = "utf-8"
+    """files only: the encoding of .txt/.json/.jsonl files (parquet is always UTF-8)."""
+    max_tokens: int | None = None
+    """Cut the token stream at this many tokens (>= 1); null = all. Required for fineweb from the hub."""
+    dataset_name: str = "HuggingFaceFW/fineweb"
+    """fineweb from the hub: the dataset repository."""
+    dataset_config: str = "sample-10BT"
+    """fineweb from the hub: its config."""
+    val_fraction: float = 0.05
+    """The tail of the token stream held out for validation and evaluation, in (0, 1)."""
+    val_tokens: int | None = 32768
+    """Cap on the val tokens scored at each validation (>= 1); null = all."""
+    compact_vocab: bool | None = True
+    """Vocabulary = the GPT-2 tokens the corpus uses (mapped back to GPT-2 ids); null = on for shakespeare only."""
+    cache_dir: str | None = None
+    """Token caches; null = $RECDEPTH_CACHE or ~/.cache/recdepth."""
+    num_workers: int = 0
+    """DataLoader worker processes (>= 0)."""
+    # -- data=task only (recdepth/core/tasks.py; conf/data/task.yaml) --
+    task: str = "hops"
+    """task: hops | addition | modsum."""
+    size: list[int] = field(default_factory=lambda: [1, 4])
+    """task: instance sizes [lo, hi] of train/validation/test (hops per chain, digits per addend, terms)."""
+    extrapolation: list[int] = field(default_factory=lambda: [5, 8])
+    """task: instance sizes [lo, hi] of the extrapolation split, above `size`."""
+    chains: int = 2
+    """task=hops: queried chains per instance, each queried at its head."""
+    distractors: int = 2
+    """task=hops: chains per instance that are never queried (no answer by elimination)."""
+    layout: str = "shuffled"
+    """task=hops: shuffled (statements in random order, lookup by content) | sorted (one
+    statement per name in alphabetical order, lookup by position; experiment=hops)."""
+    names: int = 16
+    """task=hops, sorted layout: names per instance, all assigned."""
+    nines: float = 0.25
+    """task=addition: probability that a column's digits sum to 9 (carry chains)."""
+    modulus: int = 10
+    """task=modsum: the modulus (2..10)."""
+    train_records: int = 20000
+    """task: train records of block_size tokens (whole instances each)."""
+    test_records: int = 256
+    """task: test records (the evaluations' split: eval.tokens <= test_records * block_size)."""
+    validation_records: int = 256
+    """task: validation records (training's val/ce; recdepth.calibrate's split)."""
+    extrapolation_records: int = 256
+    """task: extrapolation records (harder instances, never trained on)."""
+    instance_seed: int = 0
+    """task: seed of the instances (the training order has its own, `seed`)."""
+    loss: str = "all"
+    """all (every next token) | answers (a task's answer tokens only; data=task sets it)."""
+
+    def __post_init__(self):
+        _one_of("data.source", self.source, SOURCES)
+        tasks.check_loss(self.source, self.loss)
+        reads = DATA_KEYS[self.source]
+        defaults = DataConfig.defaults()
+        for k in defaults:
+            if k not in reads and getattr(self, k) != defaults[k]:
+                raise ValueError(f"data.{k}: data={self.source} does not read it (it reads {', '.join(reads[1:])})")
+        _int("data.max_tokens", self.max_tokens, 1, null=True)
+        if not (isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1):
+            raise ValueError(f"data.val_fraction: expected a number in (0, 1), got {self.val_fraction!r}")
+        _int("data.val_tokens", self.val_tokens, 1, null=True)
+        _int("data.num_workers", self.num_workers, 0)
+        if self.source == "task":
+            for key in ("size", "extrapolation"):
+                v = getattr(self, key)
+                if not (isinstance(v, list | tuple) and len(v) == 2
+                        and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
+                    raise ValueError(f"data.{key}: expected [lo, hi] (two integers), got {v!r}")
+            tasks.TaskSpec(self.task, tuple(self.size), tuple(self.extrapolation), chains=self.chains,
+                           distractors=self.distractors, layout=self.layout, names=self.names, nines=self.nines,
+                           modulus=self.modulus)
+            for key in ("train_records", "test_records", "validation_records", "extrapolation_records"):
+                _int(f"data.{key}", getattr(self, key), 1)
+            _int("data.instance_seed", self.instance_seed, 0)
+        if self.source == "files":
+            p = self.paths
+            if isinstance(p, str):
+                p = [p]
+            if not p or not isinstance(p, list | tuple) or not all(isinstance(x, str) and x for x in p):
+                raise ValueError(f"data.paths: required for data=files (a file, directory or glob, or a list of "
+                                 f"them), got {self.paths!r}")
+            self.paths = list(p)
+        if self.source == "fineweb" and self.path is None and self.max_tokens is None:
+            raise ValueError("data.max_tokens: required for data=fineweb from the hub (a token cap, e.g. "
+                             "100000000; or set data.path to local parquet files)")
+        try:
+            codecs.lookup(self.encoding)
+        except LookupError:
+            raise ValueError(f"data.encoding: unknown text encoding {self.encoding!r} "
+                             "(expected e.g. utf-8, latin-1, cp1252)") from None
+
+    @staticmethod
+    def defaults() -> dict:
+        return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+                for f in dataclasses.fields(DataConfig)}
+
+
+@dataclass
+class TrainerConfig:
+    """`trainer`: the Lightning Trainer (recdepth/train.py). conf/trainer/: default, gpu, ddp."""
+
+    max_steps: int = 800
+    """Optimiser steps (>= 1)."""
+    val_check_interval: int = 200
+    """Validate every this many steps, and at the end (>= 1)."""
+    checkpoint_every: int = 200
+    """Write checkpoints/last.ckpt every this many steps (>= 1; atomically)."""
+    gradient_clip_val: float | None = 1.0
+    """Gradient-norm clip (>= 0); null = none."""
+    accelerator: str = "auto"
+    """auto | cpu | gpu | cuda | mps (gpu and cuda need a CUDA device)."""
+    devices: int | str = 1
+    """Processes (CPU) or GPUs (>= 1, or auto); > 1 needs strategy=ddp (trainer=ddp)."""
+    num_nodes: int = 1
+    """Always 1: recdepth runs on one node."""
+    strategy: str = "auto"
+    """auto | ddp (recdepth/glue/distributed.py)."""
+    precision: str = "32-true"
+    """32-true | bf16-mixed | 16-mixed | bf16-true | 64-true (fp32 is faster than bf16 autocast on CPU)."""
+    compile: bool = False
+    """torch.compile each block (GPU)."""
+    log_every_n_steps: int = 10
+    """Log training metrics every this many steps (>= 1)."""
+    enable_progress_bar: bool = True
+    """Lightning's progress bar."""
+    peak_flops: float | None = None
+    """MFU denominator in FLOP/s (> 0); null = known GPU table or measured CPU matmul peak."""
+
+    def __post_init__(self):
+        for k in ("max_steps", "val_check_interval", "checkpoint_every", "log_every_n_steps"):
+            _int(f"trainer.{k}", getattr(self, k), 1)
+        _number("trainer.gradient_clip_val", self.gradient_clip_val, null=True)
+        _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
+        _one_of("trainer.precision", self.precision, PRECISIONS)
+        _one_of("trainer.strategy", self.strategy, STRATEGIES)
+        if self.devices != "auto":
+            _int("trainer.devices", self.devices, 1)
+        if self.num_nodes != 1:
+            raise ValueError(f"trainer.num_nodes: recdepth runs on one node (got {self.num_nodes}); "
+                             "use trainer=ddp with trainer.devices=<GPUs of the node>")
+        if self.strategy == "auto" and self.devices not in (1, "auto"):
+            raise ValueError(f"trainer.devices: {self.devices} processes need trainer.strategy=ddp (trainer=ddp)")
+        _number("trainer.peak_flops", self.peak_flops, strict=True, null=True)
+
+
+@dataclass
+class OptimConfig:
+    """`optim`: nanoGPT's AdamW with linear warmup and cosine decay (recdepth/glue/lit.py)."""
+
+    lr: float = 1.0e-3
+    """Peak learning rate (> 0)."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (>= 0), on >= 2-D tensors only."""
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW's two betas, each in [0, 1)."""
+    eps: float = 1.0e-8
+    """AdamW's epsilon (>= 0)."""
+    warmup_steps: int = 40
+    """Linear warmup steps (>= 0)."""
+    min_lr_ratio: float = 0.1
+    """The cosine decays to lr * min_lr_ratio at trainer.max_steps (in [0, 1])."""
+
+    def __post_init__(self):
+        _number("optim.lr", self.lr, strict=True)
+        _number("optim.weight_decay", self.weight_decay)
+        _number("optim.eps", self.eps)
+        if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
+            raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)!r}")
+        _int("optim.warmup_steps", self.warmup_steps, 0)
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"optim.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
+
+
+@dataclass
+class EvalConfig:
+    """`eval`: the exit evaluation (recdepth/core/decoding.py, SPEC §4)."""
+
+    tokens: int = 4096
+    """Held-out next-token predictions scored token by token (eval_tokens.csv); after
+    training, 0 skips the evaluation (>= 0; recdepth.evaluate needs >= 1)."""
+    batch_size: int = 16
+    """Held-out windows decoded side by side for quality/cost (>= 1; each row = its batch-1 result)."""
+    latency_tokens: int = 256
+    """The first this many tokens timed again at batch 1 (ms/token; >= 0) ..."""
+    repeats: int = 3
+    """... this many times (>= 1): median and min-max."""
+    warmup_tokens: int = 8
+    """Untimed decode steps before timing starts (>= 0)."""
+    cache: str = "latest"
+    """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application)."""
+    warm_start: bool = False
+    """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
+    ended with for the previous token of the window (the first token: the usual initial state)."""
+    answers: bool | None = None
+    """Score a task's answer tokens only (docs/spec.md §6): null = yes on data=task (the
+    only data with answers), true = required, false = every token (labels kept)."""
+    split: str = "test"
+    """The held-out split scored: test | extrapolation (data=task: harder instances than
+    any trained on; recdepth.evaluate only)."""
+    context_steps: int | None = None
+    """A task (docs/spec.md §6): positions whose target is not an answer (the statements,
+    operands, terms: the prompt) loop exactly this many applications and the exit rule
+    decides at answer positions only; null: the rule decides at every position."""
+    step: str = "lean"
+    """How a token's layers are computed (recdepth/core/lean_step.py): lean (fewer operators,
+    eager; 1.45x module at batch 1 on the default model, bench decode) | module
+    (Block.forward, the reference) | compiled (lean under torch.compile: 1.95x module at
+    batch 1 on the default model, slower at d = 768 on CPU; ~10-30 s to compile). Equal up
+    to float rounding."""
+
+    def __post_init__(self):
+        _one_of("eval.split", self.split, ("test", "extrapolation"))
+        _one_of("eval.step", self.step, decoding.STEPS)
+        if self.context_steps is not None and self.context_steps < 1:
+            raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
+        decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
+                                self.repeats, self.cache, self.warm_start)
+
+
+@dataclass
+class WandbConfig:
+    """`logger.wandb`: Weights & Biases, beside the CSV logger (conf/logger/wandb.yaml)."""
+
+    project: str = "recdepth"
+    """W&B project."""
+    entity: str | None = None
+    """W&B entity (team or user); null = the account's default."""
+    mode: str = "auto"
+    """auto (online if an API key is configured and W&B starts within init_timeout, else
+    offline) | online | offline | disabled."""
+    init_timeout: float = 15.0
+    """Seconds W&B may take to start an online run (W&B's own setting; auto then goes offline)."""
+    tags: list[str] = field(default_factory=list)
+    """Tags of the W&B run."""
+
+    def __post_init__(self):
+        _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
+        _number("logger.wandb.init_timeout", self.init_timeout, strict=True)
+
+
+@dataclass
+class LoggerConfig:
+    """`logger`: metrics always go to <run_dir>/csv/metrics.csv. conf/logger/: csv, wandb."""
+
+    wandb: WandbConfig | None = None
+    """Also log to Weights & Biases (logger=wandb); null = CSV only."""
+
+
+@dataclass
+class LoopGeometryConfig:
+    """What a loop-geometry measurement runs (recdepth/core/diagnostics.py, SPEC §2): the held-out
+    batch, the loops, Fig. 1's sequence, the memory bound, the noise."""
+
+    sequences: int = 4
+    """Rows of the fixed held-out batch (>= 1; the first val tokens)."""
+    seq_len: int | None = None
+    """Tokens per row (2 .. the block size); null = the model's block size."""
+    loops: int = 30
+    """Applications of every group (>= 3; paper appendix: 30)."""
+    pca_sequence: int = 0
+    """The row Fig. 1 shows (0 .. sequences - 1)."""
+    pca_tokens: int = 32
+    """Its first tokens drawn in Fig. 1 (>= 1; one polyline each)."""
+    max_state_bytes: int = 268435456
+    """Memory bound for captured trajectories in bytes (>= 1; rows go in chunks)."""
+    seed: int = 0
+    """Initial-state noise of the diagnostics (the same at every checkpoint)."""
+    figures: bool = True
+    """Draw Figs. 1, 2, 3, 5 (at the end of training; after recdepth.diagnose)."""
+
+    def __post_init__(self):
+        prefix = "callbacks.loop_dynamics" if isinstance(self, LoopDynamicsConfig) else "loop_dynamics"
+        _int(f"{prefix}.sequences", self.sequences, 1)
+        diagnostics.check_loop_dynamics(getattr(self, "every_n_steps", 1), self.loops, self.pca_sequence, self.sequences,
+                             self.pca_tokens, self.max_state_bytes, prefix)
+
+
+@dataclass
+class LoopDynamicsConfig(LoopGeometryConfig):
+    """`callbacks.loop_dynamics`: loop-geometry diagnostics at every checkpoint
+    (recdepth/glue/callbacks.py: LoopDynamics; conf/callbacks/loop_dynamics.yaml)."""
+
+    every_n_steps: int = 200
+    """Measure every this many steps (>= 1); the YAML ties it to trainer.checkpoint_every."""
+
+
+@dataclass
+class CallbacksConfig:
+    """`callbacks`: conf/callbacks/: loop_dynamics (the default) | none (model=baseline's)."""
+
+    loop_dynamics: LoopDynamicsConfig | None = None
+    """Loop-geometry diagnostics; null = none (callbacks=none; a model without loops has nothing to measure)."""
