@@ -86,7 +86,8 @@ def calibrate(cfg: DictConfig) -> dict:
         policy, res, cal_rec, rows, method = calibrate_ltt(split, base, target, c.per_group, c.max_evals, c.epsilon,
                                                            c.loss_bound, shared_rows=c.shared_rows)
     else:
-        policy, res, cal_rec, rows = calibrate_policy(split, base, target, c.per_group, c.max_evals)
+        policy, res, cal_rec, rows = calibrate_policy(split, base, target, c.per_group, c.max_evals,
+                                                      max_rows=c.shared_rows)
         method = {"method": "empirical", "guarantee": "no guarantee"}
     search_s = time.perf_counter() - t0
     gate = OmegaConf.select(cfg, "exit.gate")

@@ -3,7 +3,7 @@ prompt under an exit rule, showing how many loop applications each token took
 (docs/spec.md §4d; the engine is `recdepth.core.generation`).
 
     python -m recdepth.generate ckpt=<run>/train/checkpoints/last.ckpt prompt="ROMEO:" max_new_tokens=64
-    python -m recdepth.generate ckpt=<same> prompt="ROMEO:" cache=per_step \\
+    python -m recdepth.generate ckpt=<same> prompt="ROMEO:" eval.cache=per_step \\
         speculative.draft_steps=4 speculative.lookahead=8
     python -m recdepth.generate ckpt=<same> 'prompt_ids=[464,3290]'
 
@@ -31,7 +31,7 @@ import logging
 import numpy as np
 from omegaconf import DictConfig
 
-from recdepth.core.decoding import has_coda
+from recdepth.core.decoding import has_coda, lean_steps
 from recdepth.core.exits import ExitPolicy
 from recdepth.core.generation import Generation, greedy, speculative
 from recdepth.core.model import LoopedGPT
@@ -77,9 +77,9 @@ def _compare(spec: Generation, ref: Generation) -> dict:
 def _warm_up(model: LoopedGPT, prompt: list[int], policy: ExitPolicy, run: GenerateConfig) -> None:
     """Untimed: the first calls allocate and pick kernels."""
     s = run.speculative
-    greedy(model, prompt[:1], policy, 2, cache=run.cache, seed=run.seed, warm_start=run.warm_start)
+    greedy(model, prompt[:1], policy, 2, cache=run.eval.cache, seed=run.seed, warm_start=run.eval.warm_start)
     if s.draft_steps is not None:
-        speculative(model, prompt[:1], policy, 3, s.draft_steps, 1, cache=run.cache, seed=run.seed)
+        speculative(model, prompt[:1], policy, 3, s.draft_steps, 1, cache=run.eval.cache, seed=run.seed)
 
 
 def generate(cfg: DictConfig) -> dict:
@@ -92,6 +92,7 @@ def generate(cfg: DictConfig) -> dict:
     device = resolve_device(run.device)
     loaded = load_model(run, device)
     model = loaded.model
+    lean_steps(model, run.eval.step)  # how each token's layers are computed (eval.step)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     policy = policy.resolve(has_coda(model), hf=loaded.info["source"] == "hf")  # exit.decode, kl_direction: auto
     ids, prompt_text = prompt_of(run, loaded)
@@ -106,10 +107,10 @@ def generate(cfg: DictConfig) -> dict:
     n_expected = min(run.max_new_tokens, T + 1 - len(ids))
     stream = Stream(loaded.codec, n_expected, run.stream)
     if s.draft_steps is None:
-        gen = greedy(model, ids, policy, run.max_new_tokens, cache=run.cache, seed=run.seed, on_token=stream,
-                     warm_start=run.warm_start)
+        gen = greedy(model, ids, policy, run.max_new_tokens, cache=run.eval.cache, seed=run.seed, on_token=stream,
+                     warm_start=run.eval.warm_start)
     else:
-        gen = speculative(model, ids, policy, run.max_new_tokens, s.draft_steps, s.lookahead, cache=run.cache,
+        gen = speculative(model, ids, policy, run.max_new_tokens, s.draft_steps, s.lookahead, cache=run.eval.cache,
                           seed=run.seed, on_token=stream)
     stream.close()
     if gen.stopped == "block_size":
@@ -126,7 +127,8 @@ def generate(cfg: DictConfig) -> dict:
         "text": loaded.codec.decode(gen.ids) if loaded.codec is not None else None, "ids": gen.ids,
         "ids_gpt2": gpt2_ids, "tokens": len(gen.ids), "stopped": gen.stopped,
         "model": loaded.info, "device": str(device), "dtype": str(next(model.parameters()).dtype),
-        "settings": {"exit": _exit_settings(policy), "cache": run.cache, "seed": run.seed,
+        "settings": {"exit": _exit_settings(policy), "cache": run.eval.cache, "warm_start": run.eval.warm_start,
+                     "step": run.eval.step, "seed": run.seed,
                      "max_new_tokens": run.max_new_tokens,
                      "speculative": None if s.draft_steps is None else
                      {"draft_steps": s.draft_steps, "lookahead": s.lookahead}},
@@ -139,7 +141,7 @@ def generate(cfg: DictConfig) -> dict:
     if s.draft_steps is not None:
         spec = dict(gen.stats)
         if s.compare:
-            ref = greedy(model, ids, policy, run.max_new_tokens, cache=run.cache, seed=run.seed)
+            ref = greedy(model, ids, policy, run.max_new_tokens, cache=run.eval.cache, seed=run.seed)
             spec.update(_compare(gen, ref))
             spec.update(greedy_seconds=ref.seconds, greedy_applications=ref.applications,
                         speedup=ref.seconds / gen.seconds if gen.seconds > 0 else None)

@@ -60,7 +60,7 @@ from recdepth.core.scoring import (
 )
 from recdepth.glue import frontier
 from recdepth.glue.calibrating import (
-    calibrate_policy,
+    calibrate_many,
     calibration_split,
     exit_group,
     load_splits,
@@ -97,17 +97,17 @@ class Jobs:
                                 **self.settings())
         return self.add(family, policy, line, ev, rec, time.perf_counter() - t0, extra)
 
-    def run_all(self, items: list[tuple[str, object, str]], rows: int) -> list[dict]:
-        """`run` of every (family, policy, line), in order, scored as one batch of settings ×
-        windows, `rows` rows a batch (`scoring.evaluate_exits`); rows = 0: one by one."""
+    def run_all(self, items: list[tuple], rows: int) -> list[dict]:
+        """`run` of every (family, policy, line[, extra]), in order, scored as one batch of
+        settings × windows, `rows` rows a batch (`scoring.evaluate_exits`); rows = 0: one by one."""
         if rows == 0 or len(items) < 2:
             return [self.run(*item) for item in items]
         t0 = time.perf_counter()
-        results = evaluate_exits(self.model, self.tokens, [p for _, p, _ in items], self.cfg.eval.tokens,
+        results = evaluate_exits(self.model, self.tokens, [item[1] for item in items], self.cfg.eval.tokens,
                                  max_rows=rows, labels=self.labels, bos=self.bos, **self.settings())
         seconds = (time.perf_counter() - t0) / len(items)
-        return [self.add(family, p, line, ev, rec, seconds) for (family, p, line), (ev, rec) in zip(items, results,
-                                                                                                  strict=True)]
+        return [self.add(item[0], item[1], item[2], ev, rec, seconds, *item[3:])
+                for item, (ev, rec) in zip(items, results, strict=True)]
 
     def settings(self) -> dict:
         """evaluate's decoding settings, latency left to `time_all`."""
@@ -209,18 +209,22 @@ def report(cfg: DictConfig) -> dict:
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
     cal_range = tuple(sp["calibration"])
-    for rule in r.calibrate:
-        for target in targets:
-            t0 = time.perf_counter()
-            p, res, _, _ = calibrate_policy(split, policy(rule, _start_tau(rule)), target,
-                                            c.per_group, c.max_evals, ce_ref)
-            line = overrides(p, gate_path if p.name == "gate" else None, cal_range)
-            cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
-                   "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
-                   "decodes": len(res.history), "seconds": time.perf_counter() - t0,
-                   "exit": exit_group(p, None, cal_range)}
-            row = jobs.run("calibrated", p, line, {"calibration": cal})
-            row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)
+    # every (rule, target) search in lockstep, each round's settings decoded as one batch
+    searches = [(policy(rule, _start_tau(rule)), target) for rule in r.calibrate for target in targets]
+    t0 = time.perf_counter()
+    answers = calibrate_many(split, searches, c.per_group, c.max_evals, ce_ref, r.shared_rows)
+    seconds = time.perf_counter() - t0
+    log.info("calibrated %d (rule, target) pairs in lockstep (%.0f s)", len(searches), seconds)
+    items = []
+    for (_, target), (p, res, _, _) in zip(searches, answers, strict=True):
+        line = overrides(p, gate_path if p.name == "gate" else None, cal_range)
+        cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
+               "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
+               "decodes": len(res.history), "seconds": seconds / len(searches),
+               "exit": exit_group(p, None, cal_range)}
+        items.append(("calibrated", p, line, {"calibration": cal}))
+    for (_, target), row in zip(searches, jobs.run_all(items, r.shared_rows), strict=True):
+        row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)
 
     jobs.time_all()
     sweep.summarize(jobs.out)

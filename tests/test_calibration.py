@@ -88,6 +88,31 @@ def test_per_group_search_finds_the_brute_force_optimum(kind, value):
     assert len(calls) == len(set(calls))  # each setting decoded once
 
 
+@pytest.mark.parametrize("max_evals", [200, 9])
+def test_search_decoding_independent_settings_together_is_the_same_search(max_evals):
+    """With `evaluate_many` the search decodes both ends of the bisection and each round of
+    per-group moves in one call, yet the same settings in the same order (up to max_evals)
+    and the same answer as one at a time."""
+    K, G = 12, 3
+    cost = [[16 - i for i in range(K)] for _ in range(G)]
+    harm = [[s * 1e-4 * i * i for i in range(K)] for s in (1.0, 4.0, 0.25)]
+    target = cal.Target("max_ce_increase", 0.01)
+    ev, calls, base = synthetic(cost, harm, G)
+    one = cal.search(ev, K, G, target, base, per_group=True, max_evals=max_evals)
+    ev2, calls2, _ = synthetic(cost, harm, G)
+    batches = []
+
+    def many(settings):
+        batches.append(len(settings))
+        return [ev2(s) for s in settings]
+
+    two = cal.search(ev2, K, G, target, base, per_group=True, max_evals=max_evals, evaluate_many=many)
+    assert calls2 == calls and len(calls) <= max_evals
+    assert two.best.setting == one.best.setting and two.met == one.met
+    assert [p.setting for p in two.history] == [p.setting for p in one.history]
+    assert max(batches) > 2  # a round of moves went as one call
+
+
 def test_search_in_layer_applications_weighs_a_two_layer_group_twice():
     """Groups of 1, 2 and 1 layers with 8 layers outside the loops (the default grouped
     model), the same harm per grid step in every group: under a CE target the cost-optimal
@@ -212,3 +237,42 @@ def test_calibrate_bad_input_is_one_line(tiny_ckpt, ckpt_env, tmp_path, override
     with pytest.raises(ValueError, match=msg.replace("(", r"\(")) as e:
         calibrate(compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={tmp_path / 'c'}", "eval.tokens=20", *overrides))
     assert "\n" not in str(e.value)
+
+
+def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env, tmp_path):
+    """`calibrate_many` (recdepth.report's calibrations: every search's next setting decoded
+    in one batch per round) gives every (rule, target) search exactly the answer, history and
+    records it gets run alone, in float64 (where the batch composition changes the NLL in its last bits, no decision)."""
+    from recdepth.core.calibration import Target
+    from recdepth.core.exits import build
+    from recdepth.glue.calibrating import (
+        calibrate_many,
+        calibrate_policy,
+        calibration_split,
+        load_splits,
+    )
+
+    cfg = compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=60", "device=cpu",
+                      f"run_dir={tmp_path}")
+    opened, _, _, cal_tokens, _ = load_splits(cfg)
+    model = opened.model.double()
+    split = calibration_split(cfg, model, cal_tokens)
+    N = 4
+    ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
+    searches = [(build("stepnorm", 1.0, max_steps=N), Target("max_ce_increase", 0.05)),  # rules that read no
+                (build("accel", 1.0, max_steps=N), Target("layer_applications", 20.0)),  # logits: fast here
+                (build("fixed", None, max_steps=N), Target("max_ce_increase", 0.02))]
+    alone = [calibrate_policy(split, b, t, True, 6, ce_ref) for b, t in searches]
+    decodes = []
+    real = split.decode_many
+    split.decode_many = lambda ps, rows: (decodes.append(len(ps)), real(ps, rows))[1]
+    together = calibrate_many(split, searches, True, 6, ce_ref, max_rows=64)
+    assert max(decodes) > 1  # settings of several searches did share a batch
+    assert sum(decodes) == sum(len(a[1].history) for a in alone)
+    for (p1, r1, rec1, rows1), (p2, r2, rec2, rows2) in zip(alone, together, strict=True):
+        assert p1 == p2 and r1.met == r2.met and [h.setting for h in r1.history] == [h.setting for h in r2.history]
+        assert [(r["values"], r["meets"], r["per_group"]) for r in rows1] == \
+            [(r["values"], r["meets"], r["per_group"]) for r in rows2]
+        assert [r["ce"] for r in rows1] == pytest.approx([r["ce"] for r in rows2], abs=1e-12)
+        # float64: the batch changes the NLL in its last bits only (the applications not at all)
+        assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12) and np.array_equal(rec1["apps"], rec2["apps"])

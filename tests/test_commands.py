@@ -66,6 +66,24 @@ def test_a_command_runs_its_entry_point_with_the_rest_of_the_line(monkeypatch, a
     assert seen == {"name": module, "argv": want}
 
 
+@pytest.mark.parametrize("name", sorted(commands.COMMANDS))
+def test_every_command_has_its_help(name, monkeypatch, capsys):
+    """`recdepth <command> --help` prints the command's own help and exits 0: Hydra's for
+    the config commands (with the config groups), argparse's for bench and figures,
+    lm_eval's for lm-eval."""
+    monkeypatch.setattr(sys, "argv", ["recdepth", name, "--help"])
+    try:
+        commands.main()
+    except SystemExit as e:
+        assert e.code in (0, None), (name, e.code)
+    out = capsys.readouterr().out
+    module = commands.COMMANDS[name][0]
+    if module in commands.ARGPARSE:
+        assert "usage:" in out and "-h, --help" in out, out[:300]
+    else:  # Hydra's help lists the config groups the command composes
+        assert "== Config groups ==" in out or "Powered by Hydra" in out, out[:300]
+
+
 def test_recdepth_train_composes_the_config_python_dash_m_recdepth_train_does(tmp_path):
     args = ["experiment=hops", "exit.tau=0.01", "--cfg", "job"]
     a = py("-m", "recdepth", "train", *args, cwd=tmp_path)

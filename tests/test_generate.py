@@ -170,7 +170,7 @@ def test_speculative_refuses_latest_sharing_in_one_line():
     with pytest.raises(ValueError) as e:
         speculative(m, [1, 2], RULES["fixed"], 4, 2, 2, cache="latest")
     msg = str(e.value)
-    assert msg.startswith("cache: ") and "per_step" in msg and "\n" not in msg
+    assert msg.startswith("eval.cache: ") and "per_step" in msg and "\n" not in msg
     with pytest.raises(ValueError, match="speculative.lookahead"):
         speculative(m, [1, 2], RULES["fixed"], 4, 2, 0)
 
@@ -288,7 +288,7 @@ def test_generate_command_writes_agreeing_files(tiny_ckpt, env, tmp_path):
     text, the files agree, and the comparison with greedy decoding ran."""
     out = tmp_path / "gen"
     cmd = [sys.executable, "-m", "recdepth.generate", f"ckpt={tiny_ckpt}", 'prompt="ROMEO: What, ho!"',
-           "max_new_tokens=10", "exit=accel", "exit.tau=1e-2", "cache=per_step", "speculative.draft_steps=2",
+           "max_new_tokens=10", "exit=accel", "exit.tau=1e-2", "eval.cache=per_step", "speculative.draft_steps=2",
            "speculative.lookahead=4", "device=cpu", f"hydra.run.dir={out}"]
     p = subprocess.run(cmd, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
                        timeout=300)
@@ -327,8 +327,8 @@ def test_generate_with_prompt_ids_in_process(tiny_ckpt, ckpt_env, tmp_path):
     (["ckpt=a.ckpt", "prompt=x", "prompt_ids=[1]"], "prompt", "got both"),
     (["ckpt=a.ckpt", "prompt_ids=[1,-2]"], "prompt_ids[]", ">= 0"),
     (["ckpt=a.ckpt", "prompt=x", "max_new_tokens=0"], "max_new_tokens", ">= 1"),
-    (["ckpt=a.ckpt", "prompt=x", "speculative.draft_steps=2"], "cache", "needs cache=per_step"),
-    (["ckpt=a.ckpt", "prompt=x", "cache=per_step", "speculative.draft_steps=0"], "speculative.draft_steps", ">= 1"),
+    (["ckpt=a.ckpt", "prompt=x", "speculative.draft_steps=2"], "eval.cache", "needs eval.cache=per_step"),
+    (["ckpt=a.ckpt", "prompt=x", "eval.cache=per_step", "speculative.draft_steps=0"], "speculative.draft_steps", ">= 1"),
 ])
 def test_bad_generate_settings_fail_in_one_line(overrides, field, expected):
     cfg = compose_generate(*overrides, "run_dir=unused")

@@ -469,3 +469,18 @@ def test_group_options_hold_only_what_differs_from_the_schema(group):
         restated = [p for p, v, dv in _leaves(y, dflt) if v == dv and p not in IDENTITY[group]]
         unknown = [p for p, v, dv in _leaves(y, dflt) if dv == "<no such key>"]
         assert restated == [] and unknown == [], f"{f}: restates {restated}, unknown {unknown}"
+
+
+@pytest.mark.parametrize("schema_name", sorted(ROOT_YAML))
+def test_one_spelling_per_knob_across_commands(schema_name):
+    """The decoding knobs are `eval.cache`, `eval.warm_start`, `eval.step` in every command
+    that has them (DecodeConfig's fields), never a top-level or other spelling."""
+    from recdepth.glue.schema import ROOTS
+    from recdepth.glue.schema_groups import DecodeConfig
+
+    knobs = {f.name for f in dataclasses.fields(DecodeConfig)}
+    paths = [p for p, _, _ in _leaves(_defaults(ROOTS[schema_name]), {})]
+    stray = [p for p in paths if p.split(".")[-1] in knobs and p.rsplit(".", 1)[0] != "eval"]
+    assert stray == [], f"{schema_name}: decoding knobs outside eval: {stray}"
+    if any(p.startswith("eval.") for p in paths):
+        assert knobs <= {p.split(".", 1)[1] for p in paths if p.startswith("eval.")}

@@ -124,12 +124,17 @@ def best(points: Sequence[Point], target: Target, ce_ref: float) -> tuple[Point,
 
 def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]], grid_size: int, groups: int,
            target: Target, ce_ref: float, per_group: bool = True, max_evals: int = 32,
-           cost: Cost | None = None) -> Result:
+           cost: Cost | None = None,
+           evaluate_many: Callable[[list[tuple[int, ...]]], list[tuple[np.ndarray, np.ndarray]]] | None = None
+           ) -> Result:
     """Calibrate a knob with `grid_size` values per group (index 0 the most expensive) for
     `groups` groups to `target` (see the module docstring). `evaluate(setting)` returns
     (nll [N], apps [N, G]) of real decoding under that setting; each setting is decoded
-    once. `per_group` False keeps one index for all groups (phase 1 only). `cost`: the
-    model's layer-application cost (None: applications averaged over groups)."""
+    once. `evaluate_many(settings)`, if given, decodes settings that do not depend on each
+    other in one call (both ends of the bisection; a round of per-group moves): the same
+    settings are decoded as one by one, so the answer is the same. `per_group` False keeps
+    one index for all groups (phase 1 only). `cost`: the model's layer-application cost
+    (None: applications averaged over groups)."""
     if grid_size < 1 or groups < 1:
         raise ValueError(f"calibration: need a grid and at least one group, got {grid_size} values, {groups} groups")
     if max_evals < 2:
@@ -143,11 +148,20 @@ def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]],
             seen[setting] = point(setting, *evaluate(setting), cost)
         return seen[setting]
 
+    def ahead(settings: list[tuple[int, ...]]) -> None:
+        """Decode, in one call, the settings `ev` would decode next in this order (the
+        unseen ones, up to max_evals)."""
+        new = list(dict.fromkeys(s for s in settings if s not in seen))[: max(0, max_evals - len(seen))]
+        if evaluate_many is not None and len(new) > 1:
+            for s, r in zip(new, evaluate_many(new), strict=True):
+                seen[s] = point(s, *r, cost)
+
     # 1. the shared index: bisection for the boundary along the grid. Under a CE target
     # index 0 (full depth) holds it and cheaper ones eventually do not; under a budget the
     # cheap end holds it and the dear end does not. lo holds / hi does not (CE), or the reverse.
     ce_target = target.kind == "max_ce_increase"
     lo, hi = 0, grid_size - 1
+    ahead([(lo,) * groups, (hi,) * groups])
     ok_lo, ok_hi = (meets(ev((i,) * groups), target, ce_ref) for i in (lo, hi))
     if ok_lo and ok_hi:  # every shared setting holds it: the cheapest (CE) / the dearest (budget)
         lo = hi = hi if ce_target else lo
@@ -175,6 +189,7 @@ def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]],
                 if all(0 <= i < grid_size for i in s):
                     cands.append(s)
             improved = False
+            ahead(cands)
             for s in cands:
                 p = ev(s)
                 if p is None:

@@ -143,7 +143,7 @@ def check_speculative(cache: str, draft_steps: int, lookahead: int) -> None:
     """The settings of `speculative`, one line naming the field each."""
     check_cache(cache)
     if cache != "per_step":
-        raise ValueError(f"cache: speculative decoding needs cache=per_step, got {cache!r} (with latest sharing a "
+        raise ValueError(f"eval.cache: speculative decoding needs eval.cache=per_step, got {cache!r} (with latest sharing a "
                          "token reads the previous one at its final application, which a parallel verify pass "
                          "cannot know; docs/spec.md §4d)")
     for name, v in (("draft_steps", draft_steps), ("lookahead", lookahead)):

@@ -42,7 +42,6 @@ from omegaconf.errors import (
 
 from recdepth.core import (
     calibration,
-    decoding,
     exits,
     generation,
     ltt,
@@ -58,6 +57,7 @@ from recdepth.glue.schema_groups import (  # noqa: F401  (re-exported: the schem
     WANDB_MODES,
     CallbacksConfig,
     DataConfig,
+    DecodeConfig,
     EvalConfig,
     ExitConfig,
     LoggerConfig,
@@ -134,7 +134,7 @@ class JobKeys:
     def __post_init__(self):
         _int("seed", self.seed, 0)
         _device(self.device)
-        if getattr(self, "eval", None) is not None and self.eval.tokens < 1:
+        if isinstance(getattr(self, "eval", None), EvalConfig) and self.eval.tokens < 1:
             raise ValueError(f"eval.tokens: expected an integer >= 1 (tokens to score), got {self.eval.tokens}")
 
 
@@ -375,7 +375,7 @@ class SpeculativeConfig:
 
     draft_steps: int | None = None
     """Draft with this many applications per group (exit=fixed; >= 1), verify with the exit
-    rule; null = ordinary greedy decoding. Needs cache=per_step."""
+    rule; null = ordinary greedy decoding. Needs eval.cache=per_step."""
     lookahead: int = 8
     """Tokens drafted per verify pass (>= 1)."""
     compare: bool = True
@@ -398,20 +398,19 @@ class GenerateConfig(ModelJob):
     """The prompt as model ids, for a checkpoint whose tokenizer is not at hand (this or prompt)."""
     max_new_tokens: int = 64
     """Tokens to generate (>= 1); fewer if the model's block_size comes first."""
-    cache: str = "latest"
-    """K/V of looped layers: latest (SPEC §4) | per_step (needed by speculative decoding)."""
+    eval: DecodeConfig = field(default_factory=DecodeConfig)
+    """How tokens are decoded (eval.cache, eval.warm_start, eval.step: the knobs of every
+    command's eval block). eval.warm_start is greedy only: a parallel verify pass cannot know
+    the previous token's final state."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     stream: bool = True
     """Print the generated text to stdout as the tokens come."""
-    warm_start: bool = False
-    """Continuous compute (spec §4, eval.warm_start): each group's loop starts from its state
-    at the previous token. Greedy only: a parallel verify pass cannot know that state."""
 
     def __post_init__(self):
         super().__post_init__()
-        if self.warm_start and self.speculative.draft_steps is not None:
-            raise ValueError("warm_start: not with speculative decoding (the verify pass runs the drafted positions "
+        if self.eval.warm_start and self.speculative.draft_steps is not None:
+            raise ValueError("eval.warm_start: not with speculative decoding (the verify pass runs the drafted positions "
                              "in parallel, so a position cannot start from the previous one's final state)")
         if (self.prompt is None) == (self.prompt_ids is None):
             raise ValueError("prompt: set exactly one of prompt=<text> or prompt_ids=[<model ids>], got "
@@ -424,9 +423,8 @@ class GenerateConfig(ModelJob):
             for i in self.prompt_ids:
                 _int("prompt_ids[]", i, 0)
         _int("max_new_tokens", self.max_new_tokens, 1)
-        decoding.check_cache(self.cache)
         if self.speculative.draft_steps is not None:
-            generation.check_speculative(self.cache, self.speculative.draft_steps, self.speculative.lookahead)
+            generation.check_speculative(self.eval.cache, self.speculative.draft_steps, self.speculative.lookahead)
 
 
 # The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml,

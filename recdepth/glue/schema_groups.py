@@ -388,8 +388,34 @@ class OptimConfig:
 
 
 @dataclass
-class EvalConfig:
-    """`eval`: the exit evaluation (recdepth/core/decoding.py, SPEC §4)."""
+class DecodeConfig:
+    """How tokens are decoded, the same knobs under the same names in every command:
+    `eval.cache`, `eval.warm_start`, `eval.step` (recdepth.generate reads only these)."""
+
+    cache: str = "latest"
+    """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application; needed
+    by speculative decoding)."""
+    warm_start: bool = False
+    """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
+    ended with for the previous token of the window (the first token: the usual initial state)."""
+    step: str = "lean"
+    """How a token's layers are computed (recdepth/core/lean_step.py): lean (fewer operators,
+    eager; 1.45x module at batch 1 on the default model, bench decode) | module
+    (Block.forward, the reference) | compiled (lean under torch.compile: 1.95x module at
+    batch 1 on the default model, slower at d = 768 on CPU; ~10-30 s to compile). Equal up
+    to float rounding."""
+
+    def __post_init__(self):
+        _one_of("eval.step", self.step, decoding.STEPS)
+        decoding.check_cache(self.cache)
+        if not isinstance(self.warm_start, bool):
+            raise ValueError(f"eval.warm_start: expected true or false, got {self.warm_start!r}")
+
+
+@dataclass
+class EvalConfig(DecodeConfig):
+    """`eval`: the exit evaluation (recdepth/core/scoring.py, SPEC §4): how tokens are decoded
+    (`DecodeConfig`) and what is scored and timed."""
 
     tokens: int = 4096
     """Held-out next-token predictions scored token by token (eval_tokens.csv); after
@@ -402,11 +428,6 @@ class EvalConfig:
     """... this many times (>= 1): median and min-max."""
     warmup_tokens: int = 8
     """Untimed decode steps before timing starts (>= 0)."""
-    cache: str = "latest"
-    """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application)."""
-    warm_start: bool = False
-    """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
-    ended with for the previous token of the window (the first token: the usual initial state)."""
     answers: bool | None = None
     """Score a task's answer tokens only (docs/spec.md §6): null = yes on data=task (the
     only data with answers), true = required, false = every token (labels kept)."""
@@ -417,16 +438,10 @@ class EvalConfig:
     """A task (docs/spec.md §6): positions whose target is not an answer (the statements,
     operands, terms: the prompt) loop exactly this many applications and the exit rule
     decides at answer positions only; null: the rule decides at every position."""
-    step: str = "lean"
-    """How a token's layers are computed (recdepth/core/lean_step.py): lean (fewer operators,
-    eager; 1.45x module at batch 1 on the default model, bench decode) | module
-    (Block.forward, the reference) | compiled (lean under torch.compile: 1.95x module at
-    batch 1 on the default model, slower at d = 768 on CPU; ~10-30 s to compile). Equal up
-    to float rounding."""
 
     def __post_init__(self):
+        super().__post_init__()
         _one_of("eval.split", self.split, ("test", "extrapolation"))
-        _one_of("eval.step", self.step, decoding.STEPS)
         if self.context_steps is not None and self.context_steps < 1:
             raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
         decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
