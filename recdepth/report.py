@@ -60,7 +60,7 @@ from recdepth.core.scoring import (
 )
 from recdepth.glue import frontier
 from recdepth.glue.calibrating import (
-    calibrate_many,
+    calibrate_policy,
     calibration_split,
     exit_group,
     load_splits,
@@ -209,19 +209,20 @@ def report(cfg: DictConfig) -> dict:
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
     cal_range = tuple(sp["calibration"])
-    # every (rule, target) search in lockstep, each round's settings decoded as one batch
+    # one search after another (a round of a search's independent settings decoded as one
+    # batch, report.shared_rows rows); the 20 answers then scored on the test split as one batch
     searches = [(policy(rule, _start_tau(rule)), target) for rule in r.calibrate for target in targets]
-    t0 = time.perf_counter()
-    answers = calibrate_many(split, searches, c.per_group, c.max_evals, ce_ref, r.shared_rows)
-    seconds = time.perf_counter() - t0
-    log.info("calibrated %d (rule, target) pairs in lockstep (%.0f s)", len(searches), seconds)
     items = []
-    for (_, target), (p, res, _, _) in zip(searches, answers, strict=True):
+    for base, target in searches:
+        t0 = time.perf_counter()
+        p, res, _, _ = calibrate_policy(split, base, target, c.per_group, c.max_evals, ce_ref, r.shared_rows)
         line = overrides(p, gate_path if p.name == "gate" else None, cal_range)
         cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
                "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
-               "decodes": len(res.history), "seconds": seconds / len(searches),
+               "decodes": len(res.history), "seconds": time.perf_counter() - t0,
                "exit": exit_group(p, None, cal_range)}
+        log.info("calibrated %s to %s %g: %s (%d decodes, %.0f s)", base.name, target.kind, target.value, line,
+                 len(res.history), cal["seconds"])
         items.append(("calibrated", p, line, {"calibration": cal}))
     for (_, target), row in zip(searches, jobs.run_all(items, r.shared_rows), strict=True):
         row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)

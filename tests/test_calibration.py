@@ -239,40 +239,36 @@ def test_calibrate_bad_input_is_one_line(tiny_ckpt, ckpt_env, tmp_path, override
     assert "\n" not in str(e.value)
 
 
-def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env, tmp_path):
-    """`calibrate_many` (recdepth.report's calibrations: every search's next setting decoded
-    in one batch per round) gives every (rule, target) search exactly the answer, history and
-    records it gets run alone, in float64 (where the batch composition changes the NLL in its last bits, no decision)."""
+def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_one(tiny_ckpt, ckpt_env, tmp_path):
+    """`calibrate_policy` with max_rows (calibration.shared_rows, report.shared_rows): a round
+    of per-group moves decoded as one batch gives the settings, history, rows and records
+    of the search decoding one setting at a time, in float64 (where the batch composition
+    changes the NLL in its last bits, no decision)."""
     from recdepth.core.calibration import Target
     from recdepth.core.exits import build
-    from recdepth.glue.calibrating import (
-        calibrate_many,
-        calibrate_policy,
-        calibration_split,
-        load_splits,
-    )
+    from recdepth.glue.calibrating import calibrate_policy, calibration_split, load_splits
 
     cfg = compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=60", "device=cpu",
                       f"run_dir={tmp_path}")
     opened, _, _, cal_tokens, _ = load_splits(cfg)
-    model = opened.model.double()
-    split = calibration_split(cfg, model, cal_tokens)
+    split = calibration_split(cfg, opened.model.double(), cal_tokens)
     N = 4
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
-    searches = [(build("stepnorm", 1.0, max_steps=N), Target("max_ce_increase", 0.05)),  # rules that read no
-                (build("accel", 1.0, max_steps=N), Target("layer_applications", 20.0)),  # logits: fast here
-                (build("fixed", None, max_steps=N), Target("max_ce_increase", 0.02))]
-    alone = [calibrate_policy(split, b, t, True, 6, ce_ref) for b, t in searches]
-    decodes = []
-    real = split.decode_many
-    split.decode_many = lambda ps, rows: (decodes.append(len(ps)), real(ps, rows))[1]
-    together = calibrate_many(split, searches, True, 6, ce_ref, max_rows=64)
-    assert max(decodes) > 1  # settings of several searches did share a batch
-    assert sum(decodes) == sum(len(a[1].history) for a in alone)
-    for (p1, r1, rec1, rows1), (p2, r2, rec2, rows2) in zip(alone, together, strict=True):
+    # (a search whose points tie exactly, two settings with the same CE and cost, may break the
+    # tie the other way on the last bits the batch changes: the synthetic test above checks
+    # the search's equivalence exactly; this one a real decode without such a tie)
+    for base, target in [(build("stepnorm", 1.0, max_steps=N), Target("max_ce_increase", 0.05))]:
+        p1, r1, rec1, rows1 = calibrate_policy(split, base, target, True, 8, ce_ref)
+        sizes = []
+
+        def batched(policies, rows, real=split.decode_many, sizes=sizes):
+            sizes.append(len(policies))
+            return real(policies, rows)
+
+        p2, r2, rec2, rows2 = calibrate_policy(split, base, target, True, 8, ce_ref,
+                                               decode=lambda ps: batched(ps, 64))
+        assert max(sizes) > 1 and sum(sizes) == len(r1.history)  # settings shared a batch; each decoded once
         assert p1 == p2 and r1.met == r2.met and [h.setting for h in r1.history] == [h.setting for h in r2.history]
         assert [(r["values"], r["meets"], r["per_group"]) for r in rows1] == \
             [(r["values"], r["meets"], r["per_group"]) for r in rows2]
-        assert [r["ce"] for r in rows1] == pytest.approx([r["ce"] for r in rows2], abs=1e-12)
-        # float64: the batch changes the NLL in its last bits only (the applications not at all)
         assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12) and np.array_equal(rec1["apps"], rec2["apps"])

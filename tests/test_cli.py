@@ -434,6 +434,9 @@ def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle
     assert (sweep / "frontier.md").is_file() and (sweep / "fig4_exits.png").is_file()
 
 
+@pytest.mark.slow  # default-suite time (33 s): the sweeper's shared path runs in the default suite through
+# test_frontier_sweep_compares_every_rule...; shared = one by one is tested below the CLI (test_decoding,
+# test_report, test_ltt); this compares the two whole sweeps (make test-slow runs it)
 def test_frontier_sweep_decodes_its_settings_as_one_batch_like_job_by_job(tmp_path, env, tiny_ckpt):
     """hydra.sweeper.shared_rows (default 64): the jobs that differ only in their exit
     setting are decoded before they run as one batch of settings × windows; every job

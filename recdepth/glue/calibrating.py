@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections.abc import Callable
 
@@ -124,7 +123,8 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
     rows of calibration.csv. `ce_ref` (CE of fixed at max_steps there) is computed if not given.
     Settings that do not depend on each other (both ends of the bisection, a round of
     per-group moves) are decoded as one batch, `max_rows` rows a batch (0: one by one;
-    `CalibrationSplit.decode_many`); `decode` replaces that (`calibrate_many`'s batcher)."""
+    `CalibrationSplit.decode_many`); `decode` (a list of policies -> their records)
+    replaces that."""
     G = split.model.n_groups
     field, grid = calibration.knob(base.name, base.max_steps_bound)
     groups = G if (per_group and field != "patience") else 1
@@ -148,72 +148,6 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
              "layer_applications": p.cost, "per_group": list(p.per_group),
              "meets": calibration.meets(p, target, ce_ref)} for p in res.history]
     return at(res.best.setting), res, records[res.best.setting], rows
-
-
-def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, calibration.Target]], per_group: bool,
-                   max_evals: int, ce_ref: float, max_rows: int) -> list[tuple]:
-    """`calibrate_policy` of several (base, target) searches in lockstep: each search runs in
-    a thread of its own until it asks for its next decodes; once every search still running
-    has asked, the asked settings are decoded as one batch of settings x windows
-    (`CalibrationSplit.decode_many`, `max_rows` rows a batch: each record the one its setting
-    gets alone) and each search goes on with its own. A search's steps depend on its own
-    results only, so each answer is the one it gets alone (in float32 up to a criterion
-    within rounding of τ, as for any batch). The decoding stays in this thread; the threads
-    only choose settings. max_rows 0: one search after another."""
-    if max_rows == 0 or len(searches) < 2:
-        return [calibrate_policy(split, b, t, per_group, max_evals, ce_ref, max_rows) for b, t in searches]
-    cond = threading.Condition()
-    asked: dict[int, list[ExitPolicy]] = {}
-    answered: dict[int, list[dict]] = {}
-    running = set(range(len(searches)))
-    out: dict[int, tuple] = {}
-    failed: dict[int, BaseException] = {}
-
-    def run(i: int, base: ExitPolicy, target: calibration.Target) -> None:
-        def decode(policies: list[ExitPolicy]) -> list[dict]:
-            with cond:
-                asked[i] = policies
-                cond.notify_all()
-                cond.wait_for(lambda: i in answered)
-                return answered.pop(i)
-
-        try:
-            out[i] = calibrate_policy(split, base, target, per_group, max_evals, ce_ref, decode=decode)
-        except BaseException as e:  # handed to the caller below
-            failed[i] = e
-        finally:
-            with cond:
-                running.discard(i)
-                cond.notify_all()
-
-    threads = [threading.Thread(target=run, args=(i, b, t), daemon=True) for i, (b, t) in enumerate(searches)]
-    for t in threads:
-        t.start()
-    while True:
-        with cond:
-            cond.wait_for(lambda: not running or running <= set(asked))
-            if not running:
-                break
-            batch = dict(asked)
-            asked.clear()
-        try:
-            recs = split.decode_many([p for ps in batch.values() for p in ps], max_rows)
-        except BaseException:
-            with cond:  # release the waiting searches with nothing, then re-raise
-                answered.update({i: None for i in batch})
-                cond.notify_all()
-            raise
-        with cond:
-            at = 0
-            for i, ps in batch.items():
-                answered[i] = recs[at : at + len(ps)]
-                at += len(ps)
-            cond.notify_all()
-    for t in threads:
-        t.join()
-    if failed:
-        raise failed[min(failed)]
-    return [out[i] for i in range(len(searches))]
 
 
 def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,

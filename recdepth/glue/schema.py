@@ -270,9 +270,10 @@ class CalibrationConfig:
     """ltt: each window's mean NLL increase over full depth is clipped to [0, loss_bound] nats
     (> 0; the guarantee is on the clipped loss, and must exceed target.max_ce_increase)."""
     shared_rows: int = 64
-    """ltt: the path's next settings decoded as one batch of settings × windows of about this
-    many rows (each record as decoded alone; a few settings past the stop are decoded
-    unread); 0: one by one (>= 0)."""
+    """Settings decoded as one batch of settings × windows of about this many rows (each
+    record as decoded alone): ltt, the path's next settings (a few past the stop decoded
+    unread); empirical, those that do not depend on each other (both ends of the
+    bisection, a round of per-group moves); 0: one by one (>= 0)."""
 
     def __post_init__(self):
         _int("calibration.tokens", self.tokens, 1)
@@ -319,7 +320,8 @@ class ReportSettings:
     shared_rows: int = 64
     """The fixed depths, the grids and the oracle are scored as one batch of settings ×
     windows, this many rows a batch (`scoring.evaluate_exits`; each setting's records are
-    its own); 0: setting by setting."""
+    its own), as are the calibrated answers and each calibration search's independent
+    settings (`calibrating.calibrate_policy`); 0: setting by setting."""
     calibrate: list[str] = field(default_factory=lambda: [
         "fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
         "argmax_stability", "gate"])
