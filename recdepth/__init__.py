@@ -13,8 +13,11 @@ Core (recdepth/core/): the math, torch and numpy only
   core/gate.py          the learned exit gate: labels, logistic fit, the gate's probability, and
                         the parallel pass's states and depth-wise losses (SPEC §3c)
   core/exits.py         early-exit rules (the gate's too) and the reference `iterate` loop
+  core/kv_cache.py      the K/V caches of decoding: one entry per position ("latest") or per
+                        application ("per_step"), each row owning its entries
   core/decoding.py      the decoding engine: token by token with a KV cache under an exit
                         rule, batched exactly (per-row noise keys): decode_step, decode_windows
+  core/mixed_settings.py several exit settings in one batch, each row under its own (a sweep)
   core/scoring.py       held-out text scored under exit rules with the engine: evaluate_exit(s)
                         (quality, cost, batch-1 latency), task answers, the oracle bound
   core/lean_step.py     the lean decode step: one token's layers in static shapes, eager or
@@ -28,7 +31,7 @@ Core (recdepth/core/): the math, torch and numpy only
                         record of depth, and self-speculative decoding (draft at few
                         applications, verify in one chunk pass), exactly greedy's tokens
   core/stats.py         exit statistics from per-token records: fixed-depth frontier, oracle
-                        saving, paired bootstrap CIs, eval_tokens.csv
+                        saving, paired bootstrap CIs, Holm
   core/diagnostics.py   loop geometry of a model at fixed loops (capture, statistics, PCA)
   core/runtime.py       allocator tuning, peak FLOP/s
   core/tasks.py         algorithmic tasks with known per-token difficulty (hops, addition, modsum):
@@ -61,6 +64,7 @@ Glue (recdepth/glue/): Lightning, Hydra config, data, files, figures
   glue/hf.py            Huginn checkpoints in the Hugging Face format (config.json + safetensors
                         shards): load_hf / save_hf, names and config keys of docs/spec.md §1b
   glue/checkpoints.py   opening a trained model (a training checkpoint), its held-out tokens
+  glue/token_files.py   eval_tokens.csv written and read back, the oracle's NLL as .npy
   glue/evaluation.py    scoring a checkpoint for the commands: eval settings, the shared decode
                         of a sweep's settings, eval_tokens.csv, the eval block after training
   glue/calibrating.py   calibrating a rule on a checkpoint: the test / calibration splits,

@@ -179,7 +179,8 @@ def _median_time(fn, reps: int, warmup: int = 3) -> float:
 def bench_exits(args) -> dict:
     """Latency / throughput / compute per exit rule and τ, and the cost of the exit check."""
     from recdepth.core import exits
-    from recdepth.core.decoding import decode_step, new_caches
+    from recdepth.core.decoding import decode_step
+    from recdepth.core.kv_cache import new_caches
     from recdepth.core.scoring import evaluate_exit
 
     tune_cpu_allocator()
@@ -285,8 +286,9 @@ def _core_params(model: LoopedGPT) -> int:
 def _decode_seconds(model: LoopedGPT, tokens, n: int, reps: int) -> float:
     """Median seconds of one decode step at batch 1 with n applications per group, for the
     last of `tokens` after the others filled the cache (at one application each: cheap)."""
-    from recdepth.core.decoding import decode_step, new_caches
+    from recdepth.core.decoding import decode_step
     from recdepth.core.exits import build
+    from recdepth.core.kv_cache import new_caches
 
     caches = new_caches(model, 1, model.cfg.block_size, "latest")
     one, policy = build("fixed", None, max_steps=1), build("fixed", None, max_steps=n)

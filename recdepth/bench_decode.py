@@ -28,8 +28,9 @@ import time
 import numpy as np
 import torch
 
-from recdepth.core.decoding import STEPS, decode_step, lean_steps, new_caches
+from recdepth.core.decoding import STEPS, decode_step, lean_steps
 from recdepth.core.exits import build
+from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
 from recdepth.core.scoring import evaluate_exit

@@ -40,9 +40,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core import stats
 from recdepth.core.exits import build
 from recdepth.core.scoring import evaluate_exit
+from recdepth.glue import token_files
 from recdepth.glue.calibrating import (
     calibrate_ltt,
     calibrate_policy,
@@ -99,14 +99,14 @@ def calibrate(cfg: DictConfig) -> dict:
 
     off, v2g = sp["calibration"][0], opened.vocab_to_gpt2
     gpt2 = cal_rec["target"] if v2g is None else v2g.cpu().numpy()[cal_rec["target"]]
-    stats.write_tokens(run_dir / "calibration_tokens.csv", cal_rec["window"], cal_rec["position"] + off,
+    token_files.write_tokens(run_dir / "calibration_tokens.csv", cal_rec["window"], cal_rec["position"] + off,
                        cal_rec["target"], gpt2, cal_rec["nll"], cal_rec["apps"])
     _write_rows(run_dir / "calibration.csv", rows)
     (run_dir / "exit.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(exit_group(policy, gate, cal_range))))
     (run_dir / "exit_overrides.txt").write_text(line + "\n")
 
     ev = run_eval(model, test_tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels["test"])
-    test_rec = stats.read_tokens(run_dir / "eval_tokens.csv")
+    test_rec = token_files.read_tokens(run_dir / "eval_tokens.csv")
     ref_nll = None
     if target.kind == "max_ce_increase":  # the test split's own full-depth reference, paired per token
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), cfg.eval.tokens,

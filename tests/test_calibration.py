@@ -173,8 +173,8 @@ def compose_cal(*overrides):
 
 def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.calibrate import calibrate
-    from recdepth.core.stats import read_tokens
     from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
+    from recdepth.glue.token_files import read_tokens
 
     run = tmp_path / "cal"
     cfg = compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={run}", "exit=accel", "exit.max_steps=6",
@@ -265,8 +265,9 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
             sizes.append(len(policies))
             return real(policies, rows)
 
-        p2, r2, rec2, rows2 = calibrate_policy(split, base, target, True, 8, ce_ref,
-                                               decode=lambda ps: batched(ps, 64))
+        split.decode_many = batched
+        p2, r2, rec2, rows2 = calibrate_policy(split, base, target, True, 8, ce_ref, max_rows=64)
+        del split.decode_many  # the class's again
         assert max(sizes) > 1 and sum(sizes) == len(r1.history)  # settings shared a batch; each decoded once
         assert p1 == p2 and r1.met == r2.met and [h.setting for h in r1.history] == [h.setting for h in r2.history]
         assert [(r["values"], r["meets"], r["per_group"]) for r in rows1] == \

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from recdepth.core import exits
+from recdepth.core import exits, mixed_settings
 from recdepth.core.decoding import RowNoise, decode_step, new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.scoring import evaluate_exit, evaluate_oracle
@@ -496,10 +496,10 @@ def test_evaluate_exits_gives_each_setting_its_eval_block_and_times_round_robin(
 
 def test_mixed_policy_errors_are_one_line():
     with pytest.raises(ValueError, match="oracle"):
-        exits.MixedPolicy((exits.build("oracle", 0.01, max_steps=4),), torch.zeros(2, dtype=torch.long))
+        mixed_settings.MixedPolicy((exits.build("oracle", 0.01, max_steps=4),), torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match="indices into 1 policies"):
-        exits.MixedPolicy((exits.build("kl", 0.01),), torch.tensor([0, 1]))
-    mixed = exits.MixedPolicy((exits.build("kl", 0.01, decode="head"), exits.build("kl", 0.1, decode="coda")),
+        mixed_settings.MixedPolicy((exits.build("kl", 0.01),), torch.tensor([0, 1]))
+    mixed = mixed_settings.MixedPolicy((exits.build("kl", 0.01, decode="head"), exits.build("kl", 0.1, decode="coda")),
                               torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="exit.decode: settings decoded side by side must decode alike"):
         _ = mixed.decode

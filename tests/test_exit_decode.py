@@ -24,15 +24,9 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from recdepth.core import exits
-from recdepth.core.decoding import (
-    coda_logits,
-    decode_mode,
-    decode_step,
-    has_coda,
-    new_caches,
-    state_decoder,
-)
+from recdepth.core.decoding import coda_logits, decode_mode, decode_step, has_coda, state_decoder
 from recdepth.core.generation import chunk_step, new_chunk_caches
+from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.scoring import evaluate_exit
 from recdepth.glue.config import conf_dir, model_config
@@ -320,8 +314,8 @@ def _evaluate(d, out, *overrides):
 
 
 def test_hf_windows_start_with_bos_and_score_the_texts_tokens(hf_bos, tmp_path):
-    from recdepth.core.stats import read_tokens
     from recdepth.glue.hf import load_hf
+    from recdepth.glue.token_files import read_tokens
 
     d, vocab = hf_bos
     tok = HFTokenizer(d)

@@ -20,7 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from recdepth.core import exits
-from recdepth.core.decoding import RowNoise, decode_step, new_caches
+from recdepth.core.decoding import RowNoise, decode_step
 from recdepth.core.gate import (
     class_weights,
     collect_gate_data,
@@ -31,6 +31,7 @@ from recdepth.core.gate import (
     save_gate,
 )
 from recdepth.core.gate_states import decoding_gate_data
+from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.glue.config import conf_dir, exit_policy
 

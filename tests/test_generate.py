@@ -16,8 +16,9 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from recdepth.core import exits, generation
-from recdepth.core.decoding import RowNoise, decode_step, new_caches
+from recdepth.core.decoding import RowNoise, decode_step
 from recdepth.core.generation import accepted, chunk_step, greedy, new_chunk_caches, speculative
+from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.glue import schema
 from recdepth.glue.config import conf_dir

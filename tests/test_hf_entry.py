@@ -60,8 +60,8 @@ def expected_heldout(tok, n):
 
 
 def test_evaluate_scores_the_tail_of_the_text_under_its_own_tokenizer(hf_dir, tmp_path):
-    from recdepth.core.stats import read_tokens
     from recdepth.evaluate import evaluate
+    from recdepth.glue.token_files import read_tokens
 
     d, text, tok, model = hf_dir
     out = tmp_path / "e"
@@ -80,9 +80,9 @@ def test_evaluate_scores_the_tail_of_the_text_under_its_own_tokenizer(hf_dir, tm
 def test_a_zero_state_model_decodes_exactly_like_its_parallel_forward(hf_dir, tmp_path):
     """With state_init=zero there is no noise, so the decoded NLLs must equal a parallel
     forward of the loaded weights at the same depth, token for token."""
-    from recdepth.core.stats import read_tokens
     from recdepth.evaluate import evaluate
     from recdepth.glue.hf import load_hf
+    from recdepth.glue.token_files import read_tokens
 
     d, text, tok, model = hf_dir
     z = tmp_path / "zero"
@@ -182,7 +182,7 @@ def test_calibrate_accepts_hf_test_then_calibration_split_of_the_tail(hf_dir, tm
     """The test split is the tail's tokens [0, eval.tokens], the calibration split the
     calibration.tokens + 1 after it, both under the directory's tokenizer."""
     from recdepth.calibrate import calibrate
-    from recdepth.core.stats import read_tokens
+    from recdepth.glue.token_files import read_tokens
 
     d, text, tok, _ = hf_dir
     out = tmp_path / "c"
@@ -234,7 +234,7 @@ def test_train_gate_accepts_hf_and_fits_on_the_head_of_the_text(hf_dir, tmp_path
 
 
 def test_report_accepts_hf(hf_dir, tmp_path):
-    from recdepth.core.stats import read_tokens
+    from recdepth.glue.token_files import read_tokens
     from recdepth.report import report
 
     d, text, tok, _ = hf_dir

@@ -271,8 +271,8 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     loss recomputed from its calibration record against a full-depth decode done here."""
     from recdepth.calibrate import calibrate
     from recdepth.core.exits import build
-    from recdepth.core.stats import read_tokens
     from recdepth.glue.calibrating import calibration_split, load_splits
+    from recdepth.glue.token_files import read_tokens
 
     run = tmp_path / "ltt"
     opts = [f"ckpt={tiny_ckpt}", f"run_dir={run}", *CAL, "target.max_ce_increase=0.5", "calibration.tokens=300",

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
 
-from recdepth.core.stats import read_tokens
 from recdepth.glue.config import conf_dir
+from recdepth.glue.token_files import read_tokens
 
 SMALL = ["report.max_steps=4", "report.fixed=[1,4]", "report.rules.accel=[0.1]", "report.rules.kl=[0.01]",
          *(f"report.rules.{r}=[]" for r in ("stepnorm", "stepnorm_rel", "accel_rel", "entropy_diff", "cosine")), "report.patience=[1]",

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from recdepth.core import stats
+from recdepth.glue import token_files
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 
@@ -712,8 +713,8 @@ def test_token_records_round_trip_exactly(tmp_path):
     ms = np.where(np.arange(n) < 10, rng.uniform(1, 20, n) / 7, np.nan)
     target, gpt2 = rng.integers(0, 100, n), rng.integers(-1, 100, n)
     f = tmp_path / "eval_tokens.csv"
-    stats.write_tokens(f, np.arange(n) // 8, np.arange(n), target, gpt2, nll, apps, ms)
-    r = stats.read_tokens(f)
+    token_files.write_tokens(f, np.arange(n) // 8, np.arange(n), target, gpt2, nll, apps, ms)
+    r = token_files.read_tokens(f)
     assert r["nll"].tobytes() == nll.tobytes() and np.array_equal(r["apps"], apps)
     assert r["ms"][:10].tobytes() == ms[:10].tobytes() and np.isnan(r["ms"][10:]).all()
     assert r["window"].tolist() == (np.arange(n) // 8).tolist() and r["position"].tolist() == list(range(n))
@@ -721,12 +722,12 @@ def test_token_records_round_trip_exactly(tmp_path):
     assert f.read_text().splitlines()[0] == "window,position,target,target_gpt2,nll,apps_0,apps_1,apps_2,ms"
     assert [p.name for p in tmp_path.iterdir()] == ["eval_tokens.csv"]  # no temporary left behind
     # ms=None: an empty ms column; one group
-    stats.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], [[1], [2]])
-    r = stats.read_tokens(f)
+    token_files.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], [[1], [2]])
+    r = token_files.read_tokens(f)
     assert r["apps"].shape == (2, 1) and np.isnan(r["ms"]).all() and r["nll"].tolist() == [0.1, 0.2]
     # a model without recurrence (model=baseline): no apps columns at all
-    stats.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], np.zeros((2, 0), dtype=int))
-    r = stats.read_tokens(f)
+    token_files.write_tokens(f, [0, 0], [0, 1], [5, 6], [7, 8], [0.1, 0.2], np.zeros((2, 0), dtype=int))
+    r = token_files.read_tokens(f)
     assert f.read_text().splitlines()[0] == "window,position,target,target_gpt2,nll,ms"
     assert r["apps"].shape == (2, 0) and r["nll"].tolist() == [0.1, 0.2]
 
@@ -734,7 +735,7 @@ def test_token_records_round_trip_exactly(tmp_path):
 def test_read_tokens_apps_columns_in_group_order(tmp_path):
     f = tmp_path / "t.csv"
     f.write_text("window,position,target,target_gpt2,nll,apps_1,apps_0,ms\n0,3,4,5,1.5,7,2,\n")
-    r = stats.read_tokens(f)
+    r = token_files.read_tokens(f)
     assert r["apps"].tolist() == [[2, 7]] and math.isnan(r["ms"][0]) and r["nll"][0] == 1.5
 
 
@@ -742,15 +743,15 @@ def test_read_tokens_errors_are_one_line_and_name_the_file(tmp_path):
     f = tmp_path / "eval_tokens.csv"
     f.write_text("window,position,target\n0,0,1\n")
     with pytest.raises(ValueError, match="no column 'target_gpt2'") as e:
-        stats.read_tokens(f)
+        token_files.read_tokens(f)
     assert "\n" not in str(e.value) and str(f) in str(e.value)
     f.write_text("window,position,target,target_gpt2,nll,apps_0,ms\n0,0,1,1,0.5,2,\n0,1,1,1,oops,2,\n")
     with pytest.raises(ValueError, match="row 2") as e:
-        stats.read_tokens(f)
+        token_files.read_tokens(f)
     assert "\n" not in str(e.value) and str(f) in str(e.value)
     f.write_text("window,position,target,target_gpt2,nll,apps_0,apps_2,ms\n")
     with pytest.raises(ValueError, match="apps_1"):
-        stats.read_tokens(f)
+        token_files.read_tokens(f)
 
 
 # ------------------------------------------------- a sweep on synthetic files
@@ -846,7 +847,7 @@ def _write_job(d, rule, tau, n, nll, apps, **extra):
     metrics.json."""
     n_tok = len(nll)
     d.mkdir()
-    stats.write_tokens(d / "eval_tokens.csv", WINDOWS(n_tok), np.arange(n_tok), np.arange(n_tok) % 7,
+    token_files.write_tokens(d / "eval_tokens.csv", WINDOWS(n_tok), np.arange(n_tok), np.arange(n_tok) % 7,
                        np.arange(n_tok) % 7, nll, apps)
     ev = {"exit": rule, "tau": tau, "max_steps": n, "ce": float(np.mean(nll)), "ce_ci": [0, 0], "ppl": 1.0,
           "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),

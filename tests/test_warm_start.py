@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from recdepth.core import exits
-from recdepth.core.decoding import RowNoise, decode_step, new_caches, noise_seed, windows
+from recdepth.core.decoding import RowNoise, decode_step, noise_seed, windows
+from recdepth.core.kv_cache import new_caches
 from recdepth.core.scoring import evaluate_exit, evaluate_oracle
 from tests.test_decoding import model
 

@@ -21,7 +21,7 @@ first mismatch, or after the last draft). Every token it returns is a verified o
 
 Exactness: speculative decoding returns the tokens (and applications) of `greedy` with
 `cache="per_step"` under the same rule, seed and sequence. With the per-application cache
-(`decoding.StepKVCache`) position i at application j reads earlier positions at
+(`kv_cache.StepKVCache`) position i at application j reads earlier positions at
 application j, which a parallel pass over the chunk can compute; with "latest" sharing
 token-by-token decoding reads position i−1 at its FINAL application, which a parallel pass
 cannot know while i−1 is still looping, so `speculative` refuses cache="latest". Under an
@@ -49,17 +49,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from recdepth.core.decoding import (
-    KVCache,
-    RowNoise,
-    StepKVCache,
-    check_cache,
-    decode_step,
-    new_caches,
-    noise_seed,
-    state_decoder,
-)
+from recdepth.core.decoding import RowNoise, decode_step, noise_seed, state_decoder
 from recdepth.core.exits import ExitPolicy, build
+from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.model import LoopedGPT
 
 SOURCES = ("greedy", "draft", "verify")

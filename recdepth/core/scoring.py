@@ -30,7 +30,8 @@ from recdepth.core.decoding import (
     step_of,
     warm_up,
 )
-from recdepth.core.exits import ORACLE, ExitPolicy, MixedPolicy, build
+from recdepth.core.exits import ORACLE, ExitPolicy, build
+from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
 
 
@@ -148,7 +149,7 @@ def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
                     context_steps: int | None = None) -> tuple[list[dict], float]:
     """`evaluate_exit`'s batched pass for several exit settings at once (a sweep): every
     (setting, window) pair is a row, up to `max_rows` rows a batch, each row looping under
-    its own setting (`exits.MixedPolicy`) and keyed by its window's noise, so each setting's
+    its own setting (`mixed_settings.MixedPolicy`) and keyed by its window's noise, so each setting's
     records are those it gets decoded alone (exactly in float64; within rounding of the
     batched matmuls in float32, where a criterion within rounding of τ can flip a row's
     applications). Returns one record per setting (`_records`) and the seconds of the pass."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -115,16 +114,14 @@ class CalibrationSplit:
 
 
 def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
-                     max_evals: int, ce_ref: float | None = None, max_rows: int = 0,
-                     decode: Callable[[list[ExitPolicy]], list[dict]] | None = None
-                     ) -> tuple[ExitPolicy, calibration.Result, dict, list]:
+                     max_evals: int, ce_ref: float | None = None,
+                     max_rows: int = 0) -> tuple[ExitPolicy, calibration.Result, dict, list]:
     """Search `base`'s knob (`calibration.knob`) to `target` on the calibration split.
     Returns the calibrated policy, the search result, its per-token record there and the
     rows of calibration.csv. `ce_ref` (CE of fixed at max_steps there) is computed if not given.
     Settings that do not depend on each other (both ends of the bisection, a round of
     per-group moves) are decoded as one batch, `max_rows` rows a batch (0: one by one;
-    `CalibrationSplit.decode_many`); `decode` (a list of policies -> their records)
-    replaces that."""
+    `CalibrationSplit.decode_many`)."""
     G = split.model.n_groups
     field, grid = calibration.knob(base.name, base.max_steps_bound)
     groups = G if (per_group and field != "patience") else 1
@@ -135,10 +132,8 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
     def at(setting):
         return policy_at(base, field, [grid[i] for i in setting])
 
-    decode = decode or (lambda policies: split.decode_many(policies, max_rows))
-
     def evaluate_many(settings):
-        recs = decode([at(s) for s in settings])
+        recs = split.decode_many([at(s) for s in settings], max_rows)
         records.update(zip(settings, recs, strict=True))
         return [(r["nll"], r["apps"]) for r in recs]
 

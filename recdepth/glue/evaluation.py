@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core import stats
 from recdepth.core.decoding import has_coda
 from recdepth.core.exits import ORACLE, ExitPolicy
 from recdepth.core.scoring import evaluate_exit, evaluate_exits
+from recdepth.glue import token_files
 from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint, open_model, resolve_device
 from recdepth.glue.config import exit_policy
 from recdepth.glue.schema import EvalConfig, validated
@@ -163,10 +163,10 @@ def write_eval(run_dir: Path, rec: dict, vocab_to_gpt2: torch.Tensor | None) -> 
     task = None
     if "label" in rec:
         task = {"answer": rec["label"] > 0, "difficulty": rec["label"], "correct": rec["correct"]}
-    stats.write_tokens(run_dir / "eval_tokens.csv", rec["window"], rec["position"], target, gpt2,
+    token_files.write_tokens(run_dir / "eval_tokens.csv", rec["window"], rec["position"], target, gpt2,
                        rec["nll"], rec["apps"], rec["ms"], task=task)
     if "nll_by_n" in rec:
-        stats.save_array(run_dir / "oracle_nll.npy", rec["nll_by_n"])
+        token_files.save_array(run_dir / "oracle_nll.npy", rec["nll_by_n"])
 
 
 def log_eval(ev: dict) -> None:

@@ -52,6 +52,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from recdepth.core import stats
+from recdepth.glue import token_files
 
 log = logging.getLogger("recdepth.frontier")
 
@@ -249,7 +250,7 @@ def frontier_inputs(sweep_dir: Path, rows: list[dict]) -> tuple[dict, dict, np.n
         f = Path(sweep_dir) / str(r["job"]) / "eval_tokens.csv"
         if r["status"] != "ok" or r["ce"] == "" or not f.is_file():
             continue
-        t = stats.read_tokens(f)
+        t = token_files.read_tokens(f)
         key = (t["window"].tolist(), t["position"].tolist(), t["target"].tolist())
         if ref is None:
             ref = key

@@ -21,6 +21,7 @@ from recdepth.core import (
     sampler,
     tasks,
 )
+from recdepth.core.kv_cache import check_cache
 from recdepth.core.model import OPTION_DEFAULTS, check_architecture, shape_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
@@ -407,7 +408,7 @@ class DecodeConfig:
 
     def __post_init__(self):
         _one_of("eval.step", self.step, decoding.STEPS)
-        decoding.check_cache(self.cache)
+        check_cache(self.cache)
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"eval.warm_start: expected true or false, got {self.warm_start!r}")
 
