@@ -48,6 +48,7 @@ Glue (recdepth/glue/): Lightning, Hydra config, data, files, figures
   glue/callbacks.py     LoopDynamics: diagnostics at every checkpoint, to JSON and loggers
   glue/plots.py         the paper's Figs. 1, 2, 3, 5 drawn from diagnostics records, Fig. 4 from
                         a sweep's rows
+  glue/frontier_grid.py one frontier's grid and its settings, for make frontier and the report
   glue/frontier.py      a sweep's job rows, its tables (sweep_results, frontier) and the
                         frontier statistics (SPEC §4b: bootstrap over windows, verdicts, Holm)
   glue/task_tables.py   a task's sweep by difficulty (accuracy per difficulty and depth)
@@ -84,7 +85,8 @@ Commands (recdepth/*.py): what a user runs
   calibrate.py          `python -m recdepth.calibrate ckpt=... exit=... target.max_ce_increase=...`
                         (per-group thresholds on a calibration split, then one test evaluation)
   report.py             `python -m recdepth.report ckpt=...` (every exit rule on one frontier:
-                        fixed, oracle, τ grids, calibrated rules, the learned gate; table + figure)
+                        calibrated rules, then the grid and the calibrated answers scored as
+                        evaluate jobs of one frontier sweep; table + figure)
   diagnose.py           `python -m recdepth.diagnose ckpt=...` (the loop geometry of one model:
                         diagnostics JSON, Figs. 1, 2, 3, 5)
   generate.py           `python -m recdepth.generate ckpt=... prompt=...` (greedy or self-speculative

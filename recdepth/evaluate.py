@@ -32,8 +32,9 @@ from recdepth.glue.schema import validated
 log = logging.getLogger("recdepth.evaluate")
 
 
-def evaluate(cfg: DictConfig) -> dict:
-    """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict."""
+def evaluate(cfg: DictConfig, record: dict | None = None) -> dict:
+    """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict
+    (with `record`'s keys first: what a caller such as recdepth.report files with the job)."""
     run_dir = job_dir(cfg, "evaluate")
     run = validated(cfg)  # every field, before any work (recdepth/glue/schema.py)
     policy = exit_policy(cfg)
@@ -49,7 +50,7 @@ def evaluate(cfg: DictConfig) -> dict:
     tokens, labels = (None, None) if shared else (opened.heldout(n, start), opened.labels(n, start))
     start_job(run_dir, cfg)
     ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels)
-    metrics = {opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
+    metrics = {**(record or {}), opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)
     return metrics

@@ -3,28 +3,29 @@ one frontier, in one command (docs/spec.md §4b, §4c).
 
     python -m recdepth.report ckpt=<run>/train/checkpoints/last.ckpt          # hydra.run.dir=<out>
 
-On the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evaluate`) it scores
-  - the fixed-depth frontier (`report.fixed`: exit=fixed at each n);
-  - the oracle at ε = `report.oracle` (its NLL at every n gives the oracle curve);
-  - every rule at its τ grid (`report.rules`; argmax_stability at each k of `report.patience`;
-    the learned gate at each probability of `report.gate_tau`);
-  - every rule of `report.calibrate` calibrated per group on the calibration split (val
-    tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
-    `report.max_ce_increase` nats above fixed at max_steps, and at most
-    `report.layer_applications` layer applications per token; then scored once on the test
-    split.
-Latency: every setting is scored first; then the timed batch-1 passes of all settings run
-round-robin, `eval.repeats` rounds, so drift of the machine hits every setting alike, and
-each setting keeps every repeat (the equal-latency interval includes their spread).
+First, every rule of `report.calibrate` is calibrated per group on the calibration split
+(val tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
+`report.max_ce_increase` nats above fixed at max_steps, and at most
+`report.layer_applications` layer applications per token. Then one frontier sweep scores,
+on the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evaluate`),
+  - the frontier's grid (`report.*`, the fields of `frontier_grid.FrontierGrid`, expanded by
+    `frontier_grid.settings` as `make frontier` expands `hydra.sweeper.*`): the fixed
+    depths (`report.fixed`, and report.max_steps, the reference), every rule at its τ grid
+    (`report.rules`), argmax_stability at each k of `report.patience`, the learned gate at
+    each probability of `report.gate_tau`, the oracle at each ε of `report.oracle`;
+  - the calibrated answers,
+each setting a `recdepth.evaluate` job (`score_jobs`), all but the oracle decoded ahead of
+them as one batch, their batch-1 latency timed round-robin within each of `eval.repeats`
+rounds, so drift of the machine hits every setting alike (`evaluation.decode_shared`).
 Winners are chosen on the calibration split only (`select`): the test split scores the
 chosen settings and is never used to choose.
 The learned gate is `report.gate` (a gate.pt of `recdepth.train_gate`), or trained here on
 the train split when null.
 
 Written into the run directory:
-    jobs/<k>/           one job per scored setting, laid out like a sweep's job
-                        (metrics.json, eval_tokens.csv, .hydra/overrides.yaml: the
-                        overrides that rerun it with recdepth.evaluate)
+    jobs/<k>/           one recdepth.evaluate job per scored setting (config.yaml,
+                        metrics.json with its family and `overrides`: what reruns it with
+                        recdepth.evaluate, eval_tokens.csv)
     jobs/sweep_results.md, jobs/frontier.md, jobs/fig4_exits.png
                         the sweep summary of all jobs (recdepth.sweep): every job against
                         the fixed frontier at equal applications and at equal ms/token
@@ -40,37 +41,35 @@ Written into the run directory:
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
 from pathlib import Path
 
+import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import sweep
 from recdepth.core import calibration, stats
 from recdepth.core.exits import NO_TAU, build
 from recdepth.core.gate import load_gate
-from recdepth.core.scoring import (
-    add_latency,
-    evaluate_exit,
-    evaluate_exits,
-    model_cost,
-    time_tokens,
-)
+from recdepth.core.scoring import model_cost
+from recdepth.evaluate import evaluate
 from recdepth.glue import frontier
 from recdepth.glue.calibrating import (
     calibrate_policy,
     calibration_split,
     exit_group,
     load_splits,
-    overrides,
     test_check,
 )
-from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.glue.evaluation import eval_settings, for_model, write_eval
+from recdepth.glue.cli import compose_job, hydra_main, job_dir, refuse, start_job, task
+from recdepth.glue.evaluation import decode_shared, for_model
+from recdepth.glue.frontier_grid import Setting, exit_line, settings
 from recdepth.glue.runs import write_json
 from recdepth.glue.schema import TrainGateConfig, validated
+from recdepth.glue.token_files import read_tokens
 from recdepth.train_gate import train_gate
 
 log = logging.getLogger("recdepth.report")
@@ -78,160 +77,60 @@ log = logging.getLogger("recdepth.report")
 TARGET_NAMES = {"max_ce_increase": "CE increase", "layer_applications": "layer applications"}
 
 
-class Jobs:
-    """Scores settings on the test split; times them round-robin (`time_all`); writes each as
-    a sweep job directory."""
-
-    def __init__(self, out: Path, model, tokens, cfg: DictConfig, vocab_to_gpt2, labels=None, bos: int | None = None):
-        self.out, self.model, self.tokens, self.cfg, self.v2g = out, model, tokens, cfg, vocab_to_gpt2
-        self.labels = labels  # a task's: its jobs score the answer tokens (docs/spec.md §6)
-        self.bos = bos  # an hf= model's BOS, which every window starts with
-        self.out.mkdir(parents=True, exist_ok=True)
-        self.rows: list[dict] = []
-
-    def run(self, family: str, policy, line: str, extra: dict | None = None) -> dict:
-        """Score `policy` on the test split (quality and cost; latency later, `time_all`)."""
-        t0 = time.perf_counter()
-        ev, rec = evaluate_exit(self.model, self.tokens, policy, self.cfg.eval.tokens,
-                                batch_size=self.cfg.eval.batch_size, labels=self.labels, bos=self.bos,
-                                **self.settings())
-        return self.add(family, policy, line, ev, rec, time.perf_counter() - t0, extra)
-
-    def run_all(self, items: list[tuple], rows: int) -> list[dict]:
-        """`run` of every (family, policy, line[, extra]), in order, scored as one batch of
-        settings × windows, `rows` rows a batch (`scoring.evaluate_exits`); rows = 0: one by one."""
-        if rows == 0 or len(items) < 2:
-            return [self.run(*item) for item in items]
-        t0 = time.perf_counter()
-        results = evaluate_exits(self.model, self.tokens, [item[1] for item in items], self.cfg.eval.tokens,
-                                 max_rows=rows, labels=self.labels, bos=self.bos, **self.settings())
-        seconds = (time.perf_counter() - t0) / len(items)
-        return [self.add(item[0], item[1], item[2], ev, rec, seconds, *item[3:])
-                for item, (ev, rec) in zip(items, results, strict=True)]
-
-    def settings(self) -> dict:
-        """evaluate's decoding settings, latency left to `time_all`."""
-        return {**eval_settings(self.cfg), "latency_tokens": 0, "repeats": 1}
-
-    def add(self, family: str, policy, line: str, ev: dict, rec: dict, seconds: float,
-            extra: dict | None = None) -> dict:
-        k = len(self.rows)
-        row = {"job": k, "family": family, "overrides": line, "policy": policy, "eval": ev, "rec": rec,
-               **(extra or {})}
-        self.rows.append(row)
-        self.write(row)
-        log.info("job %d %-10s %s: CE %.4f, %.2f layer applications (%.0f s)", k, family, line, ev["ce"],
-                 ev["layer_applications"], seconds)
-        return row
-
-    def time_all(self) -> None:
-        """Latency of every job but the oracle's (it reads the target, so it cannot run):
-        `eval.repeats` rounds, each timing every job once at batch 1 over the first
-        `eval.latency_tokens` tokens, round-robin; then each job's latency fields from its
-        repeats (`scoring.add_latency`) and its files written again."""
-        e = self.cfg.eval
-        timed = [r for r in self.rows if r["family"] != "oracle"]
-        if not e.latency_tokens or not timed:
-            return
-        reps: dict[int, list] = {r["job"]: [] for r in timed}
-        t0 = time.perf_counter()
-        for i in range(e.repeats):
-            for r in timed:
-                reps[r["job"]].append(time_tokens(self.model, self.tokens, r["policy"], e.latency_tokens, e.cache,
-                                                  self.cfg.seed, e.warm_start,
-                                                  warmup_tokens=e.warmup_tokens if i == 0 else 0, labels=self.labels,
-                                                  bos=self.bos,
-                                                  context_steps=OmegaConf.select(self.cfg, "eval.context_steps")))
-        for r in timed:
-            add_latency(r["eval"], r["rec"], reps[r["job"]])
-            self.write(r)
-        log.info("latency: %d jobs x %d round(s), round-robin (%.0f s)", len(timed), e.repeats,
-                 time.perf_counter() - t0)
-
-    def write(self, row: dict) -> None:
-        d = self.out / str(row["job"])
-        (d / ".hydra").mkdir(parents=True, exist_ok=True)
-        (d / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(row["overrides"].split())))
-        write_eval(d, row["rec"], self.v2g)
-        extra = {k: row[k] for k in ("calibration",) if k in row}
-        write_json(d / "metrics.json", {"family": row["family"], "overrides": row["overrides"], **extra,
-                                        "eval": row["eval"]})
-
-
 def _start_tau(rule: str) -> float | None:
     """A valid τ to build a rule's policy before calibration replaces it (None: it has none)."""
     return None if rule in NO_TAU else 0.5 if rule == "gate" else 1e-3
 
 
-def _line(p, gate: str | None = None) -> str:
-    return overrides(p, gate if p.name == "gate" else None)
-
-
 def report(cfg: DictConfig) -> dict:
     """Run the comparison of the module docstring; write and return report.json's dict."""
     out = job_dir(cfg, "report")
-    validated(cfg)
-    r = cfg.report
+    run = validated(cfg)
+    r, c = run.report, run.calibration
     refuse(out, "report.md", "jobs", what="a report")
     t_start = time.perf_counter()
-    opened, sp, test_tokens, cal_tokens, labels = load_splits(cfg)
-    model, c = opened.model, cfg.calibration
+    opened, sp, _, cal_tokens, labels = load_splits(cfg)
+    model, N = opened.model, r.max_steps
     start_job(out, cfg)
-    jobs = Jobs(out / "jobs", model, test_tokens, cfg, opened.vocab_to_gpt2, labels["test"], bos=opened.bos)
-    N, kw = r.max_steps, {"min_steps": 0, "max_steps": r.max_steps}
     gate_path = gate_file(cfg, out) if ("gate" in r.calibrate or r.gate_tau) else None
     gate = load_gate(gate_path)[:2] if gate_path else None
 
-    def policy(name, tau=None, patience=5):  # decode and kl_direction decided for the model, as evaluate does
-        return for_model(build(name, tau, patience=patience, groups=model.n_groups, **kw,
-                               **({"gate": gate} if name == "gate" else {})), opened)
-
-    items = [("fixed", build("fixed", None, max_steps=n), f"exit=fixed exit.max_steps={n}") for n in r.fixed]
-    items.append(("oracle", build("oracle", r.oracle, max_steps=N),
-                  f"exit=oracle exit.tau={r.oracle:g} exit.max_steps={N}"))
-    grid = [policy(rule, float(tau)) for rule, taus in r.rules.items() for tau in taus]
-    grid += [policy("argmax_stability", patience=int(k)) for k in r.patience]
-    items += [("grid", p, _line(p)) for p in grid]
-    items += [("grid", p, _line(p, gate_path)) for p in (policy("gate", float(tau)) for tau in r.gate_tau)]
-    jobs.run_all(items, r.shared_rows)
-
+    # 1. every rule of report.calibrate calibrated per group to each target on the calibration
+    # split, one search after another (a round of a search's independent settings decoded as
+    # one batch, report.shared_rows rows)
     split = calibration_split(cfg, model, cal_tokens, labels["calibration"], bos=opened.bos)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
-    fixed_ref = next(j for j in jobs.rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"] \
-        if N in r.fixed else None
-    if fixed_ref is None:
-        _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=N), cfg.eval.tokens,
-                               warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
-                               batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start,
-                               labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"),
-                               context_steps=OmegaConf.select(cfg, "eval.context_steps"), bos=opened.bos)
-        fixed_ref = ref["nll"]
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
     cal_range = tuple(sp["calibration"])
-    # one search after another (a round of a search's independent settings decoded as one
-    # batch, report.shared_rows rows); the 20 answers then scored on the test split as one batch
-    searches = [(policy(rule, _start_tau(rule)), target) for rule in r.calibrate for target in targets]
-    items = []
-    for base, target in searches:
-        t0 = time.perf_counter()
-        p, res, _, _ = calibrate_policy(split, base, target, c.per_group, c.max_evals, ce_ref, r.shared_rows)
-        line = overrides(p, gate_path if p.name == "gate" else None, cal_range)
-        cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
-               "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
-               "decodes": len(res.history), "seconds": time.perf_counter() - t0,
-               "exit": exit_group(p, None, cal_range)}
-        log.info("calibrated %s to %s %g: %s (%d decodes, %.0f s)", base.name, target.kind, target.value, line,
-                 len(res.history), cal["seconds"])
-        items.append(("calibrated", p, line, {"calibration": cal}))
-    for (_, target), row in zip(searches, jobs.run_all(items, r.shared_rows), strict=True):
-        row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)
+    answers = []
+    for rule in r.calibrate:
+        base = for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=N,
+                               **({"gate": gate} if rule == "gate" else {})), opened)
+        for target in targets:
+            t0 = time.perf_counter()
+            p, res, _, _ = calibrate_policy(split, base, target, c.per_group, c.max_evals, ce_ref, r.shared_rows)
+            setting = Setting("calibrated", exit_group(p, gate_path if p.name == "gate" else None, cal_range))
+            cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
+                   "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
+                   "decodes": len(res.history), "seconds": time.perf_counter() - t0, "exit": setting.exit}
+            log.info("calibrated %s to %s %g: %s (%d decodes, %.0f s)", rule, target.kind, target.value,
+                     " ".join(exit_line(setting)), len(res.history), cal["seconds"])
+            answers.append((setting, {"calibration": cal}))
 
-    jobs.time_all()
-    sweep.summarize(jobs.out)
-    table = comparison(jobs.rows, targets, model_cost(model))
-    (out / "report.md").write_text(markdown(table, targets, cfg, time.perf_counter() - t_start))
-    fig = figure(jobs.rows, N, model_cost(model))
+    # 2. the frontier (report.*'s grid, the fixed reference at max_steps included) and the
+    # calibrated answers on the test split: one sweep of recdepth.evaluate jobs
+    grid = settings(dataclasses.replace(r, fixed=sorted({*r.fixed, N})), max_steps=N, gate=gate_path)
+    rows = score_jobs(cfg, out / "jobs", [(s, {}) for s in grid] + answers, r.shared_rows, opened)
+    fixed_ref = next(j for j in rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"]
+    for row in rows:
+        if row["family"] == "calibrated":
+            target = calibration.Target(**row["calibration"]["target"])
+            row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)
+
+    table = comparison(rows, targets, model_cost(model))
+    (out / "report.md").write_text(markdown(table, targets, run, time.perf_counter() - t_start))
+    fig = figure(rows, N, model_cost(model))
     for fmt in ("png", "pdf"):
         fig.savefig(out / f"report.{fmt}", dpi=150 if fmt == "png" else None)
     import matplotlib.pyplot as plt
@@ -243,6 +142,38 @@ def report(cfg: DictConfig) -> dict:
     write_json(out / "report.json", result)
     log.info("report: %s (%.0f s)", out / "report.md", result["seconds"])
     return result
+
+
+def score_jobs(cfg: DictConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict]], shared_rows: int,
+               opened=None) -> list[dict]:
+    """Each (setting, record) as the frontier sweep (`make frontier`) scores its settings:
+    a `recdepth.evaluate` job in jobs_dir/<k> with the report's model, seed, device and eval
+    block (conf/evaluate.yaml composed with the setting's overrides, `frontier_grid.exit_line`),
+    the jobs decoded ahead of them as one batch (`evaluation.decode_shared`, shared_rows rows
+    a batch; latency timed at batch 1, round-robin), metrics.json also holding the setting's
+    family, its overrides and `record`; then the sweep summary (`sweep.summarize`). Returns
+    each job's row: job, family, overrides, metrics.json's eval block and record, and its
+    per-token record read back from eval_tokens.csv (the oracle's with its NLL at every n).
+    `opened`: the model these jobs score, already opened (`checkpoints.open_model`)."""
+    keep = {k: cfg[k] for k in ("ckpt", "hf", "data", "dtype", "seed", "device", "eval") if k in cfg}
+    cfgs = []
+    for k, (s, _) in enumerate(jobs):
+        job = OmegaConf.merge(compose_job("evaluate", [*exit_line(s), f"run_dir={jobs_dir / str(k)}"]), keep)
+        job.eval.warm_start = job.eval.warm_start or s.warm_start  # the setting's, over the report's
+        cfgs.append(job)
+    if shared_rows:
+        decode_shared(cfgs, shared_rows, opened)
+    rows = []
+    for k, (job, (s, record)) in enumerate(zip(cfgs, jobs, strict=True)):
+        line = " ".join(exit_line(s))
+        ev = evaluate(job, {"family": s.family, "overrides": line, **record})["eval"]
+        d = jobs_dir / str(k)
+        rec = read_tokens(d / "eval_tokens.csv")
+        if (d / "oracle_nll.npy").is_file():
+            rec["nll_by_n"] = np.load(d / "oracle_nll.npy")
+        rows.append({"job": k, "family": s.family, "overrides": line, "eval": ev, "rec": rec, **record})
+    sweep.summarize(jobs_dir)
+    return rows
 
 
 # ---------------------------------------------------------------- the table
@@ -314,7 +245,7 @@ def _f(v, digits=4, sign=False) -> str:
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
-def markdown(table: dict, targets: list[calibration.Target], cfg: DictConfig, seconds: float) -> str:
+def markdown(table: dict, targets: list[calibration.Target], cfg, seconds: float) -> str:
     lines = [f"# Exit rules compared on {cfg.ckpt or cfg.hf}", "",
              f"Test split: {cfg.eval.tokens} tokens (val offsets 0–{cfg.eval.tokens}); calibration split: "
              f"{cfg.calibration.tokens} tokens after it, with its own noise keys. Rules are ranked and the winner "

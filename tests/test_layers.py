@@ -149,7 +149,8 @@ COMMAND_STEPS = {
     "__main__": {"commands"},  # `python -m recdepth` is the console script
     "bench": {"bench_decode", "bench_speculative", "bench_sweeps",  # bench's subcommands
               "train"},  # `bench train` times the training command itself
-    "report": {"sweep",  # the report's frontier is summarized as a sweep's
+    "report": {"evaluate",  # each setting of the report's frontier is a recdepth.evaluate job
+               "sweep",  # the report's frontier is summarized as a sweep's
                "train_gate"},  # with report.gate=null the report fits the gate as train_gate does
 }
 

@@ -1,14 +1,16 @@
 """The comparison report (recdepth/report.py) on a tiny checkpoint, in-process: every family
-of jobs is scored and written as a sweep job, the table's winner is the one its rule says
-(recomputed here from the calibration split's numbers, never the test split's), the
-latency passes run round-robin, and a calibrated job's override line reruns it in
-recdepth.evaluate with the same result."""
+of jobs is scored and written as a recdepth.evaluate job of one frontier sweep, the table's
+winner is the one its rule says (recomputed here from the calibration split's numbers,
+never the test split's), every setting but the oracle shares one batch (so its latency is
+timed round-robin with the others: tests/test_decoding.py), and a calibrated job's
+override line reruns it in recdepth.evaluate with the same result."""
 
 import json
 
 import numpy as np
 import pytest
 from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
 
 from recdepth.glue.config import conf_dir
 from recdepth.glue.token_files import read_tokens
@@ -37,8 +39,16 @@ def test_every_family_is_scored_and_summarised(done):
     out, res = done
     jobs = sorted((p for p in (out / "jobs").iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
     fams = [json.loads((p / "metrics.json").read_text())["family"] for p in jobs]
-    # 2 fixed + oracle + 2 grid rules + argmax k=1 + gate τ=0.5 + 3 calibrated rules x 2 targets
-    assert fams == ["fixed"] * 2 + ["oracle"] + ["grid"] * 4 + ["calibrated"] * 6
+    # the frontier's settings in frontier_grid.settings' order (2 fixed, 2 grid rules, argmax
+    # k=1, gate τ=0.5, the oracle), then 3 calibrated rules x 2 targets
+    assert fams == ["fixed"] * 2 + ["grid"] * 4 + ["oracle"] + ["calibrated"] * 6
+    # each job is a recdepth.evaluate job: its config.yaml composes as evaluate's, with the
+    # report's test split, and its line is the setting's
+    for p in jobs:
+        c = OmegaConf.load(p / "config.yaml")
+        m = json.loads((p / "metrics.json").read_text())
+        assert c.eval.tokens == 24 and c.run_dir == str(p) and c.exit.name == m["eval"]["exit"]
+        assert m["overrides"].split()[0] == f"exit={c.exit.name}"
     assert (out / "gate" / "gate.pt").is_file()
     for f in ("report.md", "report.png", "report.json", "jobs/frontier.md", "jobs/sweep_results.md",
               "jobs/fig4_exits.png"):
@@ -99,35 +109,6 @@ def test_the_selection_reads_no_test_record():
     assert select(rows, Target("max_ce_increase", 0.01)) == [3, 1, 0, 4, 2]
 
 
-def test_latency_is_timed_round_robin(monkeypatch, tmp_path):
-    """Jobs.time_all times every job once per round, in turn (a, b, c, a, b, c), and keeps
-    every repeat in the job's eval block."""
-    from omegaconf import OmegaConf
-
-    import recdepth.report as rp
-
-    order = []
-
-    def fake_time(model, tokens, policy, n, cache, seed, warm_start, warmup_tokens=0, labels=None, bos=None,
-                  context_steps=None):
-        order.append(policy)
-        return np.full(n, 1.0 + len(order)), np.zeros(n), np.ones((n, 1), dtype=np.int64)
-
-    monkeypatch.setattr(rp, "time_tokens", fake_time)
-    monkeypatch.setattr(rp, "write_eval", lambda *a: None)
-    cfg = OmegaConf.create({"seed": 0, "eval": {"latency_tokens": 3, "repeats": 2, "cache": "latest",
-                                                "warm_start": False, "warmup_tokens": 0}})
-    jobs = rp.Jobs(tmp_path, None, None, cfg, None)
-    for k, fam in enumerate(["fixed", "oracle", "grid"]):
-        jobs.rows.append({"job": k, "family": fam, "overrides": "x", "policy": f"p{k}", "eval": {},
-                          "rec": {"ms": np.full(3, np.nan), "nll": np.zeros(3), "apps": np.ones((3, 1), np.int64)}})
-    jobs.time_all()
-    assert order == ["p0", "p2", "p0", "p2"]  # the oracle is never timed
-    assert jobs.rows[0]["eval"]["ms_per_token_repeats"] == [2.0, 4.0]
-    assert jobs.rows[2]["eval"]["ms_per_token_repeats"] == [3.0, 5.0]
-    assert "ms_per_token_repeats" not in jobs.rows[1]["eval"]
-
-
 def test_a_calibrated_line_reruns_in_evaluate(done, tiny_ckpt, ckpt_env, tmp_path):
     from recdepth.evaluate import evaluate
 
@@ -156,9 +137,9 @@ def test_report_refuses_a_used_directory(done, tiny_ckpt):
 
 
 def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt, ckpt_env):
-    """report.shared_rows (default 64): the fixed depths, the grids and the oracle are
-    scored together (`scoring.evaluate_exits`); each job's records are those of its
-    setting decoded alone."""
+    """report.shared_rows (default 64): the fixed depths, the grids and the calibrated
+    answers are scored together (`evaluation.decode_shared`); each job's records are those
+    of its setting decoded alone; the oracle decodes alone."""
     import torch
 
     from recdepth.core.scoring import evaluate_exit
@@ -169,10 +150,10 @@ def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt,
     module, data = load_checkpoint(tiny_ckpt, torch.device("cpu"))
     tokens = torch.as_tensor(checkpoint_data(module, data, 1337).heldout_tokens(25))
     shared = 0
-    for j in range(7):  # 2 fixed, the oracle, 4 grid jobs
+    for j in range(13):  # 2 fixed, 4 grid jobs, the oracle, 6 calibrated
         d = out / "jobs" / str(j)
         m = json.loads((d / "metrics.json").read_text())
-        shared += m["eval"].get("shared_batch") == 6
+        shared += m["eval"].get("shared_batch") == 12
         if m["family"] == "oracle" or "gate" in m["overrides"]:
             continue
         with initialize_config_dir(conf_dir(), version_base="1.3"):
@@ -182,4 +163,4 @@ def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt,
         rec = read_tokens(d / "eval_tokens.csv")
         assert np.allclose(rec["nll"], alone["nll"], rtol=0, atol=1e-4)
         assert np.array_equal(rec["apps"], alone["apps"]), m["overrides"]
-    assert shared == 6
+    assert shared == 12

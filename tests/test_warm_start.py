@@ -200,16 +200,20 @@ def test_eval_warm_start_in_every_config_with_an_eval_block():
 def test_frontier_sweeper_warm_family_switch():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    from hydra_plugins.recdepth_frontier.frontier_sweeper import FrontierSweeper, frontier_jobs
+    from hydra_plugins.recdepth_frontier.frontier_sweeper import FrontierSweeper
+    from recdepth.glue.frontier_grid import FrontierGrid, exit_line, settings
 
     parse = OverridesParser.create().parse_overrides
 
-    jobs = frontier_jobs([1, 2], {"kl": [1e-3]}, [1e-2], warm_start=True)
-    assert jobs == [["exit=fixed", "exit.max_steps=1"], ["exit=fixed", "exit.max_steps=2"],
-                    ["exit=fixed", "exit.max_steps=1", "eval.warm_start=true"],
-                    ["exit=fixed", "exit.max_steps=2", "eval.warm_start=true"],
-                    ["exit=kl", "exit.tau=0.001"], ["exit=oracle", "exit.tau=0.01"]]
-    assert not any("eval.warm_start=true" in j for j in frontier_jobs([1, 2], {}, [], warm_start=False))
+    def jobs(**grid):
+        return [exit_line(s) for s in settings(FrontierGrid(**grid))]
+
+    assert jobs(fixed=[1, 2], rules={"kl": [1e-3]}, oracle=[1e-2], warm_start=True) == [
+        ["exit=fixed", "exit.max_steps=1"], ["exit=fixed", "exit.max_steps=2"],
+        ["exit=fixed", "exit.max_steps=1", "eval.warm_start=true"],
+        ["exit=fixed", "exit.max_steps=2", "eval.warm_start=true"],
+        ["exit=kl", "exit.tau=0.001"], ["exit=oracle", "exit.tau=0.01"]]
+    assert not any("eval.warm_start=true" in j for j in jobs(fixed=[1, 2], rules={}, oracle=[]))
     s = FrontierSweeper([1, 2], {}, [])  # on by default
     assert len(s.split_arguments(parse(["eval.tokens=8"]), None)[0]) == 4
     # the user's eval.warm_start goes to every job; the grid's warm copy would repeat it
@@ -218,6 +222,40 @@ def test_frontier_sweeper_warm_family_switch():
                      for v in ("True", "False") for n in (1, 2)]
     with pytest.raises(ValueError, match="hydra.sweeper.warm_start"):
         FrontierSweeper([1, 2], {}, [], warm_start="yes")
+    with pytest.raises(ValueError, match="hydra.sweeper.fixed"):
+        FrontierSweeper([3], {}, [])
+    with pytest.raises(ValueError, match="report.fixed"):
+        from recdepth.glue.schema import ReportSettings
+
+        ReportSettings(fixed=[2, 2])
+
+
+def test_one_grid_expands_the_same_for_make_frontier_and_the_report():
+    """frontier_grid.settings: argmax_stability at each k and the gate at each τ after the
+    rules, every setting but the fixed ones at max_steps when given, the gate's file
+    appended; the sweeper's jobs are exactly these lines; the sweeper's config
+    (hydra/sweeper=frontier, from the ConfigStore) holds FrontierGrid's defaults."""
+    from hydra import compose, initialize_config_dir
+
+    from hydra_plugins.recdepth_frontier.frontier_sweeper import FrontierSweeper
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.frontier_grid import FrontierGrid, exit_line, settings
+
+    grid = FrontierGrid(fixed=[1, 3], rules={"accel": [0.1]}, patience=[2], gate_tau=[0.5], oracle=[0.0])
+    got = [(s.family, exit_line(s)) for s in settings(grid, max_steps=6, gate="g.pt")]
+    assert got == [("fixed", ["exit=fixed", "exit.max_steps=1"]), ("fixed", ["exit=fixed", "exit.max_steps=3"]),
+                   ("grid", ["exit=accel", "exit.tau=0.1", "exit.max_steps=6"]),
+                   ("grid", ["exit=argmax_stability", "exit.patience=2", "exit.max_steps=6"]),
+                   ("grid", ["exit=gate", "exit.tau=0.5", "exit.max_steps=6", "exit.gate=g.pt"]),
+                   ("oracle", ["exit=oracle", "exit.tau=0.0", "exit.max_steps=6"])]
+    sweeper = FrontierSweeper([1, 3], {"accel": [0.1]}, [0.0], patience=[2], gate_tau=[0.5], warm_start=False)
+    assert sweeper.jobs == [line for _, line in [(s.family, exit_line(s)) for s in settings(grid)]]
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("evaluate", overrides=["ckpt=x.ckpt", "hydra/sweeper=frontier"], return_hydra_config=True)
+    sw, default = cfg.hydra.sweeper, FrontierGrid()
+    assert sw._target_.endswith("FrontierSweeper") and sw.warm_start is True and sw.shared_rows == 64
+    assert list(sw.fixed) == default.fixed and {k: list(v) for k, v in sw.rules.items()} == default.rules
+    assert list(sw.oracle) == default.oracle and list(sw.patience) == [] == default.patience
 
 
 # ------------------------------------------------------- (e) the frontier sweep, for real

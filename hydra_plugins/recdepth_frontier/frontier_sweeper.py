@@ -3,23 +3,26 @@ frontier (SPEC §4b), for `make frontier`:
 
     python -m recdepth.evaluate --multirun hydra/sweeper=frontier ckpt=<path> hydra.sweep.dir=<dir>
 
-runs, as jobs of one sweep, the fixed-depth grid (`exit=fixed exit.max_steps=n` for each
-n of `hydra.sweeper.fixed`), with `hydra.sweeper.warm_start` (default true) the same grid
-again with `eval.warm_start=true` (continuous compute, its own family "fixed (warm
-start)" in the summary), every rule at every τ of `hydra.sweeper.rules.<rule>`, and the
-oracle at every ε of `hydra.sweeper.oracle`. Its grids live in
-`conf/hydra/sweeper/frontier.yaml`. Any other override, including a sweep of your own
-(`eval.cache=latest,per_step`), applies to every job (its cartesian product with the
-frontier's jobs); the frontier's own `exit.*` overrides come last, so they win. A user
-override of `eval.warm_start` sets it for every job, and the warm-start copy of the grid
-is then left out (it would repeat the fixed grid). The sweep summary
-(`recdepth.sweep.SweepSummary`) then writes `frontier.csv`.
+runs, as jobs of one sweep, the settings of its grid (`hydra.sweeper.*`: the fields and
+defaults of `recdepth.glue.frontier_grid.FrontierSweeperConf`, registered in Hydra's
+ConfigStore by recdepth/glue/schema.py; `--cfg hydra` shows them): the fixed-depth grid
+(`exit=fixed exit.max_steps=n`), with `hydra.sweeper.warm_start` (default true) the same
+grid again with `eval.warm_start=true` (continuous compute, its own family "fixed (warm
+start)" in the summary), every rule at every τ of `hydra.sweeper.rules.<rule>`,
+argmax_stability at each k of `hydra.sweeper.patience`, the gate at each τ of
+`hydra.sweeper.gate_tau` (give `exit.gate=<gate.pt>`), and the oracle at every ε of
+`hydra.sweeper.oracle`: `frontier_grid.settings`, the same expansion `recdepth.report`
+scores. Any other override, including a sweep of your own (`eval.cache=latest,per_step`),
+applies to every job (its cartesian product with the frontier's jobs); the frontier's own
+`exit.*` overrides come last, so they win. A user override of `eval.warm_start` sets it for
+every job, and the warm-start copy of the grid is then left out (it would repeat the fixed
+grid). The sweep summary (`recdepth.sweep.SweepSummary`) then writes `frontier.csv`.
 
 With Hydra's basic launcher (jobs one after another in this process) and
 `hydra.sweeper.shared_rows` > 0 (default 64), the jobs that differ only in their exit
 setting are decoded before they run as one batch of settings × windows, up to that many
-rows a batch (`recdepth.glue.evaluation.decode_shared`); each job then writes its own directory and
-files from those results, which equal its decoding alone. 0 decodes job by job.
+rows a batch (`recdepth.glue.evaluation.decode_shared`); each job then writes its own
+directory and files from those results, which equal its decoding alone. 0 decodes job by job.
 """
 
 from __future__ import annotations
@@ -30,35 +33,21 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import open_dict
 
-WARM = "eval.warm_start=true"
-
-
-def frontier_jobs(fixed: Sequence[int], rules: Mapping[str, Sequence[float]],
-                  oracle: Sequence[float], warm_start: bool = False) -> list[list[str]]:
-    """The overrides of each frontier job, in order: fixed grid, with `warm_start` the fixed
-    grid again under continuous compute, rules, oracle."""
-    jobs = [["exit=fixed", f"exit.max_steps={int(n)}"] for n in fixed]
-    jobs += [["exit=fixed", f"exit.max_steps={int(n)}", WARM] for n in fixed] if warm_start else []
-    jobs += [[f"exit={rule}", f"exit.tau={float(tau)!r}"] for rule, taus in rules.items() for tau in taus]
-    jobs += [["exit=oracle", f"exit.tau={float(eps)!r}"] for eps in oracle]
-    return jobs
+from recdepth.glue.frontier_grid import WARM, FrontierSweeperConf, exit_line, settings
 
 
 class FrontierSweeper(BasicSweeper):
     """Hydra's basic sweeper, with the frontier's jobs crossed with the user's overrides."""
 
     def __init__(self, fixed: Sequence[int], rules: Mapping[str, Sequence[float]], oracle: Sequence[float],
-                 warm_start: bool = True, shared_rows: int = 64, max_batch_size: int | None = None,
+                 patience: Sequence[int] = (), gate_tau: Sequence[float] = (), warm_start: bool = True,
+                 shared_rows: int = 64, max_batch_size: int | None = None,
                  params: Mapping[str, str] | None = None) -> None:
         super().__init__(max_batch_size=max_batch_size, params=dict(params or {}))
-        bad = [n for n in fixed if isinstance(n, bool) or not isinstance(n, int) or n < 1]
-        if bad or not fixed:
-            raise ValueError(f"hydra.sweeper.fixed: expected a non-empty list of integers >= 1, got {list(fixed)!r}")
-        if not isinstance(warm_start, bool):
-            raise ValueError(f"hydra.sweeper.warm_start: expected true or false, got {warm_start!r}")
-        if isinstance(shared_rows, bool) or not isinstance(shared_rows, int) or shared_rows < 0:
-            raise ValueError(f"hydra.sweeper.shared_rows: expected an integer >= 0 (0: job by job), got {shared_rows!r}")
-        self.jobs = frontier_jobs(fixed, rules or {}, oracle or [], warm_start)
+        grid = FrontierSweeperConf(fixed=list(fixed), rules={k: list(v) for k, v in (rules or {}).items()},
+                                   oracle=list(oracle or []), patience=list(patience or []),
+                                   gate_tau=list(gate_tau or []), warm_start=warm_start, shared_rows=shared_rows)
+        self.jobs = [exit_line(s) for s in settings(grid)]
         self.shared_rows = shared_rows
 
     def validate_batch_is_legal(self, batch) -> None:

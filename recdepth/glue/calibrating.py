@@ -22,6 +22,7 @@ from recdepth.core.decoding import lean_steps, span
 from recdepth.core.exits import ExitPolicy, build
 from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
 from recdepth.glue.checkpoints import open_model, resolve_device
+from recdepth.glue.frontier_grid import Setting, exit_line
 from recdepth.glue.schema import EvalConfig, validated
 
 log = logging.getLogger("recdepth.calibrate")
@@ -46,18 +47,9 @@ def policy_at(base: ExitPolicy, field: str, values: list) -> ExitPolicy:
 
 def overrides(p: ExitPolicy, gate: str | None = None, calibrated_on: tuple[int, int] | None = None) -> str:
     """The command-line overrides that select policy `p` (every field, so nothing is
-    inherited from the rule's yaml), and the val-token range it was calibrated on."""
-    def fmt(v):
-        return "[" + ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) + "]" \
-            if isinstance(v, tuple) else (f"{v:g}" if isinstance(v, float) else str(v))
-
-    parts = [f"exit={p.name}", f"exit.tau={'null' if p.tau is None else fmt(p.tau)}",
-             f"exit.min_steps={fmt(p.min_steps)}", f"exit.max_steps={fmt(p.max_steps)}", f"exit.patience={p.patience}"]
-    if gate:
-        parts.append(f"exit.gate={gate}")
-    if calibrated_on is not None:
-        parts.append(f"exit.calibrated_on=[{int(calibrated_on[0])},{int(calibrated_on[1])}]")
-    return " ".join(parts)
+    inherited from the rule's yaml; floats exactly, as `repr`), and the val-token range it
+    was calibrated on (`frontier_grid.exit_line`)."""
+    return " ".join(exit_line(Setting("calibrated", exit_group(p, gate, calibrated_on))))
 
 
 def exit_group(p: ExitPolicy, gate: str | None = None, calibrated_on: tuple[int, int] | None = None) -> dict:

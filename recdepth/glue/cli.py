@@ -10,6 +10,8 @@ dict`, that starts with `job_dir`, `refuse` and `start_job`, and is made a comma
     job_dir(cfg, entry)   cfg.run_dir, or one line when called outside Hydra without one
     refuse(run_dir, ...)  one line if the directory already holds a result (never overwritten)
     start_job(run_dir, cfg)   the directory and its config.yaml (the resolved config)
+    compose_job(name, overrides)  conf/<name>.yaml composed with overrides, as its command
+                          line would (a command that runs another's jobs: the report)
     run_hydra_main(main)  call a @hydra.main function: `--multirun` may stand anywhere
                           among the overrides (`hoist_mode_flags`), a config OmegaConf
                           refuses is one line naming the field (`schema.config_error`),
@@ -75,6 +77,19 @@ def task(job: Callable[[DictConfig], dict], key: str) -> Callable[[DictConfig], 
 
     _task.__module__, _task.__qualname__ = job.__module__, "_task"
     return _task
+
+
+def compose_job(config_name: str, overrides: list[str]) -> DictConfig:
+    """conf/<config_name>.yaml composed with `overrides` as `python -m recdepth.<command>
+    <overrides>` composes it (Hydra's compose API: inside a running Hydra app with its
+    search path, outside one with conf/), without the hydra node."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name, overrides=list(overrides))
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return compose(config_name, overrides=list(overrides))
 
 
 def hydra_main(task_fn: Callable[[DictConfig], float], config_name: str) -> Callable[[], None]:

@@ -46,10 +46,10 @@ def eval_settings(cfg: DictConfig) -> dict:
 
 # Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
 # block, per-token record); a job finding its key writes these instead of decoding again.
-_SHARED: dict[str, tuple[dict, dict]] = {}
+_SHARED: dict[str, list[tuple[dict, dict]]] = {}  # a list: a sweep may hold one setting twice
 
 
-_OPENED: dict[str, object] = {}  # job key -> the `Opened` model its shared decode used (not opened again)
+_OPENED: dict[str, list] = {}  # job key -> the `Opened` model its shared decode used (not opened again)
 
 
 KEYS = ("ckpt", "hf", "dtype", "device", "seed", "data", "eval", "exit")  # what a job's decode reads
@@ -66,25 +66,38 @@ def job_key(cfg: DictConfig, without: tuple[str, ...] = ()) -> str:
 def shared_model(cfg: DictConfig):
     """The `Opened` model this job's settings were decoded with by `decode_shared`, or None
     (the job then opens its checkpoint itself)."""
-    return _OPENED.pop(job_key(cfg), None) if _OPENED else None
+    return _take(_OPENED, job_key(cfg))
 
 
-def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
+def _take(store: dict[str, list], key: str):
+    """The first entry `decode_shared` left under `key` (removed), or None."""
+    entries = store.get(key)
+    if not entries:
+        return None
+    first = entries.pop(0)
+    if not entries:
+        del store[key]
+    return first
+
+
+def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None) -> int:
     """Decode the jobs of a sweep (their composed configs, run_dir aside) that differ only in
     exit.* as one batch each (`scoring.evaluate_exits`: every job's records are those it
     gets alone, its latency timed at batch 1 round-robin with the others), ahead of the
     jobs, which then write these results (`run_eval`). The oracle, a job alone in its
-    group and a job whose config or checkpoint fails are left to the job itself, which
-    decodes alone and reports its own error. Returns the number of jobs decoded."""
+    group and a job whose config or checkpoint fails (or whose exit was calibrated on the
+    tokens it would score) are left to the job itself, which decodes alone and reports its
+    own error. `opened`: the jobs' model when the caller has it open already (the report).
+    Returns the number of jobs decoded."""
     groups: dict[str, list[tuple[DictConfig, ExitPolicy]]] = {}
     for cfg in jobs:
         try:
             validated(cfg)
             policy = exit_policy(cfg)
-            calibrated = OmegaConf.select(cfg, "exit.calibrated_on")
+            check_test_split(cfg)
         except (ValueError, FileNotFoundError):
             continue
-        if policy.name != ORACLE and calibrated is None:
+        if policy.name != ORACLE:
             groups.setdefault(job_key(cfg, without=("exit",)), []).append((cfg, policy))
     done = 0
     for group in groups.values():
@@ -92,17 +105,17 @@ def decode_shared(jobs: list[DictConfig], max_rows: int) -> int:
             continue
         cfg, n = group[0][0], group[0][0].eval.tokens
         try:
-            opened = open_model(validated(cfg), resolve_device(cfg.device))
-            policies = [for_model(p, opened) for _, p in group]
-            start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
+            got = opened or open_model(validated(cfg), resolve_device(cfg.device))
+            policies = [for_model(p, got) for _, p in group]
+            start = split_start(got, OmegaConf.select(cfg, "eval.split") or "test")
         except (ValueError, FileNotFoundError):
             continue
         log.info("decoding %d settings side by side (up to %d rows a batch)", len(group), max_rows)
-        results = evaluate_exits(opened.model, opened.heldout(n + 1, start), policies, n, max_rows=max_rows,
-                                 bos=opened.bos, labels=opened.labels(n + 1, start), **eval_settings(cfg))
+        results = evaluate_exits(got.model, got.heldout(n + 1, start), policies, n, max_rows=max_rows,
+                                 bos=got.bos, labels=got.labels(n + 1, start), **eval_settings(cfg))
         for (c, _), result in zip(group, results, strict=True):
-            _SHARED[job_key(c)] = result
-            _OPENED[job_key(c)] = opened
+            _SHARED.setdefault(job_key(c), []).append(result)
+            _OPENED.setdefault(job_key(c), []).append(got)
         done += len(group)
     return done
 
@@ -127,9 +140,8 @@ def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_di
     the block gains `answers` (`tasks.score_answers`: accuracy, NLL and cost on the answer
     tokens, per difficulty) and eval_tokens.csv the answer, difficulty and correct columns."""
     e = cfg.eval
-    if (OmegaConf.select(cfg, "eval.split") or "test") == "test":  # the other splits lie past calibration's
-        check_calibration(OmegaConf.select(cfg, "exit.calibrated_on"), e.tokens)
-    shared = _SHARED.pop(job_key(cfg), None) if _SHARED else None  # decoded with its sweep (`decode_shared`)
+    check_test_split(cfg)
+    shared = _take(_SHARED, job_key(cfg))  # decoded with its sweep (`decode_shared`)
     if shared is not None:
         ev, rec = shared
     else:
@@ -140,6 +152,13 @@ def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_di
     write_eval(run_dir, rec, vocab_to_gpt2)
     log_eval(ev)
     return ev
+
+
+def check_test_split(cfg: DictConfig) -> None:
+    """`check_calibration` of a job scoring the test split (the other splits lie past the
+    calibration split)."""
+    if (OmegaConf.select(cfg, "eval.split") or "test") == "test":
+        check_calibration(OmegaConf.select(cfg, "exit.calibrated_on"), cfg.eval.tokens)
 
 
 def check_calibration(calibrated_on, n_tokens: int) -> None:

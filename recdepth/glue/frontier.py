@@ -84,6 +84,7 @@ def _job_row(job_dir: Path) -> dict:
         m = json.loads(m_file.read_text())
         ev = m.get("eval")
         row["status"] = "ok"
+        row["overrides"] = row["overrides"] or m.get("overrides", "")  # a report's job files its own
         row["reused"] = bool(m.get("reused", False))
         if ev:
             apps = ev["applications_per_token"]

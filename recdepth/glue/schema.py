@@ -28,6 +28,7 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -46,6 +47,7 @@ from recdepth.core import (
     generation,
     ltt,
 )
+from recdepth.glue.frontier_grid import FrontierGrid, FrontierSweeperConf
 from recdepth.glue.schema_groups import (  # noqa: F401  (re-exported: the schema's names)
     ACCELERATORS,
     CALIBRATION_METHODS,
@@ -299,15 +301,11 @@ class CalibrateConfig(ModelJob):
 
 
 @dataclass
-class ReportSettings:
-    """`report`: what recdepth.report scores (recdepth/report.py)."""
+class ReportSettings(FrontierGrid):
+    """`report`: what recdepth.report scores (recdepth/report.py): a frontier's grid (the
+    fields of `FrontierGrid`, recdepth/glue/frontier_grid.py, with the report's own defaults:
+    every threshold rule, argmax_stability and the gate), each rule calibrated to two targets."""
 
-    max_steps: int = 32
-    """exit.max_steps of every rule, the oracle's N and the calibration's reference (>= 1)."""
-    fixed: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
-    """The fixed-depth frontier: exit=fixed at each n (at least two, each >= 1)."""
-    oracle: float = 0.01
-    """The oracle's ε (>= 0)."""
     rules: dict[str, list[float]] = field(default_factory=lambda: {
         "stepnorm": [0.03, 0.1, 0.3], "stepnorm_rel": [0.01, 0.03, 0.1], "kl": [1e-4, 1e-3, 1e-2],
         "accel": [0.03, 0.1, 0.3], "accel_rel": [0.01, 0.03, 0.1], "entropy_diff": [1e-4, 1e-3, 1e-2],
@@ -317,11 +315,13 @@ class ReportSettings:
     """argmax_stability at each k."""
     gate_tau: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
     """The learned gate at each probability τ ([] leaves the gate's grid out)."""
+    max_steps: int = 32
+    """exit.max_steps of every rule, the oracle's N and the calibration's reference (>= 1)."""
     shared_rows: int = 64
-    """The fixed depths, the grids and the oracle are scored as one batch of settings ×
-    windows, this many rows a batch (`scoring.evaluate_exits`; each setting's records are
-    its own), as are the calibrated answers and each calibration search's independent
-    settings (`calibrating.calibrate_policy`); 0: setting by setting."""
+    """Every scored setting (the grid and the calibrated answers) is decoded as one batch of
+    settings × windows, this many rows a batch (`evaluation.decode_shared`; each setting's
+    records are its own), as is each calibration search's round of independent settings
+    (`calibrating.calibrate_policy`); 0: setting by setting."""
     calibrate: list[str] = field(default_factory=lambda: [
         "fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
         "argmax_stability", "gate"])
@@ -334,26 +334,17 @@ class ReportSettings:
     gate: str | None = None
     """A gate.pt of recdepth.train_gate; null trains one on the train split (`gate` settings)."""
 
-    def __post_init__(self):
+    where: ClassVar[str] = "report"
+
+    def check(self) -> None:
+        super().check()
         _int("report.max_steps", self.max_steps, 1)
         _int("report.shared_rows", self.shared_rows, 0)
-        if len(set(self.fixed)) < 2:
-            raise ValueError(f"report.fixed: expected at least two depths (the frontier), got {list(self.fixed)}")
-        for n in self.fixed:
-            _int("report.fixed[]", n, 1)
-        for rule, taus in self.rules.items():
-            for t in taus:
-                exits.validate(rule, t, max_steps=self.max_steps)
-        for t in self.gate_tau:
-            exits.validate("gate", t, max_steps=self.max_steps)
-        for k in self.patience:
-            _int("report.patience[]", k, 1)
         for rule in self.calibrate:
             if exits.ALIASES.get(rule, rule) not in exits.RULES:
                 raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.RULES)})")
         calibration.Target("max_ce_increase", self.max_ce_increase)
         calibration.Target("layer_applications", self.layer_applications)
-        exits.build("oracle", self.oracle, max_steps=self.max_steps)
 
 
 @dataclass
@@ -436,6 +427,8 @@ ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibr
          "generate_schema": GenerateConfig}
 for _name, _root in ROOTS.items():
     ConfigStore.instance().store(name=_name, node=_root)
+# hydra/sweeper=frontier (`make frontier`): the grid's defaults are FrontierGrid's
+ConfigStore.instance().store(group="hydra/sweeper", name="frontier", node=FrontierSweeperConf)
 
 
 # ---------------------------------------------------------------- validation
