@@ -57,7 +57,7 @@ from recdepth.glue.calibrating import (
 )
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.config import exit_policy
-from recdepth.glue.evaluation import for_model, run_eval
+from recdepth.glue.evaluation import eval_settings, for_model, run_eval
 from recdepth.glue.runs import write_json
 from recdepth.glue.schema import validated
 
@@ -68,19 +68,20 @@ def calibrate(cfg: DictConfig) -> dict:
     """Calibrate cfg.exit on the calibration split to cfg.target, evaluate the answer once on
     the test split; write and return calibration.json's dict."""
     run_dir = job_dir(cfg, "calibrate")
-    validated(cfg)
-    base = exit_policy(cfg)
-    target = target_of(cfg)
-    check_method(cfg.calibration, target)
+    run = validated(cfg)
+    base = exit_policy(run)
+    target = target_of(run)
+    c = run.calibration
+    check_method(c, target)
     if base.name == "oracle":
         raise ValueError("exit.name: the oracle reads the target token; there is nothing to calibrate")
     refuse(run_dir, "calibration.json")
-    opened, sp, test_tokens, cal_tokens, labels = load_splits(cfg)
-    model, c = opened.model, cfg.calibration
+    opened, sp, test_tokens, cal_tokens, labels = load_splits(run)
+    model = opened.model
     base = for_model(base, opened)  # its groups checked; decode and kl_direction decided as evaluate does
     start_job(run_dir, cfg)
 
-    split = calibration_split(cfg, model, cal_tokens, labels["calibration"], bos=opened.bos)
+    split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
     t0 = time.perf_counter()
     if c.method == "ltt":
         policy, res, cal_rec, rows, method = calibrate_ltt(split, base, target, c.per_group, c.max_evals, c.epsilon,
@@ -90,7 +91,7 @@ def calibrate(cfg: DictConfig) -> dict:
                                                       max_rows=c.shared_rows)
         method = {"method": "empirical", "guarantee": "no guarantee"}
     search_s = time.perf_counter() - t0
-    gate = OmegaConf.select(cfg, "exit.gate")
+    gate = run.exit.gate
     cal_range = tuple(sp["calibration"])
     line = overrides(policy, gate, cal_range)
     log.info("calibrated on %d tokens in %d decodes (%.0f s): %s (CE %+.4f vs fixed-%s, %.2f layer applications)%s",
@@ -109,11 +110,9 @@ def calibrate(cfg: DictConfig) -> dict:
     test_rec = token_files.read_tokens(run_dir / "eval_tokens.csv")
     ref_nll = None
     if target.kind == "max_ce_increase":  # the test split's own full-depth reference, paired per token
-        _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), cfg.eval.tokens,
-                               warmup_tokens=0, seed=cfg.seed, cache=cfg.eval.cache,
-                               batch_size=cfg.eval.batch_size, latency_tokens=0, warm_start=cfg.eval.warm_start,
-                               labels=labels["test"], answers=OmegaConf.select(cfg, "eval.answers"),
-                               context_steps=OmegaConf.select(cfg, "eval.context_steps"), bos=opened.bos)
+        _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), run.eval.tokens,
+                               batch_size=run.eval.batch_size, labels=labels["test"], bos=opened.bos,
+                               **{**eval_settings(run), "warmup_tokens": 0, "latency_tokens": 0})
         ref_nll = ref["nll"]
     held = test_check(target, test_rec, ref_nll, split.cost)
     if c.method == "ltt":

@@ -68,7 +68,7 @@ from recdepth.glue.cli import compose_job, hydra_main, job_dir, refuse, start_jo
 from recdepth.glue.evaluation import decode_shared, for_model
 from recdepth.glue.frontier_grid import Setting, exit_line, settings
 from recdepth.glue.runs import write_json
-from recdepth.glue.schema import TrainGateConfig, validated
+from recdepth.glue.schema import ReportConfig, TrainGateConfig, validated
 from recdepth.glue.token_files import read_tokens
 from recdepth.train_gate import train_gate
 
@@ -89,16 +89,16 @@ def report(cfg: DictConfig) -> dict:
     r, c = run.report, run.calibration
     refuse(out, "report.md", "jobs", what="a report")
     t_start = time.perf_counter()
-    opened, sp, _, cal_tokens, labels = load_splits(cfg)
+    opened, sp, _, cal_tokens, labels = load_splits(run)
     model, N = opened.model, r.max_steps
     start_job(out, cfg)
-    gate_path = gate_file(cfg, out) if ("gate" in r.calibrate or r.gate_tau) else None
+    gate_path = gate_file(run, out) if ("gate" in r.calibrate or r.gate_tau) else None
     gate = load_gate(gate_path)[:2] if gate_path else None
 
     # 1. every rule of report.calibrate calibrated per group to each target on the calibration
     # split, one search after another (a round of a search's independent settings decoded as
     # one batch, report.shared_rows rows)
-    split = calibration_split(cfg, model, cal_tokens, labels["calibration"], bos=opened.bos)
+    split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
@@ -121,7 +121,7 @@ def report(cfg: DictConfig) -> dict:
     # 2. the frontier (report.*'s grid, the fixed reference at max_steps included) and the
     # calibrated answers on the test split: one sweep of recdepth.evaluate jobs
     grid = settings(dataclasses.replace(r, fixed=sorted({*r.fixed, N})), max_steps=N, gate=gate_path)
-    rows = score_jobs(cfg, out / "jobs", [(s, {}) for s in grid] + answers, r.shared_rows, opened)
+    rows = score_jobs(run, out / "jobs", [(s, {}) for s in grid] + answers, r.shared_rows, opened)
     fixed_ref = next(j for j in rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"]
     for row in rows:
         if row["family"] == "calibrated":
@@ -144,7 +144,7 @@ def report(cfg: DictConfig) -> dict:
     return result
 
 
-def score_jobs(cfg: DictConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict]], shared_rows: int,
+def score_jobs(run: ReportConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict]], shared_rows: int,
                opened=None) -> list[dict]:
     """Each (setting, record) as the frontier sweep (`make frontier`) scores its settings:
     a `recdepth.evaluate` job in jobs_dir/<k> with the report's model, seed, device and eval
@@ -155,7 +155,7 @@ def score_jobs(cfg: DictConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict]]
     each job's row: job, family, overrides, metrics.json's eval block and record, and its
     per-token record read back from eval_tokens.csv (the oracle's with its NLL at every n).
     `opened`: the model these jobs score, already opened (`checkpoints.open_model`)."""
-    keep = {k: cfg[k] for k in ("ckpt", "hf", "data", "dtype", "seed", "device", "eval") if k in cfg}
+    keep = {k: getattr(run, k) for k in ("ckpt", "hf", "data", "dtype", "seed", "device", "eval")}
     cfgs = []
     for k, (s, _) in enumerate(jobs):
         job = OmegaConf.merge(compose_job("evaluate", [*exit_line(s), f"run_dir={jobs_dir / str(k)}"]), keep)
@@ -245,14 +245,14 @@ def _f(v, digits=4, sign=False) -> str:
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
-def markdown(table: dict, targets: list[calibration.Target], cfg, seconds: float) -> str:
-    lines = [f"# Exit rules compared on {cfg.ckpt or cfg.hf}", "",
-             f"Test split: {cfg.eval.tokens} tokens (val offsets 0–{cfg.eval.tokens}); calibration split: "
-             f"{cfg.calibration.tokens} tokens after it, with its own noise keys. Rules are ranked and the winner "
+def markdown(table: dict, targets: list[calibration.Target], run: ReportConfig, seconds: float) -> str:
+    lines = [f"# Exit rules compared on {run.ckpt or run.hf}", "",
+             f"Test split: {run.eval.tokens} tokens (val offsets 0–{run.eval.tokens}); calibration split: "
+             f"{run.calibration.tokens} tokens after it, with its own noise keys. Rules are ranked and the winner "
              "chosen on the calibration split (rank); the test split only scores the choices. Intervals: 95% "
              f"paired bootstrap over whole test windows ({frontier.RESAMPLES} resamples), per comparison. Cost: layer "
              "applications per token (docs/spec.md §4b). Latency: batch 1, every setting timed round-robin "
-             f"({cfg.eval.repeats} round(s)). Report run time: {seconds / 60:.1f} min.", ""]
+             f"({run.eval.repeats} round(s)). Report run time: {seconds / 60:.1f} min.", ""]
     for t in targets:
         name = TARGET_NAMES[t.kind]
         q = "ce_increase" if t.kind == "max_ce_increase" else "layer_applications"
@@ -342,17 +342,14 @@ def figure(rows: list[dict], n_max: int, cost: stats.Cost):
 
 
 # ---------------------------------------------------------------- the gate
-def gate_file(cfg: DictConfig, out: Path) -> str:
-    """report.gate, or a gate fitted here on the checkpoint's train split with cfg.gate's
+def gate_file(run: ReportConfig, out: Path) -> str:
+    """report.gate, or a gate fitted here on the checkpoint's train split with run.gate's
     settings at N = report.max_steps (as `python -m recdepth.train_gate`; out/gate/gate.pt)."""
-    if cfg.report.gate:
-        return str(Path(cfg.report.gate).resolve())
-    model = {k: OmegaConf.to_container(cfg[k]) if isinstance(cfg[k], DictConfig) else cfg[k]
-             for k in ("ckpt", "hf", "data", "dtype") if OmegaConf.select(cfg, k) is not None}
-    g = OmegaConf.merge(OmegaConf.structured(TrainGateConfig), {
-        **model, "seed": cfg.seed, "device": cfg.device, "run_dir": str(out / "gate"),
-        "gate": {**OmegaConf.to_container(cfg.gate), "max_steps": cfg.report.max_steps}})
-    train_gate(g)
+    if run.report.gate:
+        return str(Path(run.report.gate).resolve())
+    g = TrainGateConfig(ckpt=run.ckpt, hf=run.hf, data=run.data, dtype=run.dtype, seed=run.seed, device=run.device,
+                        run_dir=str(out / "gate"), gate=dataclasses.replace(run.gate, max_steps=run.report.max_steps))
+    train_gate(OmegaConf.structured(g))
     return str((out / "gate" / "gate.pt").resolve())
 
 

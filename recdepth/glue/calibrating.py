@@ -15,7 +15,6 @@ import time
 
 import numpy as np
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from recdepth.core import calibration, ltt, stats
 from recdepth.core.decoding import lean_steps, span
@@ -23,7 +22,7 @@ from recdepth.core.exits import ExitPolicy, build
 from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.frontier_grid import Setting, exit_line
-from recdepth.glue.schema import EvalConfig, validated
+from recdepth.glue.schema import CalibrateConfig, ReportConfig
 
 log = logging.getLogger("recdepth.calibrate")
 
@@ -236,9 +235,9 @@ def ltt_test_risk(rec: dict, ref_nll: np.ndarray, loss_bound: float, alpha: floa
     return {"ltt_risk": r, "ltt_alpha": alpha, "ltt_risk_within_alpha": r <= alpha}
 
 
-def target_of(cfg: DictConfig) -> calibration.Target:
-    """The one target set in cfg.target (one line naming the fields otherwise)."""
-    t = {k: v for k, v in OmegaConf.to_container(cfg.target).items() if v is not None}
+def target_of(run: CalibrateConfig) -> calibration.Target:
+    """The one target set in run.target (one line naming the fields otherwise)."""
+    t = {k: v for k, v in dataclasses.asdict(run.target).items() if v is not None}
     if len(t) != 1:
         raise ValueError(f"target: set exactly one of target.max_ce_increase=<nats> or "
                          f"target.layer_applications=<layer applications per token>, got {t or 'none'}")
@@ -273,38 +272,39 @@ def noise_window(n_test: int, block_size: int, bos: int | None = None) -> int:
     return -(-n_test // span(block_size, bos))
 
 
-def load_splits(cfg: DictConfig):
-    """cfg's model (`checkpoints.open_model`: ckpt= or hf=) on cfg.device with eval.step set,
+def load_splits(run: CalibrateConfig | ReportConfig):
+    """The validated config's model (`checkpoints.open_model`: ckpt= or hf=) on run.device
+    with eval.step set,
     the split ranges (`splits`), the test and calibration token streams (held-out tokens
     [0, eval.tokens] and the calibration.tokens + 1 after them; one line naming
     calibration.tokens if the held-out split is too short), and their task labels
     {"test": ..., "calibration": ...} (None each on text)."""
-    opened = open_model(validated(cfg), resolve_device(cfg.device))
-    lean_steps(opened.model, OmegaConf.select(cfg, "eval.step", default=EvalConfig.step))  # every decode below
-    c = cfg.calibration
-    sp = splits(cfg.eval.tokens, c.tokens)
+    opened = open_model(run, resolve_device(run.device))
+    lean_steps(opened.model, run.eval.step)  # every decode below
+    c, n_test = run.calibration, run.eval.tokens
+    sp = splits(n_test, c.tokens)
     regions = opened.regions()
     if regions and sp["calibration"][0] != regions["validation"][0]:  # a task (docs/spec.md §6)
         size = regions["test"][1]
         raise ValueError(f"eval.tokens: on a task, calibration reads the validation split, which starts after the "
-                         f"test split's {size} tokens: set eval.tokens={size} (got {cfg.eval.tokens})")
+                         f"test split's {size} tokens: set eval.tokens={size} (got {n_test})")
     first = sp["calibration"][0]
     try:
         cal_tokens = opened.heldout(c.tokens + 1, first)
     except ValueError as e:
-        raise ValueError(f"calibration.tokens: {c.tokens} calibration tokens after the {cfg.eval.tokens + 1} test "
+        raise ValueError(f"calibration.tokens: {c.tokens} calibration tokens after the {n_test + 1} test "
                          f"tokens do not fit the held-out split ({e})") from None
-    n = cfg.eval.tokens + 1
+    n = n_test + 1
     labels = {"test": opened.labels(n, 0), "calibration": opened.labels(c.tokens + 1, first)}
     return opened, sp, opened.heldout(n, 0), cal_tokens, labels
 
 
-def calibration_split(cfg: DictConfig, model, cal_tokens: torch.Tensor, labels=None,
+def calibration_split(run: CalibrateConfig | ReportConfig, model, cal_tokens: torch.Tensor, labels=None,
                       bos: int | None = None) -> CalibrationSplit:
-    """The calibration split of `load_splits`, decoded with cfg's settings and its own noise
-    keys (on a task, its answer tokens: `labels`; an hf= model's windows start with `bos`)."""
-    c = cfg.calibration
-    return CalibrationSplit(model, cal_tokens, c.tokens, cfg.seed, cfg.eval.cache, c.batch_size, cfg.eval.warm_start,
-                            first_window=noise_window(cfg.eval.tokens, model.cfg.block_size, bos), labels=labels,
-                            answers=OmegaConf.select(cfg, "eval.answers"),
-                            context_steps=OmegaConf.select(cfg, "eval.context_steps"), bos=bos)
+    """The calibration split of `load_splits`, decoded with the validated config's settings
+    and its own noise keys (on a task, its answer tokens: `labels`; an hf= model's windows
+    start with `bos`)."""
+    c, e = run.calibration, run.eval
+    return CalibrationSplit(model, cal_tokens, c.tokens, run.seed, e.cache, c.batch_size, e.warm_start,
+                            first_window=noise_window(e.tokens, model.cfg.block_size, bos), labels=labels,
+                            answers=e.answers, context_steps=e.context_steps, bos=bos)

@@ -23,7 +23,7 @@ from recdepth.core.gate import load_gate
 from recdepth.core.model import GPTConfig
 from recdepth.glue import distributed
 from recdepth.glue.data import TokenDataModule
-from recdepth.glue.schema import EvaluateConfig, TrainConfig, validated
+from recdepth.glue.schema import TrainConfig, validated
 
 log = logging.getLogger("recdepth.glue.config")
 
@@ -41,8 +41,9 @@ def conf_dir() -> str:
 
 # ------------------------------------------------------------------- pieces
 # Each takes the typed config (`schema.validated`'s); a DictConfig is validated on the way in.
-def typed(cfg: TrainConfig | EvaluateConfig | DictConfig) -> TrainConfig | EvaluateConfig:
-    return cfg if isinstance(cfg, TrainConfig | EvaluateConfig) else validated(cfg)
+def typed(cfg):
+    """The validated object of a composed config; a validated object (any root) as it is."""
+    return cfg if dataclasses.is_dataclass(cfg) else validated(cfg)
 
 
 def model_config(cfg: TrainConfig | DictConfig, vocab_size: int, n_other: int = 0) -> GPTConfig:
@@ -57,7 +58,7 @@ def sampler_args(cfg: TrainConfig | DictConfig) -> dict:
     return dataclasses.asdict(typed(cfg).sampler)
 
 
-def exit_policy(cfg: TrainConfig | EvaluateConfig | DictConfig) -> exits.ExitPolicy:
+def exit_policy(cfg) -> exits.ExitPolicy:
     """The exit policy of `exit`; a training config knows its model's groups and width, so
     per-group values and a gate are checked against them here (an evaluation's checkpoint:
     `ExitPolicy.check_model`). exit=gate reads its gate file, `exit.gate` (`gate.load_gate`)."""

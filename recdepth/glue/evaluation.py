@@ -35,13 +35,14 @@ def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
     return policy.resolve(has_coda(model), hf=opened.kind == "hf")
 
 
-def eval_settings(cfg: DictConfig) -> dict:
-    """cfg.eval's decoding settings (and the seed) as keywords of `scoring.evaluate_exit(s)`."""
+def eval_settings(cfg) -> dict:
+    """The eval block's decoding settings (and the seed) as keywords of
+    `scoring.evaluate_exit(s)`, from a composed config or the validated object (an older
+    run's config.yaml may lack the later keys: their defaults)."""
     e = cfg.eval
     return dict(warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, latency_tokens=e.latency_tokens,
-                repeats=e.repeats, warm_start=e.warm_start, answers=OmegaConf.select(cfg, "eval.answers"),
-                context_steps=OmegaConf.select(cfg, "eval.context_steps"),
-                step=OmegaConf.select(cfg, "eval.step", default=EvalConfig.step))
+                repeats=e.repeats, warm_start=e.warm_start, answers=getattr(e, "answers", None),
+                context_steps=getattr(e, "context_steps", None), step=getattr(e, "step", EvalConfig.step))
 
 
 # Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
