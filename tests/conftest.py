@@ -1,6 +1,9 @@
 """Shared fixtures of the CLI tests."""
 
+import importlib
+import logging
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,36 @@ def env(tmp_path_factory):
     e["WANDB_MODE"] = "offline"
     e.pop("WANDB_API_KEY", None)
     return e
+
+
+@pytest.fixture
+def cli_here(env, monkeypatch, capsys):
+    """`python -m <module> <args...>` run in this process: the module's own `main()` with
+    sys.argv, the working directory and the CLI environment a subprocess gets, without the
+    ~4 s a fresh interpreter spends importing torch and Lightning. For error paths; a few
+    tests keep a real subprocess (exit status and stderr of the interpreter itself).
+    Returns (exit status, stderr): a `SystemExit("error: ...")` counts as status 1 with its
+    message on stderr, as the interpreter prints it."""
+    def call(module: str, args, cwd) -> tuple[int, str]:
+        mod = importlib.import_module(module)
+        root = logging.getLogger()
+        handlers, level = root.handlers[:], root.level  # Hydra configures logging for its job
+        code, msg = 0, ""
+        with monkeypatch.context() as m:
+            m.chdir(cwd)
+            for k in ("RECDEPTH_CACHE", "WANDB_MODE"):
+                m.setenv(k, env[k])
+            m.delenv("WANDB_API_KEY", raising=False)
+            m.setattr(sys, "argv", [module, *map(str, args)])
+            try:
+                mod.main()
+            except SystemExit as e:
+                code, msg = (1, f"{e.code}\n") if isinstance(e.code, str) else (e.code or 0, "")
+            finally:
+                root.handlers[:] = handlers
+                root.setLevel(level)
+        return code, capsys.readouterr().err + msg
+    return call
 
 
 @pytest.fixture(scope="module")

@@ -104,7 +104,7 @@ def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
 
 
 @pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
-def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
+def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env, cli_here):
     """exit settings are not part of a training run's identity: a sweep over them trains
     once; a job that fails (τ = −1) is recorded as failed and the others are aggregated."""
     sweep = tmp_path / "sweep"
@@ -142,9 +142,9 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
         assert a["ce"] == pytest.approx(b["ce"], rel=1e-9)
     assert len(list(csv.DictReader(open(ev_sweep / "sweep_results.csv")))) == 2
     # One exit value per group is checked against the checkpoint's groups (3), before any work.
-    bad = subprocess.run([*run_eval[:4], "exit=cosine", "exit.tau=[1e-2,1e-3]", f"run_dir={tmp_path / 'ev_bad'}"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
-    assert bad.returncode != 0 and "exit.tau: a list of 2 for 3 recurrence groups" in bad.stderr, bad.stderr[-2000:]
+    code, err = cli_here("recdepth.evaluate", [run_eval[3], "exit=cosine", "exit.tau=[1e-2,1e-3]",
+                                               f"run_dir={tmp_path / 'ev_bad'}"], tmp_path)
+    assert code != 0 and "exit.tau: a list of 2 for 3 recurrence groups" in err, err[-2000:]
     assert not (tmp_path / "ev_bad").exists()
 
 
@@ -153,10 +153,9 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env):
     ([], "ckpt: give exactly one of ckpt=<training checkpoint> or hf=<Hugging Face checkpoint directory>"),
     (["ckpt=/etc/hostname"], "is not a readable Lightning checkpoint"),
 ])
-def test_evaluate_refuses_bad_checkpoints(tmp_path, env, args, message):
-    p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", *args, f"run_dir={tmp_path / 'ev'}"],
-                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert p.returncode != 0 and message in p.stderr
+def test_evaluate_refuses_bad_checkpoints(tmp_path, cli_here, args, message):
+    code, err = cli_here("recdepth.evaluate", [*args, f"run_dir={tmp_path / 'ev'}"], tmp_path)
+    assert code != 0 and message in err and err.count("\n") == 1
     assert not (tmp_path / "ev" / "metrics.json").exists()
 
 
@@ -252,28 +251,28 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, monkeypatch, o
     ("foo=1", "error: foo: no such key in the config"),
     ("optim.betas=[0.9,1.5]", "optim.betas: expected two numbers in [0, 1)"),
 ])
-def test_bad_input_on_the_command_line(tmp_path, env, override, message):
-    p = run(["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()], cwd=tmp_path, env=env,
-            check=False)
-    assert p.returncode != 0
-    assert message in p.stderr
+def test_bad_input_on_the_command_line(tmp_path, cli_here, override, message):
+    code, err = cli_here("recdepth.train", ["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()],
+                         tmp_path)
+    assert code != 0
+    assert message in err
     assert not list(tmp_path.glob("outputs/runs/*/checkpoints"))  # failed before any training
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: trainer=gpu is valid")
-def test_trainer_gpu_without_a_gpu_fails_fast(tmp_path, env):
-    p = run(["trainer=gpu", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env, check=False)
-    assert p.returncode != 0
-    assert "trainer.accelerator: gpu asked for, but torch" in p.stderr and "sees no CUDA device" in p.stderr
+def test_trainer_gpu_without_a_gpu_fails_fast(tmp_path, cli_here):
+    code, err = cli_here("recdepth.train", ["trainer=gpu", f"run_dir={tmp_path / 'run'}", *TINY], tmp_path)
+    assert code != 0
+    assert "trainer.accelerator: gpu asked for, but torch" in err and "sees no CUDA device" in err
     assert not list(tmp_path.glob("outputs/runs/*/checkpoints"))
 
 
-def test_a_diverging_run_stops_with_a_clear_message(tmp_path, env):
+def test_a_diverging_run_stops_with_a_clear_message(tmp_path, cli_here):
     rd = tmp_path / "run"
-    p = run([f"run_dir={rd}", *TINY, "callbacks=none", "optim.lr=1e30", "optim.warmup_steps=1"], cwd=tmp_path,
-            env=env, check=False)
-    assert p.returncode != 0 and "training diverged and was stopped" in p.stderr
-    assert "no checkpoint had been written yet" in p.stderr or "the last good checkpoint is" in p.stderr
+    code, err = cli_here("recdepth.train", [f"run_dir={rd}", *TINY, "callbacks=none", "optim.lr=1e30",
+                                            "optim.warmup_steps=1"], tmp_path)
+    assert code != 0 and "training diverged and was stopped" in err
+    assert "no checkpoint had been written yet" in err or "the last good checkpoint is" in err
     assert not (rd / "metrics.json").exists()  # no NaN results written as if they were real
 
 
@@ -287,7 +286,8 @@ def test_existing_results_are_not_overwritten(tmp_path, env):
 
 
 def test_a_run_dir_in_use_is_refused(tmp_path, env):
-    """Two runs started in the same second share a Hydra run dir: the second is refused."""
+    """Two runs started in the same second share a Hydra run dir: the second is refused
+    (a real second process: the lock is the first one's)."""
     from filelock import FileLock
 
     rd = tmp_path / "run"

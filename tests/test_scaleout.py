@@ -67,7 +67,7 @@ def test_parallel_sweep_jobs_of_one_identity_train_once(tmp_path, env):
 
 
 @pytest.mark.parametrize("launcher", ["slurm", pytest.param("submitit_slurm", marks=pytest.mark.slow)])
-def test_slurm_launcher_config_composes_and_submitit_accepts_it(tmp_path, env, launcher, monkeypatch):
+def test_slurm_launcher_config_composes_and_submitit_accepts_it(tmp_path, env, launcher, monkeypatch, cli_here):
     import submitit
     import yaml
 
@@ -97,11 +97,10 @@ def test_slurm_launcher_config_composes_and_submitit_accepts_it(tmp_path, env, l
         assert "#SBATCH --time=240" in script and "#SBATCH --gpus-per-node=1" in script
         assert "#SBATCH --ntasks-per-node=1" in script and folder.endswith("/.submitit/%j")
     # A field the plugin does not have is refused by Hydra, in one line naming it (recdepth/glue/cli.py).
-    q = subprocess.run([sys.executable, "-m", "recdepth.train", f"hydra/launcher={launcher}",
-                        "hydra.launcher.partiton=gpu", "--cfg", "hydra"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=300)
-    assert q.returncode != 0
-    assert q.stderr == "error: hydra.launcher.partiton: no such key in hydra.launcher (did you mean partition?)\n"
+    code, err = cli_here("recdepth.train", [f"hydra/launcher={launcher}", "hydra.launcher.partiton=gpu", "--cfg",
+                                            "hydra"], tmp_path)
+    assert code != 0
+    assert err == "error: hydra.launcher.partiton: no such key in hydra.launcher (did you mean partition?)\n"
 
 
 @pytest.mark.slow

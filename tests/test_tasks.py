@@ -258,7 +258,7 @@ def test_instance_too_long_for_the_window_is_one_line(tmp_path):
         data_module(tmp_path, "hops", block_size=16)
 
 
-def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env):
+def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env, cli_here):
     """A debug-size task through the real CLI: train (answers-only loss), its evaluation,
     recdepth.evaluate on the checkpoint and the frontier sweep, all scoring answer tokens."""
     rd = tmp_path / "job"
@@ -317,9 +317,8 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env)
     cal = [sys.executable, "-m", "recdepth.calibrate", f"ckpt={ckpt}", "exit=accel", "target.layer_applications=20",
            "calibration.tokens=512", "calibration.max_evals=3", "eval.latency_tokens=2", "eval.repeats=1",
            "exit.max_steps=2"]
-    bad = subprocess.run([*cal, "eval.tokens=512", f"run_dir={tmp_path / 'bad'}"], cwd=tmp_path, env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert bad.returncode != 0 and f"set eval.tokens={test_size}" in bad.stderr
+    code, err = cli_here("recdepth.calibrate", [*cal[3:], "eval.tokens=512", f"run_dir={tmp_path / 'bad'}"], tmp_path)
+    assert code != 0 and f"set eval.tokens={test_size}" in err
     q = subprocess.run([*cal, f"eval.tokens={test_size}", f"run_dir={tmp_path / 'cal'}"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)
     assert q.returncode == 0, q.stderr[-3000:]
