@@ -6,7 +6,8 @@ one frontier, in one command (docs/spec.md §4b, §4c).
 First, every rule of `report.calibrate` is calibrated per group on the calibration split
 (val tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
 `report.max_ce_increase` nats above fixed at max_steps, and at most
-`report.layer_applications` layer applications per token. Then one frontier sweep scores,
+`report.layer_applications` layer applications per token; the searches in lockstep, each
+round's settings decoded side by side (`calibrating.calibrate_many`). Then one frontier sweep scores,
 on the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evaluate`),
   - the frontier's grid (`report.*`, the fields of `frontier_grid.FrontierGrid`, expanded by
     `frontier_grid.settings` as `make frontier` expands `hydra.sweeper.*`): the fixed
@@ -58,7 +59,7 @@ from recdepth.core.scoring import model_cost
 from recdepth.evaluate import evaluate
 from recdepth.glue import frontier
 from recdepth.glue.calibrating import (
-    calibrate_policy,
+    calibrate_many,
     calibration_split,
     exit_group,
     load_splits,
@@ -96,27 +97,29 @@ def report(cfg: DictConfig) -> dict:
     gate = load_gate(gate_path)[:2] if gate_path else None
 
     # 1. every rule of report.calibrate calibrated per group to each target on the calibration
-    # split, one search after another (a round of a search's independent settings decoded as
-    # one batch, report.shared_rows rows)
+    # split: the 20 searches in lockstep, each round's settings decoded side by side
+    # (report.shared_rows rows a batch; rules that read the logits in batches of their own)
     split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
     cal_range = tuple(sp["calibration"])
+    searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=N,
+                                 **({"gate": gate} if rule == "gate" else {})), opened), target)
+                for rule in r.calibrate for target in targets]
+    t0 = time.perf_counter()
+    found = calibrate_many(split, searches, c.per_group, c.max_evals, ce_ref, r.shared_rows)
+    seconds = time.perf_counter() - t0
+    log.info("calibrated %d (rule, target) pairs in lockstep (%.0f s)", len(searches), seconds)
     answers = []
-    for rule in r.calibrate:
-        base = for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=N,
-                               **({"gate": gate} if rule == "gate" else {})), opened)
-        for target in targets:
-            t0 = time.perf_counter()
-            p, res, _, _ = calibrate_policy(split, base, target, c.per_group, c.max_evals, ce_ref, r.shared_rows)
-            setting = Setting("calibrated", exit_group(p, gate_path if p.name == "gate" else None, cal_range))
-            cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
-                   "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
-                   "decodes": len(res.history), "seconds": time.perf_counter() - t0, "exit": setting.exit}
-            log.info("calibrated %s to %s %g: %s (%d decodes, %.0f s)", rule, target.kind, target.value,
-                     " ".join(exit_line(setting)), len(res.history), cal["seconds"])
-            answers.append((setting, {"calibration": cal}))
+    for (base, target), (p, res, _, _) in zip(searches, found, strict=True):
+        setting = Setting("calibrated", exit_group(p, gate_path if p.name == "gate" else None, cal_range))
+        cal = {"target": {"kind": target.kind, "value": target.value}, "met": res.met,
+               "ce": res.best.ce, "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
+               "decodes": len(res.history), "seconds": seconds / len(searches), "exit": setting.exit}
+        log.info("calibrated %s to %s %g: %s (%d decodes)", base.name, target.kind, target.value,
+                 " ".join(exit_line(setting)), len(res.history))
+        answers.append((setting, {"calibration": cal}))
 
     # 2. the frontier (report.*'s grid, the fixed reference at max_steps included) and the
     # calibrated answers on the test split: one sweep of recdepth.evaluate jobs

@@ -29,9 +29,9 @@ def cli_here(env, monkeypatch, capsys):
     sys.argv, the working directory and the CLI environment a subprocess gets, without the
     ~4 s a fresh interpreter spends importing torch and Lightning. For error paths; a few
     tests keep a real subprocess (exit status and stderr of the interpreter itself).
-    Returns (exit status, stderr): a `SystemExit("error: ...")` counts as status 1 with its
-    message on stderr, as the interpreter prints it."""
-    def call(module: str, args, cwd) -> tuple[int, str]:
+    Returns (exit status, stderr, stdout): a `SystemExit("error: ...")` counts as status 1
+    with its message on stderr, as the interpreter prints it."""
+    def call(module: str, args, cwd) -> tuple[int, str, str]:
         mod = importlib.import_module(module)
         root = logging.getLogger()
         handlers, level = root.handlers[:], root.level  # Hydra configures logging for its job
@@ -49,7 +49,8 @@ def cli_here(env, monkeypatch, capsys):
             finally:
                 root.handlers[:] = handlers
                 root.setLevel(level)
-        return code, capsys.readouterr().err + msg
+        captured = capsys.readouterr()
+        return code, captured.err + msg, captured.out
     return call
 
 

@@ -247,11 +247,13 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
     from recdepth.core.calibration import Target
     from recdepth.core.exits import build
     from recdepth.glue.calibrating import calibrate_policy, calibration_split, load_splits
+    from recdepth.glue.schema import validated
 
     cfg = compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=60", "device=cpu",
                       f"run_dir={tmp_path}")
-    opened, _, _, cal_tokens, _ = load_splits(cfg)
-    split = calibration_split(cfg, opened.model.double(), cal_tokens)
+    run = validated(cfg)
+    opened, _, _, cal_tokens, _ = load_splits(run)
+    split = calibration_split(run, opened.model.double(), cal_tokens)
     N = 4
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     # (a search whose points tie exactly, two settings with the same CE and cost, may break the
@@ -273,3 +275,51 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
         assert [(r["values"], r["meets"], r["per_group"]) for r in rows1] == \
             [(r["values"], r["meets"], r["per_group"]) for r in rows2]
         assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12) and np.array_equal(rec1["apps"], rec2["apps"])
+
+
+def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env, tmp_path):
+    """`calibrate_many` (recdepth.report's 20 calibrations): every (rule, target) search gets
+    the answer, history and records it gets run alone, in float64; the settings of several
+    searches share a batch, and a batch never mixes rules that read the logits (kl) with
+    rules that do not (a mixed batch would compute the logits for all its rows)."""
+    from recdepth.core.calibration import Target
+    from recdepth.core.exits import build
+    from recdepth.glue.calibrating import (
+        calibrate_many,
+        calibrate_policy,
+        calibration_split,
+        load_splits,
+    )
+    from recdepth.glue.schema import validated
+
+    run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
+                                "device=cpu", f"run_dir={tmp_path}"))
+    opened, _, _, cal_tokens, _ = load_splits(run)
+    split = calibration_split(run, opened.model.double(), cal_tokens)
+    N = 4
+    ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
+    searches = [(build("stepnorm", 1.0, max_steps=N), Target("max_ce_increase", 0.05)),
+                (build("kl", 1e-3, max_steps=N), Target("layer_applications", 20.0)),
+                (build("fixed", None, max_steps=N), Target("max_ce_increase", 0.02))]
+    alone = [calibrate_policy(split, b, t, True, 6, ce_ref) for b, t in searches]
+    batches = []
+    split.decode_many = lambda ps, rows, real=split.decode_many: (batches.append([p.name for p in ps]),
+                                                                  real(ps, rows))[1]
+    together = calibrate_many(split, searches, True, 6, ce_ref, max_rows=64)
+    del split.decode_many
+    assert max(len(b) for b in batches) > 2  # settings of several searches shared a batch
+    assert all(len({name == "kl" for name in b}) == 1 for b in batches)  # never kl beside the others
+    assert sum(map(len, batches)) == sum(len(a[1].history) for a in alone)
+    for (p1, r1, rec1, rows1), (p2, r2, rec2, rows2) in zip(alone, together, strict=True):
+        assert r1.met == r2.met and [h.setting for h in r1.history] == [h.setting for h in r2.history]
+        assert [(r["values"], r["meets"], r["per_group"]) for r in rows1] == \
+            [(r["values"], r["meets"], r["per_group"]) for r in rows2]
+        assert r1.best.ce == pytest.approx(r2.best.ce, abs=1e-12) and r1.best.cost == r2.best.cost
+        # the same answer, unless another setting ties it exactly (same CE and cost; the last
+        # bits a batch changes then break the tie): the kl search to 20 applications ties
+        # τ = 0.316 and 100 here, and either is its answer
+        ties = {h.setting for h in r1.history if abs(h.ce - r1.best.ce) < 1e-12 and h.cost == r1.best.cost}
+        assert p1 == p2 or (len(ties) > 1 and r2.best.setting in ties)
+        if p1 == p2:  # float64: the batch changes the NLL in its last bits only (the applications not at all)
+            assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12)
+            assert np.array_equal(rec1["apps"], rec2["apps"])

@@ -142,7 +142,7 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env, cli_h
         assert a["ce"] == pytest.approx(b["ce"], rel=1e-9)
     assert len(list(csv.DictReader(open(ev_sweep / "sweep_results.csv")))) == 2
     # One exit value per group is checked against the checkpoint's groups (3), before any work.
-    code, err = cli_here("recdepth.evaluate", [run_eval[3], "exit=cosine", "exit.tau=[1e-2,1e-3]",
+    code, err, _ = cli_here("recdepth.evaluate", [run_eval[3], "exit=cosine", "exit.tau=[1e-2,1e-3]",
                                                f"run_dir={tmp_path / 'ev_bad'}"], tmp_path)
     assert code != 0 and "exit.tau: a list of 2 for 3 recurrence groups" in err, err[-2000:]
     assert not (tmp_path / "ev_bad").exists()
@@ -154,7 +154,7 @@ def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env, cli_h
     (["ckpt=/etc/hostname"], "is not a readable Lightning checkpoint"),
 ])
 def test_evaluate_refuses_bad_checkpoints(tmp_path, cli_here, args, message):
-    code, err = cli_here("recdepth.evaluate", [*args, f"run_dir={tmp_path / 'ev'}"], tmp_path)
+    code, err, _ = cli_here("recdepth.evaluate", [*args, f"run_dir={tmp_path / 'ev'}"], tmp_path)
     assert code != 0 and message in err and err.count("\n") == 1
     assert not (tmp_path / "ev" / "metrics.json").exists()
 
@@ -185,8 +185,9 @@ def test_evaluate_refuses_a_checkpoint_that_would_run_code(tmp_path, env):
 
 
 @pytest.mark.parametrize("model, n_groups", [("baseline", 0), ("single", 1)])
-def test_other_models_train(tmp_path, env, model, n_groups):
-    run([f"model={model}", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env)
+def test_other_models_train(tmp_path, cli_here, model, n_groups):
+    code, err, _ = cli_here("recdepth.train", [f"model={model}", f"run_dir={tmp_path / 'run'}", *TINY], tmp_path)
+    assert code == 0, err[-3000:]
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["model"] == model and len(m["eval"]["applications_per_token"]) == n_groups
     # Loop diagnostics: on for recurrent models, absent for the baseline.
@@ -197,8 +198,10 @@ def test_other_models_train(tmp_path, env, model, n_groups):
     assert (tmp_path / "run" / "train" / "diagnostics").is_dir() == (n_groups > 0)
 
 
-def test_groups_override_on_the_command_line(tmp_path, env):
-    run(["model.groups=[[3],[4,5]]", f"run_dir={tmp_path / 'run'}", *TINY], cwd=tmp_path, env=env)
+def test_groups_override_on_the_command_line(tmp_path, cli_here):
+    code, err, _ = cli_here("recdepth.train", ["model.groups=[[3],[4,5]]", f"run_dir={tmp_path / 'run'}", *TINY],
+                            tmp_path)
+    assert code == 0, err[-3000:]
     m = json.loads((tmp_path / "run" / "metrics.json").read_text())
     assert m["groups"] == [[3], [4, 5]]
 
@@ -252,7 +255,7 @@ def test_bad_input_fails_fast_with_a_clear_message(tmp_path, env, monkeypatch, o
     ("optim.betas=[0.9,1.5]", "optim.betas: expected two numbers in [0, 1)"),
 ])
 def test_bad_input_on_the_command_line(tmp_path, cli_here, override, message):
-    code, err = cli_here("recdepth.train", ["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()],
+    code, err, _ = cli_here("recdepth.train", ["exit=accel", f"run_dir={tmp_path / 'run'}", *TINY, *override.split()],
                          tmp_path)
     assert code != 0
     assert message in err
@@ -261,7 +264,7 @@ def test_bad_input_on_the_command_line(tmp_path, cli_here, override, message):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU: trainer=gpu is valid")
 def test_trainer_gpu_without_a_gpu_fails_fast(tmp_path, cli_here):
-    code, err = cli_here("recdepth.train", ["trainer=gpu", f"run_dir={tmp_path / 'run'}", *TINY], tmp_path)
+    code, err, _ = cli_here("recdepth.train", ["trainer=gpu", f"run_dir={tmp_path / 'run'}", *TINY], tmp_path)
     assert code != 0
     assert "trainer.accelerator: gpu asked for, but torch" in err and "sees no CUDA device" in err
     assert not list(tmp_path.glob("outputs/runs/*/checkpoints"))
@@ -269,7 +272,7 @@ def test_trainer_gpu_without_a_gpu_fails_fast(tmp_path, cli_here):
 
 def test_a_diverging_run_stops_with_a_clear_message(tmp_path, cli_here):
     rd = tmp_path / "run"
-    code, err = cli_here("recdepth.train", [f"run_dir={rd}", *TINY, "callbacks=none", "optim.lr=1e30",
+    code, err, _ = cli_here("recdepth.train", [f"run_dir={rd}", *TINY, "callbacks=none", "optim.lr=1e30",
                                             "optim.warmup_steps=1"], tmp_path)
     assert code != 0 and "training diverged and was stopped" in err
     assert "no checkpoint had been written yet" in err or "the last good checkpoint is" in err

@@ -84,12 +84,12 @@ def test_every_command_has_its_help(name, monkeypatch, capsys):
         assert "== Config groups ==" in out or "Powered by Hydra" in out, out[:300]
 
 
-def test_recdepth_train_composes_the_config_python_dash_m_recdepth_train_does(tmp_path):
+def test_recdepth_train_composes_the_config_python_dash_m_recdepth_train_does(tmp_path, cli_here):
     args = ["experiment=hops", "exit.tau=0.01", "--cfg", "job"]
-    a = py("-m", "recdepth", "train", *args, cwd=tmp_path)
-    b = py("-m", "recdepth.train", *args, cwd=tmp_path)
-    assert a.returncode == b.returncode == 0, a.stderr + b.stderr
-    assert a.stdout == b.stdout and "layout: sorted" in a.stdout and "tau: 0.01" in a.stdout
+    code_a, err_a, a = cli_here("recdepth.commands", ["train", *args], tmp_path)  # the console script
+    code_b, err_b, b = cli_here("recdepth.train", args, tmp_path)
+    assert code_a == code_b == 0, err_a + err_b
+    assert a == b and "layout: sorted" in a and "tau: 0.01" in a
 
 
 ENTRIES = ["train", "evaluate", "calibrate", "report", "generate", "diagnose", "train_gate"]

@@ -306,10 +306,10 @@ def test_figure_contents_follow_the_json(run_dir):
 
 
 def test_figures_cli_errors_name_the_problem(tmp_path, cli_here):
-    code, err = cli_here("recdepth.figures", [tmp_path], tmp_path)
+    code, err, _ = cli_here("recdepth.figures", [tmp_path], tmp_path)
     assert code == 2 and "no diagnostics/step_*.json" in err and str(tmp_path) in err
     (tmp_path / "diagnostics").mkdir()
     (tmp_path / "diagnostics" / "step_3.json").write_text("{not json")
-    code, err = cli_here("recdepth.figures", [tmp_path], tmp_path)
+    code, err, _ = cli_here("recdepth.figures", [tmp_path], tmp_path)
     assert code == 2 and "step_3.json: not readable JSON" in err
     assert len(err.strip().splitlines()) == 1

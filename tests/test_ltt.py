@@ -272,6 +272,7 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     from recdepth.calibrate import calibrate
     from recdepth.core.exits import build
     from recdepth.glue.calibrating import calibration_split, load_splits
+    from recdepth.glue.schema import validated
     from recdepth.glue.token_files import read_tokens
 
     run = tmp_path / "ltt"
@@ -296,7 +297,7 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     assert c["status"].startswith(f"certified {k} of")
     assert out["exit"]["max_steps"] == c["settings"][k - 1] or [out["exit"]["max_steps"]] * 3 == c["settings"][k - 1]
     # the answer's risk, recomputed from its calibration record and a full-depth decode here
-    cfg = compose_cal(*opts)
+    cfg = validated(compose_cal(*opts))
     module, _, _, cal_tokens, _ = load_splits(cfg)
     assert n == -(-300 // module.model.cfg.block_size)  # windows of the block size
     ref = calibration_split(cfg, module.model, cal_tokens).decode(build("fixed", None, max_steps=3))

@@ -97,7 +97,7 @@ def test_slurm_launcher_config_composes_and_submitit_accepts_it(tmp_path, env, l
         assert "#SBATCH --time=240" in script and "#SBATCH --gpus-per-node=1" in script
         assert "#SBATCH --ntasks-per-node=1" in script and folder.endswith("/.submitit/%j")
     # A field the plugin does not have is refused by Hydra, in one line naming it (recdepth/glue/cli.py).
-    code, err = cli_here("recdepth.train", [f"hydra/launcher={launcher}", "hydra.launcher.partiton=gpu", "--cfg",
+    code, err, _ = cli_here("recdepth.train", [f"hydra/launcher={launcher}", "hydra.launcher.partiton=gpu", "--cfg",
                                             "hydra"], tmp_path)
     assert code != 0
     assert err == "error: hydra.launcher.partiton: no such key in hydra.launcher (did you mean partition?)\n"

@@ -317,7 +317,7 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env,
     cal = [sys.executable, "-m", "recdepth.calibrate", f"ckpt={ckpt}", "exit=accel", "target.layer_applications=20",
            "calibration.tokens=512", "calibration.max_evals=3", "eval.latency_tokens=2", "eval.repeats=1",
            "exit.max_steps=2"]
-    code, err = cli_here("recdepth.calibrate", [*cal[3:], "eval.tokens=512", f"run_dir={tmp_path / 'bad'}"], tmp_path)
+    code, err, _ = cli_here("recdepth.calibrate", [*cal[3:], "eval.tokens=512", f"run_dir={tmp_path / 'bad'}"], tmp_path)
     assert code != 0 and f"set eval.tokens={test_size}" in err
     q = subprocess.run([*cal, f"eval.tokens={test_size}", f"run_dir={tmp_path / 'cal'}"], cwd=tmp_path, env=env,
                        capture_output=True, text=True, timeout=600)

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
@@ -105,14 +107,16 @@ class CalibrationSplit:
 
 
 def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
-                     max_evals: int, ce_ref: float | None = None,
-                     max_rows: int = 0) -> tuple[ExitPolicy, calibration.Result, dict, list]:
+                     max_evals: int, ce_ref: float | None = None, max_rows: int = 0,
+                     decode: Callable[[list[ExitPolicy]], list[dict]] | None = None
+                     ) -> tuple[ExitPolicy, calibration.Result, dict, list]:
     """Search `base`'s knob (`calibration.knob`) to `target` on the calibration split.
     Returns the calibrated policy, the search result, its per-token record there and the
     rows of calibration.csv. `ce_ref` (CE of fixed at max_steps there) is computed if not given.
     Settings that do not depend on each other (both ends of the bisection, a round of
     per-group moves) are decoded as one batch, `max_rows` rows a batch (0: one by one;
-    `CalibrationSplit.decode_many`)."""
+    `CalibrationSplit.decode_many`); `decode` (policies -> their records) replaces that
+    (`calibrate_many`'s lockstep)."""
     G = split.model.n_groups
     field, grid = calibration.knob(base.name, base.max_steps_bound)
     groups = G if (per_group and field != "patience") else 1
@@ -123,8 +127,10 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
     def at(setting):
         return policy_at(base, field, [grid[i] for i in setting])
 
+    decode = decode or (lambda policies: split.decode_many(policies, max_rows))
+
     def evaluate_many(settings):
-        recs = split.decode_many([at(s) for s in settings], max_rows)
+        recs = decode([at(s) for s in settings])
         records.update(zip(settings, recs, strict=True))
         return [(r["nll"], r["apps"]) for r in recs]
 
@@ -134,6 +140,82 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
              "layer_applications": p.cost, "per_group": list(p.per_group),
              "meets": calibration.meets(p, target, ce_ref)} for p in res.history]
     return at(res.best.setting), res, records[res.best.setting], rows
+
+
+def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, calibration.Target]], per_group: bool,
+                   max_evals: int, ce_ref: float, max_rows: int) -> list[tuple]:
+    """`calibrate_policy` of several (base, target) searches in lockstep (recdepth.report's
+    20): each search runs in a thread of its own until it asks for its next decodes; once
+    every search still running has asked, the asked settings are decoded side by side
+    (`CalibrationSplit.decode_many`, `max_rows` rows a batch, each record the one its setting
+    gets alone) and each search goes on with its own. The settings of rules that read the
+    logits at every application (kl, entropy_diff, argmax_stability: `needs_decode`) and
+    those of rules that do not are decoded in separate batches: a mixed batch computes the
+    logits for all its rows (`mixed_settings.MixedMonitor`), and the LM head is most of a
+    small model's cost. A search's steps depend on its own results only, so each answer is
+    the one it gets alone (in float32 up to a criterion within rounding of τ, as for any
+    batch). The decoding stays in this thread; the threads only choose settings. max_rows
+    0: one search after another."""
+    if max_rows == 0 or len(searches) < 2:
+        return [calibrate_policy(split, b, t, per_group, max_evals, ce_ref, max_rows) for b, t in searches]
+    cond = threading.Condition()
+    asked: dict[int, list[ExitPolicy]] = {}
+    answered: dict[int, list[dict] | None] = {}
+    running = set(range(len(searches)))
+    out: dict[int, tuple] = {}
+    failed: dict[int, BaseException] = {}
+
+    def run(i: int, base: ExitPolicy, target: calibration.Target) -> None:
+        def decode(policies: list[ExitPolicy]) -> list[dict]:
+            with cond:
+                asked[i] = policies
+                cond.notify_all()
+                cond.wait_for(lambda: i in answered)
+                recs = answered.pop(i)
+            if recs is None:
+                raise RuntimeError("calibrate_many: the batch this search waited for failed")
+            return recs
+
+        try:
+            out[i] = calibrate_policy(split, base, target, per_group, max_evals, ce_ref, decode=decode)
+        except BaseException as e:  # handed to the caller below
+            failed[i] = e
+        finally:
+            with cond:
+                running.discard(i)
+                cond.notify_all()
+
+    threads = [threading.Thread(target=run, args=(i, b, t), daemon=True) for i, (b, t) in enumerate(searches)]
+    for t in threads:
+        t.start()
+    while True:
+        with cond:
+            cond.wait_for(lambda: not running or running <= set(asked))
+            if not running:
+                break
+            batch = dict(asked)
+            asked.clear()
+        asks = [(i, k, p) for i, ps in batch.items() for k, p in enumerate(ps)]
+        recs: dict[tuple[int, int], dict] = {}
+        try:
+            for reads_logits in (True, False):
+                part = [(i, k, p) for i, k, p in asks if p.needs_decode == reads_logits]
+                if part:
+                    recs.update(zip([(i, k) for i, k, _ in part],
+                                    split.decode_many([p for _, _, p in part], max_rows), strict=True))
+        except BaseException:
+            with cond:  # release the waiting searches with nothing, then re-raise
+                answered.update({i: None for i in batch})
+                cond.notify_all()
+            raise
+        with cond:
+            answered.update({i: [recs[i, k] for k in range(len(ps))] for i, ps in batch.items()})
+            cond.notify_all()
+    for t in threads:
+        t.join()
+    if failed:
+        raise failed[min(failed)]
+    return [out[i] for i in range(len(searches))]
 
 
 def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
