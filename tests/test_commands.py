@@ -126,3 +126,23 @@ def test_runner_refuses_a_held_result_and_a_missing_run_dir(tmp_path):
     cfg = OmegaConf.create({"run_dir": "${hydra:runtime.output_dir}"})
     with pytest.raises(ValueError, match=r"^run_dir: set run_dir=<directory> when calling evaluate\(cfg\) outside Hydra$"):
         cli.job_dir(cfg, "evaluate")
+
+
+def test_debug_tiny_trains_and_evaluates_through_the_console_script(tmp_path, cli_here):
+    """`recdepth train debug=tiny`, then `recdepth evaluate` on its checkpoint (the console
+    script's dispatch and the real mains, in process): the evaluation scores the training
+    run's test split exactly as the training run's own eval block did."""
+    import json
+
+    run = tmp_path / "run"
+    code, err, _ = cli_here("recdepth.commands", ["train", "debug=tiny", "callbacks=none", "exit=accel",
+                                                  f"run_dir={run}"], tmp_path)
+    assert code == 0, err[-3000:]
+    trained = json.loads((run / "metrics.json").read_text())
+    ckpt = run / "train" / "checkpoints" / "last.ckpt"
+    code, err, _ = cli_here("recdepth.commands", ["evaluate", f"ckpt={ckpt}", "exit=accel", "eval.tokens=6",
+                                                  "eval.warmup_tokens=1", f"run_dir={tmp_path / 'ev'}"], tmp_path)
+    assert code == 0, err[-3000:]
+    ev = json.loads((tmp_path / "ev" / "metrics.json").read_text())["eval"]
+    assert ev["ce"] == pytest.approx(trained["eval"]["ce"], rel=1e-9)
+    assert ev["applications_per_token"] == trained["eval"]["applications_per_token"]
