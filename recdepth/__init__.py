@@ -55,8 +55,10 @@ Glue (recdepth/glue/): Lightning, Hydra config, data, files, figures
   glue/distributed.py   DDP ranks started by rank 0 (`python -m recdepth.train --ddp-rank`)
   glue/schema.py        the config schema: a root per command over the groups, registered
                         with Hydra; `validated(cfg)` checks a run's config
-  glue/schema_groups.py one dataclass per conf/ group, every key typed, documented and
-                        range-checked (re-exported by schema.py)
+  glue/schema_groups.py one dataclass per conf/ group of what a run computes (model, sampler,
+                        exit, data, eval), every key typed, documented and range-checked
+  glue/schema_training.py the groups of how training runs and logs (trainer, optim, logger,
+                        callbacks); both re-exported by schema.py
   glue/runs.py          run bookkeeping: training identity, the training dir it names, locks, resume
   glue/config.py        where conf/ is, and the objects built from the validated config
   glue/cli.py           the entry points' runner: job directory, refusal, config.yaml, the Hydra

@@ -1,6 +1,6 @@
 """The config schema: every key of `conf/`, typed, documented and range-checked, in one place.
 
-One dataclass per config group (recdepth/glue/schema_groups.py; re-exported here), and a
+One dataclass per config group (recdepth/glue/schema_groups.py and schema_training.py; re-exported here), and a
 root per command, registered in Hydra's ConfigStore: `TrainConfig` (conf/config.yaml, `python -m recdepth.train`),
 `EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`),
 `TrainGateConfig` (conf/train_gate.yaml, `python -m recdepth.train_gate`) and
@@ -49,30 +49,32 @@ from recdepth.core import (
 )
 from recdepth.glue.frontier_grid import FrontierGrid, FrontierSweeperConf
 from recdepth.glue.schema_groups import (  # noqa: F401  (re-exported: the schema's names)
-    ACCELERATORS,
     CALIBRATION_METHODS,
     DATA_COMMON,
     DATA_KEYS,
-    PRECISIONS,
     SOURCES,
-    STRATEGIES,
-    WANDB_MODES,
-    CallbacksConfig,
     DataConfig,
     DecodeConfig,
     EvalConfig,
     ExitConfig,
-    LoggerConfig,
-    LoopDynamicsConfig,
-    LoopGeometryConfig,
     ModelConfig,
-    OptimConfig,
     SamplerConfig,
-    TrainerConfig,
-    WandbConfig,
     _int,
     _number,
     _one_of,
+)
+from recdepth.glue.schema_training import (  # noqa: F401  (re-exported: the schema's names)
+    ACCELERATORS,
+    PRECISIONS,
+    STRATEGIES,
+    WANDB_MODES,
+    CallbacksConfig,
+    LoggerConfig,
+    LoopDynamicsConfig,
+    LoopGeometryConfig,
+    OptimConfig,
+    TrainerConfig,
+    WandbConfig,
 )
 
 
