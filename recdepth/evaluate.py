@@ -25,31 +25,32 @@ from omegaconf import DictConfig, OmegaConf
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.config import exit_policy
-from recdepth.glue.evaluation import for_model, run_eval, shared_model, split_start
+from recdepth.glue.evaluation import for_model, run_eval, split_start, take_shared
 from recdepth.glue.runs import write_json
 from recdepth.glue.schema import validated
 
 log = logging.getLogger("recdepth.evaluate")
 
 
-def evaluate(cfg: DictConfig, record: dict | None = None) -> dict:
+def evaluate(cfg: DictConfig, record: dict | None = None, opened=None) -> dict:
     """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict
-    (with `record`'s keys first: what a caller such as recdepth.report files with the job)."""
+    (with `record`'s keys first: what a caller such as recdepth.report files with the job).
+    `opened`: the model when the caller has it open already (`checkpoints.open_model`)."""
     run_dir = job_dir(cfg, "evaluate")
     run = validated(cfg)  # every field, before any work (recdepth/glue/schema.py)
     policy = exit_policy(cfg)
     refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
-    opened = shared_model(cfg)  # decoded with its sweep: the model it used
-    shared = opened is not None
-    opened = opened or open_model(run, device)
+    shared = take_shared(cfg)  # decoded with its sweep: the model it used and its results
+    opened = shared[0] if shared else (opened or open_model(run, device))
     model = opened.model
     policy = for_model(policy, opened)
     start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
     n = cfg.eval.tokens + 1
     tokens, labels = (None, None) if shared else (opened.heldout(n, start), opened.labels(n, start))
     start_job(run_dir, cfg)
-    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels)
+    ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels,
+                  shared=shared[1] if shared else None)
     metrics = {**(record or {}), opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)

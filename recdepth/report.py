@@ -169,7 +169,7 @@ def score_jobs(run: ReportConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict
     rows = []
     for k, (job, (s, record)) in enumerate(zip(cfgs, jobs, strict=True)):
         line = " ".join(exit_line(s))
-        ev = evaluate(job, {"family": s.family, "overrides": line, **record})["eval"]
+        ev = evaluate(job, {"family": s.family, "overrides": line, **record}, opened)["eval"]
         d = jobs_dir / str(k)
         rec = read_tokens(d / "eval_tokens.csv")
         if (d / "oracle_nll.npy").is_file():

@@ -45,12 +45,11 @@ def eval_settings(cfg) -> dict:
                 context_steps=getattr(e, "context_steps", None), step=getattr(e, "step", EvalConfig.step))
 
 
-# Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> (eval
-# block, per-token record); a job finding its key writes these instead of decoding again.
-_SHARED: dict[str, list[tuple[dict, dict]]] = {}  # a list: a sweep may hold one setting twice
-
-
-_OPENED: dict[str, list] = {}  # job key -> the `Opened` model its shared decode used (not opened again)
+# Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> a list
+# (a sweep may hold one setting twice) of (the `Opened` model it was decoded with, (eval
+# block, per-token record)); a job finding its key writes these instead of opening its
+# checkpoint and decoding again (`take_shared`).
+_SHARED: dict[str, list[tuple[object, tuple[dict, dict]]]] = {}
 
 
 KEYS = ("ckpt", "hf", "dtype", "device", "seed", "data", "eval", "exit")  # what a job's decode reads
@@ -64,20 +63,15 @@ def job_key(cfg: DictConfig, without: tuple[str, ...] = ()) -> str:
     return json.dumps(part, sort_keys=True, default=str)
 
 
-def shared_model(cfg: DictConfig):
-    """The `Opened` model this job's settings were decoded with by `decode_shared`, or None
-    (the job then opens its checkpoint itself)."""
-    return _take(_OPENED, job_key(cfg))
-
-
-def _take(store: dict[str, list], key: str):
-    """The first entry `decode_shared` left under `key` (removed), or None."""
-    entries = store.get(key)
+def take_shared(cfg: DictConfig):
+    """(the `Opened` model, (eval block, record)) `decode_shared` left for this job, removed;
+    or None (the job opens its checkpoint and decodes itself)."""
+    entries = _SHARED.get(job_key(cfg))
     if not entries:
         return None
     first = entries.pop(0)
     if not entries:
-        del store[key]
+        del _SHARED[job_key(cfg)]
     return first
 
 
@@ -115,8 +109,7 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None) -> int:
         results = evaluate_exits(got.model, got.heldout(n + 1, start), policies, n, max_rows=max_rows,
                                  bos=got.bos, labels=got.labels(n + 1, start), **eval_settings(cfg))
         for (c, _), result in zip(group, results, strict=True):
-            _SHARED.setdefault(job_key(c), []).append(result)
-            _OPENED.setdefault(job_key(c), []).append(got)
+            _SHARED.setdefault(job_key(c), []).append((got, result))
         done += len(group)
     return done
 
@@ -132,17 +125,19 @@ def split_start(opened, split: str) -> int:
 
 
 def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_dir: Path,
-             vocab_to_gpt2: torch.Tensor | None, bos: int | None = None, labels: np.ndarray | None = None) -> dict:
+             vocab_to_gpt2: torch.Tensor | None, bos: int | None = None, labels: np.ndarray | None = None,
+             shared: tuple[dict, dict] | None = None) -> dict:
     """SPEC §4 evaluation of `model` on held-out `tokens` under `policy` with cfg.eval's
     settings; writes the per-token record into run_dir and returns the `eval` block, which
     also records what the rules that decode decoded with (`decode`), the kl rule's
     `kl_direction` (`auto` as the engine reads it) and the `bos` id each window started with
     (an hf= model's tokenizer BOS, else null). On a task (`labels`, aligned with `tokens`)
     the block gains `answers` (`tasks.score_answers`: accuracy, NLL and cost on the answer
-    tokens, per difficulty) and eval_tokens.csv the answer, difficulty and correct columns."""
+    tokens, per difficulty) and eval_tokens.csv the answer, difficulty and correct columns.
+    `shared`: the (eval block, record) this job got decoded with its sweep (`take_shared`),
+    written instead of decoding `tokens`."""
     e = cfg.eval
     check_test_split(cfg)
-    shared = _take(_SHARED, job_key(cfg))  # decoded with its sweep (`decode_shared`)
     if shared is not None:
         ev, rec = shared
     else:
