@@ -427,8 +427,10 @@ def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
     """Every rule (per-group values and the gate included) decoded side by side, 7 rows a
     batch, so batches mix settings and windows and rows exit early and are compacted: each
     setting's records are its records decoded alone (float64: to rounding of the batched
-    matmuls, applications identical; float32: within 1e-4, applications differing only where
-    a criterion lies within rounding of τ, counted: none on this model)."""
+    matmuls, applications identical; float32: within 1e-4 wherever the applications agree,
+    which they do except where a criterion lies within rounding of τ: counted and bounded,
+    as `bench settings` does. Which tokens those are depends on the CPU's kernels: none on
+    one 2-core machine, one kl token of 840 on another)."""
     import numpy as np
 
     from recdepth.core.scoring import decode_settings
@@ -443,10 +445,13 @@ def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
         assert set(rec) == set(alone) - {"ms"}
         for key in ("window", "position", "target", "correct"):
             assert np.array_equal(rec[key], alone[key]), key
-        assert np.abs(rec["nll"] - alone["nll"]).max() < tol
-        mismatched += int((rec["apps"] != alone["apps"]).sum())
+        same = (rec["apps"] == alone["apps"]).all(1)  # tokens decoded at the same depths
+        assert np.abs(rec["nll"] - alone["nll"])[same].max() < tol
+        mismatched += int((~same).sum())
         varied += len(set(rec["apps"].flatten().tolist())) > 1
-    assert mismatched == 0 and varied >= len(policies) - 1  # all but fixed exit at varied n
+    total = 70 * len(policies)
+    assert mismatched <= (0 if dtype == torch.float64 else 0.01 * total), f"{mismatched} of {total} tokens"
+    assert varied >= len(policies) - 1  # all but fixed exit at varied n
 
 
 def test_mixed_settings_with_context_steps_equal_each_alone():
