@@ -42,6 +42,10 @@ kl and accel at four τ each) on the test split twice in one run: setting by set
 decoding per `eval.step` (module, lean, compiled) at batch 1 and 16, for the default and the
 paper shape, beside its arithmetic lower bound (recdepth/bench_decode.py).
 
+`python -m recdepth.bench oracle [--ckpt PATH]` times the oracle (SPEC §4b) with its first
+group looped once per window against every row looping it, interleaved, and compares the
+records (recdepth/bench_sweeps.py).
+
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
 `callbacks=none` and with the default `callbacks=loop_dynamics` (diagnostics at step 0,
@@ -354,7 +358,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m recdepth.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("what", nargs="?", default="train", choices=["train", "callbacks", "exits", "huginn", "speculative", "ltt", "intervals",
-                                                       "settings", "decode"])
+                                                       "settings", "decode", "oracle"])
     p.add_argument("--size", default="cpu")
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--vocab", type=int, default=19379, help="vocabulary (default: the Shakespeare compact vocab)")
@@ -369,7 +373,8 @@ def main(argv=None):
     p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"],
                    help="exits: rules (any of recdepth.core.exits.RULES, e.g. entropy_diff cosine argmax_stability)")
     p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
-    p.add_argument("--tokens", type=int, default=256, help="exits: tokens scored at batch 1 per rule and τ; settings: test-split tokens")
+    p.add_argument("--tokens", type=int, default=256,
+                   help="exits: tokens scored at batch 1 per rule and τ; settings, oracle: test-split tokens")
     p.add_argument("--batch-large", type=int, default=16, help="exits: rows of the batched throughput run")
     p.add_argument("--large-tokens", type=int, default=32, help="exits: tokens per row of the batched run")
     p.add_argument("--max-steps", type=int, default=32, help="exits: exit.max_steps")
@@ -417,7 +422,7 @@ def main(argv=None):
     return {"callbacks": bench_callbacks, "exits": bench_exits, "train": bench_train,
             "huginn": bench_huginn, "speculative": bench_speculative.bench_speculative, "ltt": bench_sweeps.bench_ltt,
             "intervals": bench_sweeps.bench_intervals, "settings": bench_sweeps.bench_settings,
-            "decode": bench_decode.bench_decode}[args.what](args)
+            "decode": bench_decode.bench_decode, "oracle": bench_sweeps.bench_oracle}[args.what](args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
-"""`recdepth bench ltt|intervals|settings`: the benches of calibration and sweeps — Learn
-then Test's coverage on real decodes, a sweep's verdicts under older statistics, a frontier
-grid decoded setting by setting and as one batch. See recdepth/bench.py for the options."""
+"""`recdepth bench ltt|intervals|settings|oracle`: the benches of calibration and sweeps —
+Learn then Test's coverage on real decodes, a sweep's verdicts under older statistics, a
+frontier grid decoded setting by setting and as one batch, the oracle with its first group
+looped once per window or in every row. See recdepth/bench.py for the options."""
 
 from __future__ import annotations
 
@@ -304,3 +305,53 @@ def bench_settings(args) -> dict:
     return out
 
 
+
+
+@torch.no_grad()
+def bench_oracle(args) -> dict:
+    """The oracle (SPEC §4b, `scoring.evaluate_oracle`) with the first group looped once per
+    window (`decoding.loop_shared`) against every row looping it, timed in `--rounds`
+    interleaved rounds on `--tokens` tokens at `--batch` windows and N = `--max-steps`, for
+    `--ckpt`'s model on its test split, or for fresh models of the default shape (groups
+    [[4], [5, 6], [7]]) and of one group over the same layers (Huginn's layout) on random
+    tokens; the records of the two are compared (largest NLL difference, applications equal)."""
+    import statistics
+
+    import numpy as np
+
+    from recdepth.core.exits import build
+    from recdepth.core.model import GPTConfig, LoopedGPT
+    from recdepth.core.scoring import evaluate_oracle
+
+    tune_cpu_allocator()
+    if args.ckpt is not None:
+        from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
+
+        module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
+        tokens = torch.as_tensor(checkpoint_data(module, data, 0).heldout_tokens(args.tokens + 1, 0))
+        models = [("checkpoint", module.model.eval())]
+    else:
+        tokens = torch.randint(0, 50257, (args.tokens + 1,), generator=torch.Generator().manual_seed(0))
+        models = [(f"default shape, groups {g}", LoopedGPT(GPTConfig.from_size("cpu", vocab_size=50257, groups=g))
+                   .eval()) for g in ([[4], [5, 6], [7]], [[4, 5, 6, 7]])]
+    policy = build("oracle", 0.01, max_steps=args.max_steps)
+    print(f"oracle, N = {args.max_steps}, {args.tokens} tokens, {args.batch} windows a batch, "
+          f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (median seconds)")
+    out = []
+    for name, model in models:
+        secs = {True: [], False: []}
+        recs = {}
+        for _ in range(args.rounds):
+            for share in (True, False):
+                t0 = time.perf_counter()
+                _, recs[share] = evaluate_oracle(model, tokens, policy, args.tokens, seed=0,
+                                                 batch_size=args.batch, share_first=share)
+                secs[share].append(time.perf_counter() - t0)
+        shared, every = statistics.median(secs[True]), statistics.median(secs[False])
+        dn = float(np.abs(recs[True]["nll_by_n"] - recs[False]["nll_by_n"]).max())
+        same = bool((recs[True]["apps"] == recs[False]["apps"]).all())
+        print(f"  {name}: every row {every:.1f} s, first group once per window {shared:.1f} s "
+              f"({every / shared:.2f}x); max |NLL difference| {dn:.1e}, applications {'equal' if same else 'DIFFER'}")
+        out.append({"model": name, "every_row_s": every, "shared_s": shared, "speedup": every / shared,
+                    "max_dnll": dn, "apps_equal": same})
+    return {"rows": out}

@@ -314,6 +314,44 @@ def test_oracle_n_equals_brute_force(sharing):
     np.testing.assert_allclose(rec["nll_by_n"][:, -1], rec_fixed["nll"], rtol=0, atol=1e-10)
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("groups, sharing, warm_start, bos", [([[1], [2, 3]], "latest", False, None),
+                                                              ([[1], [2, 3]], "per_step", True, 7),
+                                                              ([[1, 2]], "latest", True, None),
+                                                              ([[2, 3]], "per_step", False, 7)])
+def test_oracle_rows_loop_the_first_group_once_per_window(groups, sharing, warm_start, bos):
+    """The oracle's N rows of a window share the first group's trajectory (`loop_shared`):
+    the same NLL, argmax, applications and traced states as every row looping it
+    (`share_first=False`), in float64 to rounding, while the first group's layer runs
+    N applications per window and position instead of 1 + 2 + … + N."""
+    from recdepth.core.decoding import decode_windows
+
+    m = model(groups, state_init="normal")
+    N, T = 5, 12
+    tokens = torch.randint(0, 60, (30,), generator=torch.Generator().manual_seed(8))
+    wins = [(0, T - (bos is not None)), (T - (bos is not None), 9)]
+    limit = torch.arange(1, N + 1).repeat(len(wins))
+    first = groups[0][0]
+    out, rows = {}, {}
+    for share in (True, False):
+        seen = []
+        hook = m.h[first].register_forward_hook(lambda mod, args, y, seen=seen: seen.append(y.shape[0]))
+        trace = []
+        out[share] = decode_windows(m, tokens, wins, exits.build("fixed", None, max_steps=N), sharing, seed=4,
+                                    reps=N, limit=limit, warm_start=warm_start, bos=bos, trace=trace,
+                                    share_first=share) + (torch.stack(trace),)
+        hook.remove()
+        rows[share] = sum(seen)
+    (nll, apps, _, ok, tr), (nll0, apps0, _, ok0, tr0) = out[True], out[False]
+    torch.testing.assert_close(nll, nll0, rtol=0, atol=1e-12)
+    torch.testing.assert_close(tr, tr0, rtol=0, atol=1e-12)
+    assert torch.equal(apps, apps0) and torch.equal(ok, ok0)
+    assert (apps[..., 0] == limit[:, None]).all()
+    positions = T  # every window decodes T positions (BOS's included), the shorter one up to its longest
+    assert rows[False] == positions * len(wins) * N * (N + 1) // 2  # row n loops n times
+    assert rows[True] == positions * len(wins) * N  # one row per window loops N times
+
+
 def test_per_group_values_fire_per_group_in_the_engine():
     """Three groups, each with its own exit values: fixed runs group g exactly
     max_steps[g] times; stepnorm with τ = [huge, tiny, huge] stops group 0 at its earliest

@@ -264,16 +264,60 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
             return s, n
 
 
+def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos: int, reps: int,
+                limit: Tensor, noise: RowNoise, init: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`loop_group` under exit=fixed with a per-row `limit`, for rows that come in blocks of
+    `reps` holding the same input e [R, 1, d], history, noise key and warm state `init`,
+    each block's last row with the block's largest limit: the oracle's N rows of a window
+    (`decode_windows` with reps). Every row of a block runs the same trajectory until its
+    limit, so only each block's last row is computed (R / reps rows, on copies of its cache
+    rows) and row r takes the state after limit[r] applications: 1/reps of the group's
+    applications, the same states. Every row of a block gets the computed row's cache
+    entries at `pos` (what `_sync_rows` gives them after the position anyway).
+    Returns the states [R, 1, d] and the applications (limit) [R]."""
+    R = e.shape[0]
+    last = torch.arange(reps - 1, R, reps, device=e.device)
+    steps = int(limit.max())
+    if not bool((limit[last] == steps).all()):
+        raise ValueError("loop_shared: each block's last row must run the most applications (the oracle's row N)")
+    mine = model.cfg.groups[g]
+    sub = list(caches)
+    for layer in mine:  # the computed rows' entries, as caches of their own (attention over W rows, not R)
+        c = caches[layer]
+        sub[layer] = copy = object.__new__(type(c))
+        copy.__dict__.update(c.__dict__, k=c.k[last], v=c.v[last])
+    e = e[last]
+    e_proj = model.adapters[g].input(e)
+    s = model.initial_state(e, None, noise.seeds(pos, g, last)) if init is None else init[last]
+    step_caches = [sub[layer] for layer in mine if isinstance(sub[layer], StepKVCache)]
+    trajectory = []
+    for j in range(steps):
+        for c in step_caches:
+            c.step = j
+        s = apply_group(model, g, s, e_proj, sub, pos, None)
+        trajectory.append(s)
+    for c in step_caches:
+        c.finish(pos, torch.full((len(last),), steps, device=e.device))
+    for layer in mine:
+        caches[layer].k[..., pos, :] = sub[layer].k[..., pos, :].repeat_interleave(reps, 0)
+        caches[layer].v[..., pos, :] = sub[layer].v[..., pos, :].repeat_interleave(reps, 0)
+    states = torch.stack(trajectory)[limit - 1, torch.arange(R, device=e.device) // reps]  # [R, 1, d]
+    return states, limit.clone()
+
+
 @torch.no_grad()
 def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
                 generator: torch.Generator | None = None, compact: bool = True,
                 noise: RowNoise | None = None, limit: Tensor | None = None,
                 warm: list[Tensor | None] | None = None,
                 states: list[Tensor | None] | None = None, fixed_rows: Tensor | None = None,
-                fixed_steps: int | None = None) -> tuple[Tensor, Tensor]:
+                fixed_steps: int | None = None, shared: int | None = None) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
     next token and applications [B, G] per group (`noise`, `limit`, `fixed_rows`,
-    `fixed_steps`: see `loop_group`).
+    `fixed_steps`: see `loop_group`). `shared` (the oracle's rows, `decode_windows`): the
+    rows come in blocks of that many with the same history and a fixed-rule `limit`, so the
+    first group, whose input is the same in every row of a block, loops once per block
+    (`loop_shared`).
     `states`, if given (one entry per group), receives each group's final loop state
     [B, 1, d] (before `leave_group`: what the exit monitor saw last; the gate's features).
 
@@ -285,13 +329,18 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
         raise ValueError(f"decode_step: {len(warm)} warm states for {model.n_groups} recurrence groups")
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
+    first = next((i for kind, i in model.plan if kind == "group"), None)
     for kind, i in model.plan:
         if kind == "layer":
             lean = lean_of(model, [caches[i]])
             x = model.h[i](x, caches[i], pos) if lean is None else lean.layer(i, x, caches[i].k, caches[i].v, pos)
         else:
-            x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit,
-                                       None if warm is None else warm[i], fixed_rows, fixed_steps)
+            init = None if warm is None else warm[i]
+            if shared and i == first:  # the first group's input is the same in every row of a block
+                x, apps[:, i] = loop_shared(model, i, x, caches, pos, shared, limit, noise, init)
+            else:
+                x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit, init,
+                                           fixed_rows, fixed_steps)
             if states is not None:
                 states[i] = x
             x = model.leave_group(i, x)
@@ -326,13 +375,16 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
                     timed: bool = False, warm_start: bool = False,
                     first_window: int = 0, bos: int | None = None,
                     trace: list[Tensor] | None = None, labels: np.ndarray | None = None,
-                    context_steps: int | None = None,
-                    keys: Sequence[int] | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
+                    context_steps: int | None = None, keys: Sequence[int] | None = None,
+                    share_first: bool = True) -> tuple[Tensor, Tensor, list[float], Tensor]:
     """Decode windows side by side, `reps` rows per window (row r is window r // reps).
     Returns nll [R, L], applications [R, L, G], with `timed` the seconds of each
     position, and whether the argmax prediction is the target [R, L] (a task's accuracy). With reps > 1 the rows of a window share their history: after each position
     every row takes the cache entries of the window's last row (the oracle's max_steps),
-    and with `warm_start` that row's final group states too (`decode_step`'s `warm`).
+    and with `warm_start` that row's final group states too (`decode_step`'s `warm`); under
+    exit=fixed with a `limit` whose largest value is each window's last row's (the oracle),
+    the first group loops once per window and each row takes its state after its limit
+    (`loop_shared`; `share_first=False` loops every row, the reference it is tested against).
     With `bos`, each window's first input is that id (position 0, its loops run under the
     rule) and the window's tokens follow at positions 1 ..; BOS's own prediction is neither
     scored nor timed, so nll, applications and seconds are those of the window's tokens.
@@ -363,6 +415,7 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     caches = new_caches(model, R, T, cache, max(policy.max_steps_bound, context_steps or 0))
     src = torch.arange(R, device=device) // reps * reps + reps - 1
     warm = [None] * model.n_groups if warm_start else None
+    shared = reps if share_first and _shares_first(model, policy, reps, limit, context) else None
     nll = torch.empty(R, L, dtype=torch.float64)
     apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
     correct = torch.empty(R, L, dtype=torch.bool)
@@ -372,7 +425,7 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
         states = None if trace is None else [None] * model.n_groups
         logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm,
                                 states=states, fixed_rows=None if context is None else context[:, pos],
-                                fixed_steps=context_steps)
+                                fixed_steps=context_steps, shared=shared)
         if timed and device.type == "cuda":
             torch.cuda.synchronize()
         if pos >= lead:  # BOS's step: decoded, not timed or scored
@@ -388,6 +441,18 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
             if trace is not None:
                 trace.append(torch.cat(states, 1).float().cpu())
     return nll, apps, seconds, correct
+
+
+def _shares_first(model: LoopedGPT, policy: ExitPolicy, reps: int, limit: Tensor | None,
+                  context: Tensor | None) -> bool:
+    """Whether `decode_windows`' rows may loop the first group once per window
+    (`loop_shared`): reps > 1 rows per window under exit=fixed with a per-row `limit` that
+    the rule never cuts short, each window's last row looping the most, no fixed context."""
+    if reps == 1 or limit is None or policy.name != "fixed" or context is not None or model.n_groups == 0:
+        return False
+    first = next(i for kind, i in model.plan if kind == "group")
+    top = int(limit.max())
+    return policy.group(first).max_steps >= top and bool((limit.view(-1, reps)[:, -1] == top).all())
 
 
 def context_rows(wins: list[tuple[int, int]], labels: np.ndarray | None, reps: int, lead: int, L: int) -> Tensor:

@@ -321,7 +321,7 @@ def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray,
 @torch.no_grad()
 def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, seed: int = 0,
                     cache: str = "latest", batch_size: int = 1, warm_start: bool = False,
-                    first_window: int = 0, bos: int | None = None) -> tuple[dict, dict]:
+                    first_window: int = 0, bos: int | None = None, share_first: bool = True) -> tuple[dict, dict]:
     """The oracle of SPEC §4b (best uniform depth per token within ε: it reads the
     target, and it is no bound on rules that spend different depths per group) at ε = policy.tau, N = policy.max_steps: per token, the
     smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
@@ -331,7 +331,10 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     applications, all with the window's noise; after each position every row takes the
     cache entries of row N, so the history is always the N-application one; with
     `warm_start` every row also starts the next position from row N's final group states.
-    Row N is then exactly `exit=fixed max_steps=N` (with the same `warm_start`). The record carries `nll_by_n` [tokens, N], from which
+    Row N is then exactly `exit=fixed max_steps=N` (with the same `warm_start`). The first
+    group's input is the same in every row of a window, so it loops once per window and
+    each row takes its state after n applications (`decoding.loop_shared`; `share_first`
+    False loops it in every row: the same records, 1 + 2 + … + N applications instead of N). The record carries `nll_by_n` [tokens, N], from which
     the oracle at any other ε follows without decoding again (`recdepth.core.stats.oracle_n`).
     No latency: the oracle reads the target, so it cannot run for real."""
     was_training = model.training
@@ -345,7 +348,8 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
         nll, _, _, ok = decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
-                                        warm_start=warm_start, first_window=first_window, bos=bos)
+                                        warm_start=warm_start, first_window=first_window, bos=bos,
+                                        share_first=share_first)
         nll, ok = nll.view(len(ws), N, -1), ok.view(len(ws), N, -1)  # [window, n, position]
         by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
         ok_by_n.append(np.concatenate([ok[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
