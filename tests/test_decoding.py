@@ -551,6 +551,18 @@ def test_mixed_policy_errors_are_one_line():
         decode_settings(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10, max_rows=0)
 
 
+def test_bench_oracle_times_both_ways_and_compares_their_records(tiny_ckpt, ckpt_env, capsys):
+    """`recdepth bench oracle --ckpt`: the oracle with its first group looped once per window
+    and in every row give the same records (float32 rounding). No timing is asserted."""
+    from recdepth import bench
+
+    out = bench.main(["oracle", "--ckpt", str(tiny_ckpt), "--tokens", "12", "--batch", "2", "--rounds", "1",
+                      "--max-steps", "4"])
+    (row,) = out["rows"]
+    assert row["apps_equal"] and row["max_dnll"] < 1e-4
+    assert "first group once per window" in capsys.readouterr().out
+
+
 def test_bench_settings_decodes_a_frontier_grid_both_ways_alike(tiny_ckpt, ckpt_env, capsys):
     """`recdepth bench settings`: the mixed batches give each setting its own records, in
     float32 up to the rare application where a criterion lies within rounding of τ (counted;
