@@ -15,6 +15,8 @@ Core (recdepth/core/): the math, torch and numpy only
   core/exits.py         early-exit rules (the gate's too) and the reference `iterate` loop
   core/kv_cache.py      the K/V caches of decoding: one entry per position ("latest") or per
                         application ("per_step"), each row owning its entries
+  core/state_decode.py  what the decoding rules decode a loop state with: the LM head, or
+                        Huginn's coda reading the cache without writing it (exit.decode)
   core/decoding.py      the decoding engine: token by token with a KV cache under an exit
                         rule, batched exactly (per-row noise keys): decode_step, decode_windows
   core/mixed_settings.py several exit settings in one batch, each row under its own (a sweep)

@@ -31,10 +31,11 @@ import logging
 import numpy as np
 from omegaconf import DictConfig
 
-from recdepth.core.decoding import has_coda, lean_steps
+from recdepth.core.decoding import lean_steps
 from recdepth.core.exits import ExitPolicy
 from recdepth.core.generation import Generation, greedy, speculative
 from recdepth.core.model import LoopedGPT
+from recdepth.core.state_decode import has_coda
 from recdepth.glue.checkpoints import resolve_device
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.config import exit_policy

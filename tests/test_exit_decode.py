@@ -24,11 +24,12 @@ import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
 from recdepth.core import exits
-from recdepth.core.decoding import coda_logits, decode_mode, decode_step, has_coda, state_decoder
+from recdepth.core.decoding import decode_step
 from recdepth.core.generation import chunk_step, new_chunk_caches
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.scoring import evaluate_exit
+from recdepth.core.state_decode import coda_logits, decode_mode, has_coda, state_decoder
 from recdepth.glue.config import conf_dir, model_config
 from recdepth.glue.hf import HFTokenizer, save_hf
 

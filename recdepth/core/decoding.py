@@ -32,7 +32,7 @@ from __future__ import annotations
 import hashlib
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -42,6 +42,7 @@ from recdepth.core.exits import ExitPolicy
 from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import LoopedGPT
+from recdepth.core.state_decode import state_decoder
 
 STEPS = ("module", "lean", "compiled")  # eval.step: how a token's layers are computed (`lean_steps`)
 
@@ -77,68 +78,6 @@ class RowNoise:
     def seeds(self, position: int, group: int, rows: Tensor | None = None) -> list[int]:
         seqs = self.sequences if rows is None else [self.sequences[i] for i in rows.tolist()]
         return [noise_seed(self.seed, q, position, group) for q in seqs]
-
-
-# ------------------------------------------------- what the decoding rules decode
-def has_coda(model: LoopedGPT) -> bool:
-    """Whether `model` is a prelude / core / coda model: exactly one recurrence group and at
-    least one layer after it (what `exit.decode=auto` decodes through the coda for)."""
-    return model.n_groups == 1 and model.cfg.groups[0][-1] < model.cfg.n_layer - 1
-
-
-def decode_mode(model: LoopedGPT, policy: ExitPolicy) -> str:
-    """`policy.decode` for this model: "coda" or "head" (`auto` resolved by `has_coda`)."""
-    return policy.resolve(has_coda(model)).decode
-
-
-class PeekCache:
-    """One layer's decoding cache, read but never written, for a hypothetical pass at
-    positions pos .. pos + T − 1: attention reads the cached K/V of positions 0 .. pos − 1
-    and the K/V this pass computes for its own positions (kept here, not in the cache)."""
-
-    def __init__(self, cache: KVCache, pos: int):
-        self.cache, self.pos = cache, pos
-        self.k = self.v = None
-
-    def write(self, pos: int, k: Tensor, v: Tensor, rows: Tensor | None) -> None:
-        if pos != self.pos or rows is not None:
-            raise ValueError("PeekCache: one pass of every row at its own position")
-        self.k, self.v = k, v
-
-    def read(self, pos: int) -> tuple[Tensor, Tensor]:
-        ck, cv = self.cache.read(self.pos - 1)  # positions 0 .. pos − 1, as cached
-        return torch.cat([ck, self.k], dim=2), torch.cat([cv, self.v], dim=2)
-
-
-def coda_logits(model: LoopedGPT, g: int, s: Tensor, caches: list[KVCache], pos: int) -> Tensor:
-    """The logits the model would give if group g stopped at the states s [B, T, d] of
-    positions pos .. pos + T − 1 (Huginn's `predict_from_latents`): `leave_group`, every layer
-    after the group, the final norm and the head. The layers' attention reads the cached
-    K/V of positions < pos and the K/V computed here for s (causal among the T positions),
-    through `PeekCache`: nothing is written to `caches`. One recurrence group only."""
-    if model.n_groups != 1:
-        raise ValueError(f"exit.decode: coda decodes through the layers after the loop (Huginn's coda), defined for "
-                         f"a model with one recurrence group; this one has {model.n_groups} (use exit.decode=head)")
-    x = model.leave_group(g, s)
-    for layer in model.coda:
-        x = model.h[layer](x, PeekCache(caches[layer], pos), pos)
-    return model.decode_logits(x)
-
-
-def state_decoder(model: LoopedGPT, g: int, policy: ExitPolicy, caches: list[KVCache], pos: int,
-                  chunk: bool = False) -> Callable[[Tensor], Tensor] | None:
-    """The `decode` (state -> logits) a loop of group g at `pos` gives its exit monitor:
-    None for a rule that does not decode; `model.decode_logits` (final norm + head) for
-    exit.decode=head; `coda_logits` for coda (`decode_mode`). The monitor passes states
-    [B, d], one per row at `pos`, or with `chunk` [T, d], the positions pos .. pos + T − 1 of
-    one row (recdepth/core/generation.py's chunk pass)."""
-    if not policy.needs_decode:
-        return None
-    if decode_mode(model, policy) == "head":
-        return model.decode_logits
-    if chunk:
-        return lambda x: coda_logits(model, g, x[None], caches, pos)[0]
-    return lambda x: coda_logits(model, g, x[:, None], caches, pos)[:, 0]
 
 
 def lean_steps(model: LoopedGPT, step: str) -> LoopedGPT:

@@ -28,7 +28,7 @@ applications' worth of FLOPs, 12·d² each); the others read the state only, O(d
 state; `coda` = the state as it leaves the group, the layers after the group (Huginn's
 coda; one recurrence group only) and then the head, Huginn's `predict_from_latents`;
 `auto` = coda for a model with one recurrence group and at least one layer after it, head
-otherwise (the engine builds the function: `recdepth.core.decoding.state_decoder`). The kl
+otherwise (the engine builds the function: `recdepth.core.state_decode.state_decoder`). The kl
 rule's direction (`exit.kl_direction`, `KL_DIRECTIONS`): `new_old` = KL(p^(n) ‖ p^(n−1)),
 the paper's and recdepth's default; `old_new` = KL(p^(n−1) ‖ p^(n)), Huginn's
 `KLExitEvaluator` (F.kl_div(log p^(n), log p^(n−1), log_target=True)); `auto` = old_new
@@ -190,7 +190,7 @@ class ExitPolicy:
 
     def resolve(self, coda: bool, hf: bool = False) -> ExitPolicy:
         """This policy with `auto` decided for one model: decode -> `coda` if `coda` (the model
-        has one recurrence group and a layer after it: `recdepth.core.decoding.has_coda`), else
+        has one recurrence group and a layer after it: `recdepth.core.state_decode.has_coda`), else
         `head`; kl_direction -> `old_new` (Huginn's) if `hf` (the model was opened from an
         hf= directory), else `new_old`. Values already chosen stay."""
         decode = self.decode if self.decode != "auto" else "coda" if coda else "head"

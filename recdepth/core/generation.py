@@ -49,10 +49,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from recdepth.core.decoding import RowNoise, decode_step, noise_seed, state_decoder
+from recdepth.core.decoding import RowNoise, decode_step, noise_seed
 from recdepth.core.exits import ExitPolicy, build
 from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.model import LoopedGPT
+from recdepth.core.state_decode import state_decoder
 
 SOURCES = ("greedy", "draft", "verify")
 """Where a generated token comes from: ordinary decoding; a drafted token the verifier
