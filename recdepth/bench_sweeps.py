@@ -305,8 +305,6 @@ def bench_settings(args) -> dict:
     return out
 
 
-
-
 @torch.no_grad()
 def bench_oracle(args) -> dict:
     """The oracle (SPEC §4b, `scoring.evaluate_oracle`) with the first group looped once per

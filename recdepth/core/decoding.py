@@ -211,8 +211,9 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
     (`decode_windows` with reps). Every row of a block runs the same trajectory until its
     limit, so only each block's last row is computed (R / reps rows, on copies of its cache
     rows) and row r takes the state after limit[r] applications: 1/reps of the group's
-    applications, the same states. Every row of a block gets the computed row's cache
-    entries at `pos` (what `_sync_rows` gives them after the position anyway).
+    applications, the same states. Only the computed rows' cache entries at `pos` are
+    written; the other rows of a block get them from `_sync_rows` after the position, as
+    every row gets its block's history (`decode_windows`).
     Returns the states [R, 1, d] and the applications (limit) [R]."""
     R = e.shape[0]
     last = torch.arange(reps - 1, R, reps, device=e.device)
@@ -222,9 +223,7 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
     mine = model.cfg.groups[g]
     sub = list(caches)
     for layer in mine:  # the computed rows' entries, as caches of their own (attention over W rows, not R)
-        c = caches[layer]
-        sub[layer] = copy = object.__new__(type(c))
-        copy.__dict__.update(c.__dict__, k=c.k[last], v=c.v[last])
+        sub[layer] = caches[layer].take(last)
     e = e[last]
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, None, noise.seeds(pos, g, last)) if init is None else init[last]
@@ -238,8 +237,8 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
     for c in step_caches:
         c.finish(pos, torch.full((len(last),), steps, device=e.device))
     for layer in mine:
-        caches[layer].k[..., pos, :] = sub[layer].k[..., pos, :].repeat_interleave(reps, 0)
-        caches[layer].v[..., pos, :] = sub[layer].v[..., pos, :].repeat_interleave(reps, 0)
+        caches[layer].k[last, ..., pos, :] = sub[layer].k[..., pos, :]
+        caches[layer].v[last, ..., pos, :] = sub[layer].v[..., pos, :]
     states = torch.stack(trajectory)[limit - 1, torch.arange(R, device=e.device) // reps]  # [R, 1, d]
     return states, limit.clone()
 
@@ -268,7 +267,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
         raise ValueError(f"decode_step: {len(warm)} warm states for {model.n_groups} recurrence groups")
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
-    first = next((i for kind, i in model.plan if kind == "group"), None)
+    first = _first_group(model) if shared else None
     for kind, i in model.plan:
         if kind == "layer":
             lean = lean_of(model, [caches[i]])
@@ -382,6 +381,11 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     return nll, apps, seconds, correct
 
 
+def _first_group(model: LoopedGPT) -> int:
+    """The recurrence group the model runs first (its input is the layers before it)."""
+    return next(i for kind, i in model.plan if kind == "group")
+
+
 def _shares_first(model: LoopedGPT, policy: ExitPolicy, reps: int, limit: Tensor | None,
                   context: Tensor | None) -> bool:
     """Whether `decode_windows`' rows may loop the first group once per window
@@ -389,9 +393,8 @@ def _shares_first(model: LoopedGPT, policy: ExitPolicy, reps: int, limit: Tensor
     the rule never cuts short, each window's last row looping the most, no fixed context."""
     if reps == 1 or limit is None or policy.name != "fixed" or context is not None or model.n_groups == 0:
         return False
-    first = next(i for kind, i in model.plan if kind == "group")
     top = int(limit.max())
-    return policy.group(first).max_steps >= top and bool((limit.view(-1, reps)[:, -1] == top).all())
+    return policy.group(_first_group(model)).max_steps >= top and bool((limit.view(-1, reps)[:, -1] == top).all())
 
 
 def context_rows(wins: list[tuple[int, int]], labels: np.ndarray | None, reps: int, lead: int, L: int) -> Tensor:

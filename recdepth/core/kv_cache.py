@@ -6,6 +6,8 @@ its result alone. The engine that reads and writes them is recdepth/core/decodin
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch import Tensor
 
@@ -44,6 +46,12 @@ class KVCache:
 
     def read(self, pos: int) -> tuple[Tensor, Tensor]:
         return self.k[:, :, : pos + 1], self.v[:, :, : pos + 1]
+
+    def take(self, rows: Tensor) -> KVCache:
+        """A cache of the same kind holding a copy of rows `rows` (an index) only."""
+        out = copy.copy(self)
+        out.k, out.v = self.k[rows], self.v[rows]
+        return out
 
 
 class StepKVCache(KVCache):

@@ -66,12 +66,13 @@ def job_key(cfg: DictConfig, without: tuple[str, ...] = ()) -> str:
 def take_shared(cfg: DictConfig):
     """(the `Opened` model, (eval block, record)) `decode_shared` left for this job, removed;
     or None (the job opens its checkpoint and decodes itself)."""
-    entries = _SHARED.get(job_key(cfg))
+    key = job_key(cfg)
+    entries = _SHARED.get(key)
     if not entries:
         return None
     first = entries.pop(0)
     if not entries:
-        del _SHARED[job_key(cfg)]
+        del _SHARED[key]
     return first
 
 
