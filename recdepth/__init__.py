@@ -6,7 +6,9 @@ commands at the top of recdepth/ (`python -m recdepth.<command>`). Imports point
 (tests/test_layers.py reads the folders and keeps it so).
 
 Core (recdepth/core/): the math, torch and numpy only
-  core/model.py         the looped GPT-2 (config dataclass, recurrence groups, truncated backprop,
+  core/model_config.py  the model's configuration: size presets, GPTConfig (a docstring per
+                        field) and its checks (shape, recurrence groups, Huginn's options)
+  core/model.py         the looped GPT-2 (recurrence groups, adapters, truncated backprop,
                         Huginn's architecture options: rope, gated MLP, q/k bias, latent norm)
   core/geometry.py      loop-geometry quantities (step norms, cosines, accelerations, DLR)
   core/sampler.py       loop-count samplers (lognormal-Poisson for training, fixed)

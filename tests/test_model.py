@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from recdepth.core.model import GPTConfig, LoopedGPT, validate_groups
+from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.core.model_config import validate_groups
 
 
 def tiny(**kw) -> GPTConfig:

@@ -368,7 +368,7 @@ def test_each_task_has_an_experiment_whose_evaluation_is_its_test_split(name):
     is what recdepth.calibrate needs on a task (calibration starts at the validation split)."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.core.model import shape_of
+    from recdepth.core.model_config import shape_of
     from recdepth.glue.config import conf_dir
     from recdepth.glue.schema import validated
 

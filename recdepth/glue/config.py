@@ -20,7 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth.core import exits
 from recdepth.core.gate import load_gate
-from recdepth.core.model import GPTConfig
+from recdepth.core.model_config import GPTConfig
 from recdepth.glue import distributed
 from recdepth.glue.data import TokenDataModule
 from recdepth.glue.schema import TrainConfig, validated

@@ -36,7 +36,7 @@ import filelock
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core.model import OPTION_DEFAULTS, SIZES, shape_of
+from recdepth.core.model_config import OPTION_DEFAULTS, SIZES, shape_of
 from recdepth.glue.schema import DATA_KEYS, DataConfig
 
 log = logging.getLogger("recdepth.glue.runs")

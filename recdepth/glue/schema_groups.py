@@ -22,7 +22,7 @@ from recdepth.core import (
     tasks,
 )
 from recdepth.core.kv_cache import check_cache
-from recdepth.core.model import OPTION_DEFAULTS, check_architecture, shape_of
+from recdepth.core.model_config import OPTION_DEFAULTS, check_architecture, shape_of
 
 CALIBRATION_METHODS = ("empirical", "ltt")
 
@@ -107,7 +107,7 @@ class ModelConfig:
                         block_size=self.block_size, intermediate_size=self.intermediate_size)
 
     def options(self) -> dict:
-        """The architecture options beyond the shape (recdepth/core/model.py: OPTION_DEFAULTS)."""
+        """The architecture options beyond the shape (recdepth/core/model_config.py: OPTION_DEFAULTS)."""
         return {k: getattr(self, k) for k in OPTION_DEFAULTS}
 
     def __post_init__(self):
