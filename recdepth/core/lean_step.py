@@ -108,8 +108,13 @@ class LeanSteps:
         kc.index_copy_(2, pos, k)
         vc.index_copy_(2, pos, v)
         if n_ctx is None:  # static shapes (compiled): the whole block, positions after pos masked
-            mask = (self.positions <= pos)[None, :]  # [1, block_size]
-            y = F.scaled_dot_product_attention(q, kc, vc, attn_mask=mask)
+            # Written out rather than F.scaled_dot_product_attention: for one query the CPU
+            # flash-attention kernel is an opaque call with its own buffers and threads, while
+            # these few ops inductor fuses into its loops (a compiled layer 1.2x faster at
+            # d = 128, batch 1, measured; the same softmax(q k^T / sqrt(hd)) v, masked).
+            scores = (q @ kc.transpose(-1, -2)) * hd**-0.5  # [B, H, 1, block_size]
+            scores = scores.masked_fill(self.positions > pos, float("-inf"))
+            y = torch.softmax(scores, -1) @ vc
         else:  # eager: positions 0 .. pos only (n_ctx = pos + 1)
             y = F.scaled_dot_product_attention(q, kc[:, :, :n_ctx], vc[:, :, :n_ctx])
         x = F.rms_norm(F.linear(y.transpose(1, 2).reshape(B, 1, C), proj_w) + x, (C,), n2, self.eps)
