@@ -853,3 +853,43 @@ def _write_job(d, rule, tau, n, nll, apps, **extra):
           "ms_per_token": 1.0 + float(apps.mean()), "applications_per_token": apps.mean(axis=0).tolist(),
           "tokens": n_tok, "tokens_per_s": 1.0, **extra}
     (d / "metrics.json").write_text(json.dumps({"eval": ev}))
+
+
+def test_sweep_callback_writes_the_table_after_each_job_and_the_frontier_at_the_end(tmp_path):
+    """SweepSummary: after a job, sweep_results.csv holds every job so far and nothing
+    slower is written (no frontier, no figure); at the end of the sweep the whole summary,
+    the same files `summarize` writes on its own."""
+    import csv
+    import filecmp
+
+    from hydra.types import RunMode
+    from omegaconf import OmegaConf
+
+    from recdepth import sweep
+
+    rng = np.random.default_rng(42)
+    n_tok, G = 60, 3
+    base = rng.gamma(2.0, 2.0, n_tok)
+    jobs = [("fixed", None, n, base + 0.4 / n, np.full((n_tok, G), n)) for n in (1, 2, 4)]
+    jobs.append(("kl", 1e-3, 4, base + 0.05, rng.integers(1, 4, (n_tok, G))))
+    cfg = OmegaConf.create({"hydra": {"mode": RunMode.MULTIRUN, "sweep": {"dir": str(tmp_path / "sweep")}}})
+    callback = sweep.SweepSummary()
+    (tmp_path / "sweep").mkdir()
+    for j, (rule, tau, n, nll, apps) in enumerate(jobs):
+        _write_job(tmp_path / "sweep" / str(j), rule, tau, n, nll, apps)
+        callback.on_job_end(cfg)
+        rows = list(csv.DictReader(open(tmp_path / "sweep" / "sweep_results.csv")))
+        assert [int(r["job"]) for r in rows] == list(range(j + 1))
+        assert not (tmp_path / "sweep" / "frontier.csv").exists()
+        assert not (tmp_path / "sweep" / "fig4_exits.png").exists()
+    callback.on_multirun_end(cfg)
+    front = list(csv.DictReader(open(tmp_path / "sweep" / "frontier.csv")))
+    assert [int(r["job"]) for r in front] == [3]
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    for j, (rule, tau, n, nll, apps) in enumerate(jobs):
+        _write_job(alone / str(j), rule, tau, n, nll, apps)
+    sweep.summarize(alone)
+    for f in ("sweep_results.csv", "frontier.csv", "frontier.md"):
+        assert filecmp.cmp(tmp_path / "sweep" / f, alone / f, shallow=False), f
+    assert (tmp_path / "sweep" / "fig4_exits.png").is_file()
