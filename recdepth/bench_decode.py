@@ -88,20 +88,22 @@ def filled(model: LoopedGPT, batch: int, context: int, gen: torch.Generator) -> 
 
 @torch.no_grad()
 def layer_seconds(model: LoopedGPT, batch: int, context: int, n1: int, n2: int, reps: int, rounds: int,
-                  steps: tuple[str, ...]) -> dict[str, float]:
+                  steps: tuple[str, ...], use=lean_steps) -> dict[str, float]:
     """Median seconds of one layer application per step (the slope above), the steps
-    timed in `rounds` interleaved rounds of `reps` decode steps at each n."""
+    timed in `rounds` interleaved rounds of `reps` decode steps at each n. `use(model, s)`
+    readies the model to decode with step s (`lean_steps`; docs/bench/lean_step_ab.py
+    passes other versions of the lean step)."""
     gen = torch.Generator().manual_seed(0)
     caches, tokens = filled(model, batch, context, gen)
     fixed = {n: build("fixed", None, max_steps=n) for n in (n1, n2)}
     per: dict[str, list[float]] = {s: [] for s in steps}
     for s in steps:  # compile (and first-call) costs out of the timings
-        lean_steps(model, s)
+        use(model, s)
         for n in (n1, n2):
             decode_step(model, tokens[:, context], context, caches, fixed[n])
     for _ in range(rounds):
         for s in steps:
-            lean_steps(model, s)
+            use(model, s)
             t = {}
             for n in (n1, n2):
                 times = []
