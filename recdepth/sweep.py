@@ -10,9 +10,9 @@ the same rows when the sweep's config has `logger.wandb`. The frontier's bootstr
 figure read every job's records, so redoing them after every job made a sweep's summary
 work grow with the square of its jobs (`make frontier` on the default checkpoint: 140.7 s
 after its 33 jobs, against 5.6 s for the tables alone; docs/results.md); `summarize(dir)`
-writes the whole summary of a sweep stopped before its end. A job that raised is recorded as `failed` (its error in `<job>/error.txt`);
-the others are still aggregated, and the command exits non-zero after the sweep
-(`recdepth.glue.cli`).
+writes the whole summary of a sweep stopped before its end. A job that raised is recorded
+as `failed` (its error in `<job>/error.txt`); the others are still aggregated, and the
+command exits non-zero after the sweep (`recdepth.glue.cli`).
 """
 
 from __future__ import annotations
