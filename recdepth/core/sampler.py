@@ -67,4 +67,6 @@ class LoopSampler:
         return {"generator": self.generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
-        self.generator.set_state(state["generator"])
+        # A generator's state is a CPU byte tensor; a checkpoint loaded with map_location=cuda
+        # (evaluating on a GPU) hands it over on the GPU.
+        self.generator.set_state(state["generator"].cpu())

@@ -192,7 +192,7 @@ class LoopedLM(L.LightningModule):
             self.sampler.load_state_dict(checkpoint["loop_sampler"])
         if "noise_generator" in checkpoint:
             g = checkpoint["noise_generator"]
-            self._noise_state = (g["device"], g["state"])
+            self._noise_state = (g["device"], g["state"].cpu())  # set_state takes a CPU byte tensor
         self.train_seconds_before = float(checkpoint.get("train_seconds", 0.0))
         self.vocab_to_gpt2 = checkpoint.get("vocab_to_gpt2")
         self.data_config = checkpoint.get("data_config")
