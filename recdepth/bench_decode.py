@@ -15,9 +15,11 @@ own FLOP count (`LoopedGPT.flops_per_token`: matmuls and attention at that conte
 the batch, over this machine's fp32 matmul peak measured in the same run
 (`runtime.measured_cpu_peak_flops`), or the bytes an application must read (its weights
 once, each row's K/V) over the read bandwidth measured in the same run, whichever is
-larger (at batch 1 and d = 768 the weights' bytes bound it). With `--ckpt`, the test split is also scored under
-`--rule` with each step and the records compared with the module step's (largest NLL
-difference, applications that differ: a criterion within rounding of τ).
+larger (at batch 1 and d = 768 the weights' bytes bound it). With `--ckpt`, the test split
+is also scored under `--rule` with each step and the records compared with the module
+step's (largest NLL difference, applications that differ: a criterion within rounding of
+τ). `--device cuda` times the same on a GPU (each timing waits for the GPU's kernels; peak
+and bandwidth measured there).
 """
 
 from __future__ import annotations
@@ -62,15 +64,43 @@ def bytes_per_layer(model: LoopedGPT, batch: int, context: int) -> float:
     return (weights / looped_layers(model) + kv) * p.element_size()
 
 
-def measured_bandwidth(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
-    """The best bytes/s this process reads a tensor of `nbytes` with (a sum): the memory
-    side of the lower bound, as `measured_cpu_peak_flops` is the arithmetic side."""
-    x = torch.ones(nbytes // 4)
+def sync(device: torch.device) -> None:
+    """Wait for the device's queued kernels (a CUDA timing reads the clock after them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measured_bandwidth(nbytes: int = 1 << 28, seconds: float = 0.5, device: torch.device | None = None) -> float:
+    """The best bytes/s this process reads a tensor of `nbytes` with (a sum) on `device`
+    (None: the CPU): the memory side of the lower bound, as `measured_peak_flops` is the
+    arithmetic side."""
+    device = torch.device("cpu") if device is None else device
+    x = torch.ones(nbytes // 4, device=device)
     best, t_end = 0.0, time.perf_counter() + seconds
     while time.perf_counter() < t_end:
+        sync(device)
         t = time.perf_counter()
         x.sum()
+        sync(device)
         best = max(best, nbytes / (time.perf_counter() - t))
+    return best
+
+
+def measured_peak_flops(device: torch.device, n: int = 4096, seconds: float = 0.5) -> float:
+    """This machine's fp32 matmul peak on `device`, measured: the CPU's
+    (`runtime.measured_cpu_peak_flops`), or the best of square fp32 GEMMs of size `n` on a GPU
+    (at torch's default fp32 matmul precision, the one decoding runs at)."""
+    if device.type != "cuda":
+        return measured_cpu_peak_flops()
+    g = torch.Generator(device=device).manual_seed(0)
+    a, b = (torch.randn(n, n, generator=g, device=device) for _ in range(2))
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        sync(device)
+        t = time.perf_counter()
+        a @ b
+        sync(device)
+        best = max(best, 2 * n**3 / (time.perf_counter() - t))
     return best
 
 
@@ -78,7 +108,8 @@ def measured_bandwidth(nbytes: int = 1 << 28, seconds: float = 0.5) -> float:
 def filled(model: LoopedGPT, batch: int, context: int, gen: torch.Generator) -> tuple[list, torch.Tensor]:
     """Caches of `batch` rows holding `context` positions (one application per group each)
     and the token ids [batch, context + 1]."""
-    tokens = torch.randint(0, model.cfg.vocab_size, (batch, context + 1), generator=gen)
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, model.cfg.vocab_size, (batch, context + 1), generator=gen).to(device)
     caches = new_caches(model, batch, model.cfg.block_size, "latest")
     one = build("fixed", None, max_steps=1)
     for p in range(context):
@@ -92,7 +123,9 @@ def layer_seconds(model: LoopedGPT, batch: int, context: int, n1: int, n2: int, 
     """Median seconds of one layer application per step (the slope above), the steps
     timed in `rounds` interleaved rounds of `reps` decode steps at each n. `use(model, s)`
     readies the model to decode with step s (`lean_steps`; docs/bench/lean_step_ab.py
-    passes other versions of the lean step)."""
+    passes other versions of the lean step). On a GPU each timing waits for the step's
+    kernels (`sync`)."""
+    device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     caches, tokens = filled(model, batch, context, gen)
     fixed = {n: build("fixed", None, max_steps=n) for n in (n1, n2)}
@@ -108,8 +141,10 @@ def layer_seconds(model: LoopedGPT, batch: int, context: int, n1: int, n2: int, 
             for n in (n1, n2):
                 times = []
                 for _ in range(reps):
+                    sync(device)
                     t0 = time.perf_counter()
                     decode_step(model, tokens[:, context], context, caches, fixed[n])
+                    sync(device)
                     times.append(time.perf_counter() - t0)
                 t[n] = statistics.median(times)
             per[s].append((t[n2] - t[n1]) / ((n2 - n1) * looped_layers(model)))
@@ -117,20 +152,20 @@ def layer_seconds(model: LoopedGPT, batch: int, context: int, n1: int, n2: int, 
     return {s: statistics.median(v) for s, v in per.items()}
 
 
-def shapes(args) -> list[tuple[str, LoopedGPT, object]]:
-    """(name, model, checkpoint data or None) of each shape timed."""
+def shapes(args, device: torch.device) -> list[tuple[str, LoopedGPT, object]]:
+    """(name, model on `device`, checkpoint data or None) of each shape timed."""
     out = []
     if args.ckpt is not None:
         from recdepth.glue.checkpoints import load_checkpoint
 
-        module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
+        module, data = load_checkpoint(args.ckpt, device)
         out.append(("checkpoint", module.model.eval(), (module, data)))
     else:
         cfg = GPTConfig.from_size("cpu", vocab_size=50257, groups=GROUPS)
-        out.append(("default (cpu size)", LoopedGPT(cfg).eval(), None))
+        out.append(("default (cpu size)", LoopedGPT(cfg).to(device).eval(), None))
     if not args.no_paper:
         cfg = GPTConfig.from_size("paper", vocab_size=50257, groups=GROUPS)
-        out.append(("paper (d = 768)", LoopedGPT(cfg).eval(), None))
+        out.append(("paper (d = 768)", LoopedGPT(cfg).to(device).eval(), None))
     return out
 
 
@@ -163,13 +198,16 @@ def bench_decode(args) -> dict:
     for s in steps:
         if s not in STEPS:
             raise ValueError(f"--step-kinds: expected some of {', '.join(STEPS)}, got {s!r}")
-    peak, bw = measured_cpu_peak_flops(), measured_bandwidth()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: {args.device} asked for, but torch sees no CUDA GPU")
+    peak, bw = measured_peak_flops(device), measured_bandwidth(device=device)
     n1, n2 = args.slope_loops
-    print(f"fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s, {torch.get_num_threads()} "
-          f"threads; one layer application = slope of decode-step time from n = {n1} to {n2} per group, context "
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
+    print(f"{where}: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s; one layer application = slope of decode-step time from n = {n1} to {n2} per group, context "
           f"{args.context}; bound = max(FLOPs / peak, bytes / bandwidth)", flush=True)
     rows = []
-    for name, model, ckpt in shapes(args):
+    for name, model, ckpt in shapes(args, device):
         for B in args.batches:
             secs = layer_seconds(model, B, args.context, n1, n2, args.decode_reps, args.rounds, steps)
             lb = max(bound_seconds(model, B, args.context + 1, n1, n2, peak),
@@ -193,6 +231,7 @@ def bench_decode(args) -> dict:
 
 def add_arguments(p) -> None:
     p.add_argument("--step-kinds", nargs="+", default=list(STEPS), help="decode: eval.step values to time")
+    p.add_argument("--device", default="cpu", help="decode: cpu | cuda | cuda:<n> (timings wait for the GPU's kernels)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode: batch sizes")
     p.add_argument("--no-paper", action="store_true", help="decode: skip the paper shape (d = 768)")
     p.add_argument("--rule", default="accel", help="decode: with --ckpt, the rule the records are compared under")

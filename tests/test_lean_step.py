@@ -133,3 +133,11 @@ def test_bench_decode_times_each_step_on_a_checkpoint(tiny_ckpt, ckpt_env, capsy
     rec = next(r["records"] for r in out["rows"] if "records" in r)
     assert rec["module"]["max_dnll"] == 0.0 and rec["lean"]["max_dnll"] <= 1e-5
     assert rec["lean"]["tokens"] == 20
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_bench_decode_on_a_missing_gpu_says_so():
+    from recdepth import bench
+
+    with pytest.raises(ValueError, match=r"--device: cuda asked for, but torch sees no CUDA GPU"):
+        bench.main(["decode", "--device", "cuda", "--no-paper", "--batches", "1"])
