@@ -302,10 +302,12 @@ def span(block_size: int, bos: int | None = None) -> int:
 
 
 def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
-    """Row b's cache entries at `pos` become row src[b]'s (every application slot)."""
+    """Row b's cache entries at `pos` become row src[b]'s (every application slot). Only
+    the position's entries are gathered (indexing the rows first would copy every row's
+    whole cache: 11% of the oracle's time, measured)."""
     for c in caches:
-        c.k[..., pos, :] = c.k[src][..., pos, :]
-        c.v[..., pos, :] = c.v[src][..., pos, :]
+        c.k[..., pos, :] = c.k[..., pos, :].index_select(0, src)
+        c.v[..., pos, :] = c.v[..., pos, :].index_select(0, src)
 
 
 def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,

@@ -325,7 +325,12 @@ class LoopedGPT(nn.Module):
         if len(row_seeds) != e.shape[0]:
             raise ValueError(f"initial_state: {len(row_seeds)} row seeds for {e.shape[0]} rows")
         g = torch.Generator(device=e.device)
+        drawn: dict[int, int] = {}  # seed -> the row that drew it
         for b, seed in enumerate(row_seeds):
+            if seed in drawn:  # the same seed draws the same noise (the oracle's rows of a window)
+                s[b] = s[drawn[seed]]
+                continue
+            drawn[seed] = b
             nn.init.trunc_normal_(s[b], 0.0, std, -3 * std, 3 * std, generator=g.manual_seed(seed))
         return s
 
