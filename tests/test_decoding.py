@@ -537,6 +537,29 @@ def test_evaluate_exits_gives_each_setting_its_eval_block_and_times_round_robin(
             assert len(ev["ms_per_token_repeats"]) == 2 and (~__import__("numpy").isnan(rec["ms"][:4])).all()
 
 
+def test_mixed_settings_decode_only_the_rows_of_rules_that_read_logits(monkeypatch):
+    """Under exit.decode=head the head decodes each row on its own, so a batch mixing a kl
+    setting with fixed and stepnorm ones decodes the kl rows only (their records are
+    still those of kl alone: the test above); the coda reads every row's cache and
+    decodes the whole batch."""
+    import numpy as np
+
+    from recdepth.core.scoring import decode_settings
+
+    m = model([[1], [2, 3]], state_init="normal").double()
+    tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(2))
+    decoded = []
+    real = type(m).decode_logits
+    monkeypatch.setattr(type(m), "decode_logits", lambda self, x: decoded.append(x.shape[0]) or real(self, x))
+    policies = [exits.build("fixed", None, max_steps=3), exits.build("kl", 1e-3, max_steps=6),
+                exits.build("stepnorm", 0.3, max_steps=6)]
+    recs, _ = decode_settings(m, tokens, policies, n_tokens=36, seed=1, max_rows=9)  # 3 windows x 3 settings
+    inside = [n for n in decoded if n != 9]  # the loops' decodes (the positions' own logits take all 9 rows)
+    assert inside and set(inside) <= {1, 2, 3}  # the kl rows still looping, never a fixed or stepnorm row
+    _, alone = evaluate_exit(m, tokens, policies[1], n_tokens=36, batch_size=3, latency_tokens=0, seed=1)
+    assert np.abs(recs[1]["nll"] - alone["nll"]).max() < 1e-10 and (recs[1]["apps"] == alone["apps"]).all()
+
+
 def test_mixed_policy_errors_are_one_line():
     with pytest.raises(ValueError, match="oracle"):
         mixed_settings.MixedPolicy((exits.build("oracle", 0.01, max_steps=4),), torch.zeros(2, dtype=torch.long))

@@ -81,22 +81,34 @@ class MixedPolicy:
 
 class MixedMonitor:
     """`ExitMonitor` of a `MixedPolicy`: one monitor per setting over that setting's rows.
-    A decoding rule's logits are computed once per application for the whole batch (the
-    decode function reads per-row caches, so it takes every row) and each setting reads
-    its rows."""
+    A decoding rule's logits are computed once per application and each setting reads its
+    rows. Under exit.decode=head (the head decodes each row on its own) only the rows of
+    the settings that decode are decoded: a kl setting beside fixed and stepnorm ones
+    costs the head on its own rows, not the batch's (the head was 37% of a frontier sweep's
+    shared decode, measured). The coda reads every row's cache, so it decodes the batch."""
 
     def __init__(self, policy: MixedPolicy, x0: Tensor, decode: Callable[[Tensor], Tensor] | None):
         self.decode = decode
         self._x: Tensor | None = None
         self._logits: Tensor | None = None
-        self.parts = [(rows, p.monitor(x0[rows], self._rows_decoder(rows) if p.needs_decode else None))
+        self._sub: Tensor | None = None  # the rows decoded, if not every row
+        at = None  # a row's place among the decoded rows
+        need = [rows for p, rows in policy.rows if p.needs_decode]
+        if need and policy.decode == "head":
+            sub = torch.cat(need).sort().values
+            if len(sub) < x0.shape[0]:
+                self._sub = sub
+                at = torch.full((x0.shape[0],), -1, dtype=torch.long, device=x0.device)
+                at[sub] = torch.arange(len(sub), device=x0.device)
+        self.parts = [(rows, p.monitor(x0[rows], self._rows_decoder(rows if at is None else at[rows])
+                                       if p.needs_decode else None))
                       for p, rows in policy.rows]
 
-    def _rows_decoder(self, rows: Tensor) -> Callable[[Tensor], Tensor]:
-        def decode(_x_rows: Tensor) -> Tensor:  # the rows' states: x_new[rows], decoded with the batch
+    def _rows_decoder(self, idx: Tensor) -> Callable[[Tensor], Tensor]:
+        def decode(_x_rows: Tensor) -> Tensor:  # the rows' states, decoded with the other decoding rows
             if self._logits is None:
-                self._logits = self.decode(self._x)
-            return self._logits[rows]
+                self._logits = self.decode(self._x if self._sub is None else self._x[self._sub])
+            return self._logits[idx]
         return decode
 
     def observe(self, x_new: Tensor) -> Tensor:

@@ -33,6 +33,7 @@ from recdepth.core.decoding import (
 from recdepth.core.exits import ORACLE, ExitPolicy, build
 from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
+from recdepth.core.state_decode import has_coda
 
 
 def _plain(v):
@@ -155,7 +156,9 @@ def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
     applications). Returns one record per setting (`_records`) and the seconds of the pass."""
     if max_rows < 1:
         raise ValueError(f"eval.max_rows: expected >= 1, got {max_rows}")
-    policies = [p.check_model(model.n_groups, model.cfg.n_embd) for p in policies]
+    # `auto` decode and kl direction resolved as the engine reads them (records unchanged), so
+    # the batch knows when the head decodes each row on its own (`MixedMonitor`)
+    policies = [p.check_model(model.n_groups, model.cfg.n_embd).resolve(has_coda(model)) for p in policies]
     T = model.cfg.block_size
     tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
     pairs = [(k, w) for k in range(len(policies)) for w in range(len(wins))]
