@@ -204,7 +204,8 @@ def bench_decode(args) -> dict:
     peak, bw = measured_peak_flops(device), measured_bandwidth(device=device)
     n1, n2 = args.slope_loops
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} CPU threads"
-    print(f"{where}: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s; one layer application = slope of decode-step time from n = {n1} to {n2} per group, context "
+    print(f"{where}: fp32 matmul peak {peak / 1e9:.0f} GFLOP/s, read bandwidth {bw / 1e9:.1f} GB/s; "
+          f"one layer application = slope of decode-step time from n = {n1} to {n2} per group, context "
           f"{args.context}; bound = max(FLOPs / peak, bytes / bandwidth)", flush=True)
     rows = []
     for name, model, ckpt in shapes(args, device):
