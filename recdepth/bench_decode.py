@@ -70,20 +70,26 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def best_rate(op, amount: float, device: torch.device, seconds: float = 0.5) -> float:
+    """The best `amount` per second `op()` reaches on `device` over `seconds` of repeats
+    (each timing waits for the device's kernels, `sync`)."""
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        sync(device)
+        t = time.perf_counter()
+        op()
+        sync(device)
+        best = max(best, amount / (time.perf_counter() - t))
+    return best
+
+
 def measured_bandwidth(nbytes: int = 1 << 28, seconds: float = 0.5, device: torch.device | None = None) -> float:
     """The best bytes/s this process reads a tensor of `nbytes` with (a sum) on `device`
     (None: the CPU): the memory side of the lower bound, as `measured_peak_flops` is the
     arithmetic side."""
     device = torch.device("cpu") if device is None else device
     x = torch.ones(nbytes // 4, device=device)
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        sync(device)
-        t = time.perf_counter()
-        x.sum()
-        sync(device)
-        best = max(best, nbytes / (time.perf_counter() - t))
-    return best
+    return best_rate(x.sum, nbytes, device, seconds)
 
 
 def measured_peak_flops(device: torch.device, n: int = 4096, seconds: float = 0.5) -> float:
@@ -94,14 +100,7 @@ def measured_peak_flops(device: torch.device, n: int = 4096, seconds: float = 0.
         return measured_cpu_peak_flops()
     g = torch.Generator(device=device).manual_seed(0)
     a, b = (torch.randn(n, n, generator=g, device=device) for _ in range(2))
-    best, t_end = 0.0, time.perf_counter() + seconds
-    while time.perf_counter() < t_end:
-        sync(device)
-        t = time.perf_counter()
-        a @ b
-        sync(device)
-        best = max(best, 2 * n**3 / (time.perf_counter() - t))
-    return best
+    return best_rate(lambda: a @ b, 2 * n**3, device, seconds)
 
 
 @torch.no_grad()
