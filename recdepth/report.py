@@ -110,7 +110,8 @@ def report(cfg: DictConfig) -> dict:
     t0 = time.perf_counter()
     found = calibrate_many(split, searches, c.per_group, c.max_evals, ce_ref, r.shared_rows)
     seconds = time.perf_counter() - t0
-    log.info("calibrated %d (rule, target) pairs in lockstep (%.0f s)", len(searches), seconds)
+    log.info("calibrated %d (rule, target) pairs in lockstep (%.0f s; %d settings decoded, %d asks answered "
+             "from earlier decodes)", len(searches), seconds, split.decodes, split.reused)
     answers = []
     for (base, target), (p, res, _, _) in zip(searches, found, strict=True):
         setting = Setting("calibrated", exit_group(p, gate_path if p.name == "gate" else None, cal_range))

@@ -262,6 +262,7 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
     for base, target in [(build("stepnorm", 1.0, max_steps=N), Target("max_ce_increase", 0.05))]:
         p1, r1, rec1, rows1 = calibrate_policy(split, base, target, True, 8, ce_ref)
         sizes = []
+        split = calibration_split(run, opened.model, cal_tokens)  # a fresh split: nothing decoded yet
 
         def batched(policies, rows, real=split.decode_many, sizes=sizes):
             sizes.append(len(policies))
@@ -269,7 +270,7 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
 
         split.decode_many = batched
         p2, r2, rec2, rows2 = calibrate_policy(split, base, target, True, 8, ce_ref, max_rows=64)
-        del split.decode_many  # the class's again
+        assert split.decodes == len(r2.history) and split.reused == 0  # every setting decoded, once
         assert max(sizes) > 1 and sum(sizes) == len(r1.history)  # settings shared a batch; each decoded once
         assert p1 == p2 and r1.met == r2.met and [h.setting for h in r1.history] == [h.setting for h in r2.history]
         assert [(r["values"], r["meets"], r["per_group"]) for r in rows1] == \
@@ -303,10 +304,10 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
                 (build("fixed", None, max_steps=N), Target("max_ce_increase", 0.02))]
     alone = [calibrate_policy(split, b, t, True, 6, ce_ref) for b, t in searches]
     batches = []
+    split = calibration_split(run, opened.model, cal_tokens)  # a fresh split: nothing decoded yet
     split.decode_many = lambda ps, rows, real=split.decode_many: (batches.append([p.name for p in ps]),
                                                                   real(ps, rows))[1]
     together = calibrate_many(split, searches, True, 6, ce_ref, max_rows=64)
-    del split.decode_many
     assert max(len(b) for b in batches) > 2  # settings of several searches shared a batch
     assert all(len({name == "kl" for name in b}) == 1 for b in batches)  # never kl beside the others
     assert sum(map(len, batches)) == sum(len(a[1].history) for a in alone)
@@ -323,3 +324,62 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
         if p1 == p2:  # float64: the batch changes the NLL in its last bits only (the applications not at all)
             assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12)
             assert np.array_equal(rec1["apps"], rec2["apps"])
+
+
+def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_ckpt, ckpt_env, tmp_path):
+    """`CalibrationSplit` remembers what it decoded: a policy asked for again (the two targets
+    of one rule start at the same ends of the grid; fixed at max_steps is the CE reference)
+    gets a copy of its record, equal to decoding it anew; the two targets' searches in
+    lockstep then decode fewer settings than they ask for and answer as each alone. A gate
+    policy is told apart by its gate tensors, which the dataclass leaves out of equality."""
+    import torch
+
+    from recdepth.core.calibration import Target
+    from recdepth.core.exits import build
+    from recdepth.glue.calibrating import CalibrationSplit, calibrate_many, calibration_split, load_splits
+    from recdepth.glue.schema import validated
+
+    run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
+                                "device=cpu", f"run_dir={tmp_path}"))
+    opened, _, _, cal_tokens, _ = load_splits(run)
+    model = opened.model.double()
+    N = 4
+    split = calibration_split(run, model, cal_tokens)
+    a, b = build("stepnorm", 0.1, max_steps=N), build("fixed", None, max_steps=2)
+    ra, ra2, rb = split.decode_many([a, a, b], 64)
+    assert (split.decodes, split.reused) == (2, 1)
+    assert ra is not ra2 and np.array_equal(ra["nll"], ra2["nll"]) and np.array_equal(ra["apps"], ra2["apps"])
+    again = split.decode(build("stepnorm", 0.1, max_steps=N))  # an equal policy, built anew
+    assert (split.decodes, split.reused) == (2, 2) and np.array_equal(again["nll"], ra["nll"])
+    fresh = calibration_split(run, model, cal_tokens).decode(a)  # decoded anew: the same record
+    assert np.allclose(fresh["nll"], ra["nll"], rtol=0, atol=1e-12) and np.array_equal(fresh["apps"], ra["apps"])
+    assert not np.array_equal(rb["apps"], ra["apps"])  # (the two settings differ: the memory keyed them apart)
+
+    d = model.cfg.n_embd
+    g1 = (torch.zeros(model.n_groups, d), torch.zeros(model.n_groups))
+    g2 = (torch.ones(model.n_groups, d), torch.zeros(model.n_groups))
+    p1, p2 = build("gate", 0.5, max_steps=N, gate=g1), build("gate", 0.5, max_steps=N, gate=g2)
+    assert p1 == p2  # the dataclass's equality ignores the gate ...
+    assert CalibrationSplit._key(p1) != CalibrationSplit._key(p2)  # ... the memory does not
+    assert CalibrationSplit._key(p1) == CalibrationSplit._key(build("gate", 0.5, max_steps=N, gate=g1))
+
+    ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
+    # (fixed: the tiny model's threshold rules exit every group after one application over
+    # much of their τ grid, exact ties whose last bits, which a batch changes, break them)
+    base = build("fixed", None, max_steps=N)
+    searches = [(base, Target("max_ce_increase", 0.05)), (base, Target("layer_applications", 20.0))]
+    alone = [calibrate_policy_fresh(run, model, cal_tokens, b_, t, ce_ref) for b_, t in searches]
+    split = calibration_split(run, model, cal_tokens)
+    together = calibrate_many(split, searches, True, 6, ce_ref, max_rows=64)
+    asked = sum(len(r.history) for _, r, _, _ in together)
+    assert split.decodes + split.reused == asked and split.reused >= 2  # both ends shared at least
+    for (p_1, r1, rec1, _), (p_2, r2, rec2, _) in zip(alone, together, strict=True):
+        assert p_1 == p_2 and [h.setting for h in r1.history] == [h.setting for h in r2.history]
+        assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12) and np.array_equal(rec1["apps"], rec2["apps"])
+
+
+def calibrate_policy_fresh(run, model, cal_tokens, base, target, ce_ref):
+    """`calibrate_policy` on a split of its own (nothing shared with another search)."""
+    from recdepth.glue.calibrating import calibrate_policy, calibration_split
+
+    return calibrate_policy(calibration_split(run, model, cal_tokens), base, target, True, 6, ce_ref)

@@ -68,7 +68,14 @@ def exit_group(p: ExitPolicy, gate: str | None = None, calibrated_on: tuple[int,
 class CalibrationSplit:
     """Decodes a policy on the calibration tokens for real; remembers what it decoded.
     `first_window`: the noise key of the split's first window (`noise_window`), so its
-    windows never share the test windows' noise; `cost`: the model's layer-application cost."""
+    windows never share the test windows' noise; `cost`: the model's layer-application cost.
+
+    A setting is decoded once per split: a policy asked for again (the two targets of one
+    rule start their searches at the same ends and midpoint; `fixed` at max_steps is every
+    search's CE reference and the fixed rule's dear end) gets a copy of its first record,
+    which is the record decoding it again would give (a decode depends on the policy
+    alone; in float32 up to a criterion within rounding of τ under another batch, as for
+    any batch). `decodes` counts the settings decoded, `reused` the asks answered from memory."""
 
     def __init__(self, model, tokens: torch.Tensor, n_tokens: int, seed: int, cache: str, batch_size: int,
                  warm_start: bool = False, first_window: int = 0, labels=None, answers: bool | None = None,
@@ -81,28 +88,45 @@ class CalibrationSplit:
         self.first_window = first_window
         self.cost = model_cost(model)
         self.seconds = 0.0
+        self.decoded: dict[tuple, tuple[ExitPolicy, dict]] = {}  # policy key -> (policy, its record)
+        self.decodes = self.reused = 0
+
+    @staticmethod
+    def _key(p: ExitPolicy) -> tuple:
+        """A policy's identity for the memory: its fields, and its gate tensors by identity
+        (the dataclass leaves the gate out of equality; the stored policy keeps it alive)."""
+        return p, None if p.gate is None else (id(p.gate[0]), id(p.gate[1]))
 
     def decode_many(self, policies: list[ExitPolicy], max_rows: int) -> list[dict]:
-        """`decode` of several policies as one batch of settings × windows, `max_rows` rows
-        a batch (`scoring.evaluate_exits`: each record the one `decode` gives it alone);
-        max_rows 0 or one policy: one by one."""
-        if max_rows == 0 or len(policies) < 2:
-            return [self.decode(p) for p in policies]
-        t0 = time.perf_counter()
-        out = evaluate_exits(self.model, self.tokens, policies, self.n_tokens, warmup_tokens=0, seed=self.seed,
-                             cache=self.cache, max_rows=max_rows, latency_tokens=0, warm_start=self.warm_start,
-                             first_window=self.first_window, labels=self.labels, answers=self.answers,
-                             context_steps=self.context_steps, bos=self.bos)
-        self.seconds += time.perf_counter() - t0
-        return [rec for _, rec in out]
+        """`decode` of several policies, the ones not decoded before as one batch of
+        settings × windows, `max_rows` rows a batch (`scoring.evaluate_exits`: each record
+        the one `decode` gives it alone); max_rows 0 or one new policy: one by one."""
+        keys = [self._key(p) for p in policies]
+        new = {k: p for k, p in zip(keys, policies, strict=True) if k not in self.decoded}
+        self.reused += len(keys) - len(new)
+        if new:
+            t0 = time.perf_counter()
+            if max_rows == 0 or len(new) < 2:
+                recs = [self._decode(p) for p in new.values()]
+            else:
+                out = evaluate_exits(self.model, self.tokens, list(new.values()), self.n_tokens, warmup_tokens=0,
+                                     seed=self.seed, cache=self.cache, max_rows=max_rows, latency_tokens=0,
+                                     warm_start=self.warm_start, first_window=self.first_window, labels=self.labels,
+                                     answers=self.answers, context_steps=self.context_steps, bos=self.bos)
+                recs = [rec for _, rec in out]
+            self.seconds += time.perf_counter() - t0
+            self.decodes += len(new)
+            self.decoded.update({k: (p, r) for (k, p), r in zip(new.items(), recs, strict=True)})
+        return [dict(self.decoded[k][1]) for k in keys]
 
     def decode(self, policy: ExitPolicy) -> dict:
-        t0 = time.perf_counter()
+        return self.decode_many([policy], 0)[0]
+
+    def _decode(self, policy: ExitPolicy) -> dict:
         _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, warmup_tokens=0, seed=self.seed,
                                cache=self.cache, batch_size=self.batch_size, latency_tokens=0,
                                warm_start=self.warm_start, first_window=self.first_window, labels=self.labels,
                                answers=self.answers, context_steps=self.context_steps, bos=self.bos)
-        self.seconds += time.perf_counter() - t0
         return rec
 
 
