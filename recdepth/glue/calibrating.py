@@ -217,8 +217,8 @@ def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, cal
             cond.wait_for(lambda: not running or running <= set(asked))
             if not running:
                 break
-            batch = dict(asked)
-            asked.clear()
+            batch = dict(sorted(asked.items()))  # in search order, not the threads' arrival order: the
+            asked.clear()                          # same batches every run, so the same float32 rounding
         asks = [(i, k, p) for i, ps in batch.items() for k, p in enumerate(ps)]
         recs: dict[tuple[int, int], dict] = {}
         try:
