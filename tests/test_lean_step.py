@@ -40,7 +40,8 @@ def score(m, step, policy, batch_size, n=57, cache="latest"):
 def test_lean_step_equals_block_forward(kw, dtype, tol, rule, tau, batch_size):
     """Scored records under the lean step equal the module path's: NLL within rounding,
     applications identical (batch 3 exercises the row mask and, once rows exit, the
-    compacted batch that falls back to Block.forward)."""
+    compacted batch: one row left attends over a copy of its entries, two over the whole
+    cache, as `Block.forward` does)."""
     m = model(kw, dtype)
     policy = build(rule, tau, max_steps=9)
     ref, lean = score(m, "module", policy, batch_size), score(m, "lean", policy, batch_size)
@@ -61,6 +62,25 @@ def test_lean_step_replaces_block_forward_at_batch_one(monkeypatch):
     assert calls == []
     score(m, "lean", build("accel", 0.05, max_steps=9), 1, n=10, cache="per_step")
     assert len(calls) >= 10 * m.cfg.n_layer
+
+
+def test_compacted_batches_take_the_lean_step_and_give_the_module_records_bit_for_bit(monkeypatch):
+    """Once rows exit, a batch runs the rows still looping only (a compacted batch): with
+    the latest cache it takes the lean step too (no Block.forward call), and its records
+    are the module path's exactly, in float32 as well (the same kernels on the same
+    operands, so a sweep's frontier.csv does not change with the step)."""
+    calls = []
+    real = Block.forward
+    for kw in (PLAIN, HUGINN):
+        m = model(kw, torch.float32)
+        policy = build("stepnorm", 0.3, max_steps=9)
+        ref = score(m, "module", policy, 8)
+        monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+        lean = score(m, "lean", policy, 8)
+        monkeypatch.setattr(Block, "forward", real)
+        assert calls == []
+        assert len(set(ref["apps"].ravel().tolist())) > 1  # rows exited at different depths: compacted batches ran
+        assert (lean["nll"] == ref["nll"]).all() and (lean["apps"] == ref["apps"]).all()
 
 
 def test_per_step_cache_under_lean_equals_module():

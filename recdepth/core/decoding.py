@@ -116,11 +116,14 @@ def lean_of(model: LoopedGPT, caches: list) -> LeanSteps | None:
 def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
                 rows: Tensor | None) -> Tensor:
     """One application of group g for one token, `model.apply_group` or its lean step
-    (`lean_of`; rows None or a bool mask over the batch)."""
+    (`lean_of`; rows None, a bool mask over the batch, or an index of the rows s holds: a
+    compacted batch)."""
     mine = [caches[layer] for layer in model.cfg.groups[g]]
     lean = lean_of(model, mine)
     if lean is None:
         return model.apply_group(g, s, e_proj, caches, pos, rows)
+    if rows is not None and rows.dtype != torch.bool:
+        return lean.group_rows(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
     return lean.group(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
 
 
@@ -177,7 +180,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
             s = s_new = apply_group(model, g, s, e_proj, caches, pos, None)
         elif compact and n_active < B:
             idx = active.nonzero()[:, 0]
-            s = s_new = s.index_copy(0, idx, model.apply_group(g, s[idx], e_proj[idx], caches, pos, idx))
+            s = s_new = s.index_copy(0, idx, apply_group(model, g, s[idx], e_proj[idx], caches, pos, idx))
         else:
             s_new = apply_group(model, g, s, e_proj, caches, pos, active)
             s = torch.where(active[:, None, None], s_new, s)

@@ -16,11 +16,12 @@ from token to token, so `torch.compile` can fuse it into a few kernels once:
   layers, `group_token`) is one call.
 
 It reads the same parameter tensors as the model (no copy), so it always computes the
-current weights. It covers what batch-1 decoding and an uncompacted batch do: a row mask
-`keep` (rows still looping) or none, one-entry-per-position caches (`eval.cache=latest`),
-one token; the decoding engine (`recdepth.core.decoding.lean_of`) runs `Block.forward` as
-before for everything else (a compacted batch's row index, `per_step` caches, a chunk of
-tokens, the coda's `PeekCache`).
+current weights. It covers what batch-1 decoding and a batch do: a row mask `keep` (rows
+still looping) or none, or a compacted batch's row index (`group_rows`, eager: the rows
+still looping only, attended as `Block.forward` attends them), one-entry-per-position
+caches (`eval.cache=latest`), one token; the decoding engine
+(`recdepth.core.decoding.lean_of`) runs `Block.forward` as before for everything else
+(`per_step` caches, a chunk of tokens, the coda's `PeekCache`).
 
 Equal to `Block.forward` up to float rounding (tests compare the two: float64 within
 1e-12, float32 within 1e-5). Compiled, the masked entries' softmax weights are exactly 0,
@@ -35,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, gated_silu
+from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
 
 
 def _block_weights(block) -> tuple:
@@ -90,17 +91,7 @@ class LeanSteps:
         positions 0 .. pos (SPEC §1; the decoding cache of SPEC §4): the first n_ctx = pos + 1
         entries, or with n_ctx None (compiled: no shape may depend on pos) the whole cache
         with the later positions masked."""
-        n1, qkv_w, qk_bias, proj_w, n2, n3, fc_w, mproj_w, n4 = w
-        B, _, C = x.shape
-        H, hd = self.n_head, self.head_dim
-        h = F.rms_norm(x, (C,), n1, self.eps)
-        q, k, v = F.linear(h, qkv_w).view(B, 1, 3, H, hd).unbind(2)  # each [B, 1, H, hd]
-        if qk_bias is not None:
-            q, k = add_qk_bias(q, k, qk_bias)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, 1, hd]
-        if self.cos is not None:
-            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k, v = self._qkv(x, w, pos)
         if keep is not None:  # rows that have exited keep their entry
             m = keep[:, None, None, None]
             k = torch.where(m, k, kc.index_select(2, pos))
@@ -112,15 +103,46 @@ class LeanSteps:
             # flash-attention kernel is an opaque call with its own buffers and threads, while
             # these few ops inductor fuses into its loops (a compiled layer 1.1-1.2x faster at
             # d = 128, batch 1, measured; the same softmax(q k^T / sqrt(hd)) v, masked).
-            scores = (q @ kc.transpose(-1, -2)) * hd**-0.5  # [B, H, 1, block_size]
+            scores = (q @ kc.transpose(-1, -2)) * self.head_dim**-0.5  # [B, H, 1, block_size]
             scores = scores.masked_fill(self.positions > pos, float("-inf"))
             y = torch.softmax(scores, -1) @ vc
         else:  # eager: positions 0 .. pos only (n_ctx = pos + 1)
             y = F.scaled_dot_product_attention(q, kc[:, :, :n_ctx], vc[:, :, :n_ctx])
+        return self._block_out(x, y, w)
+
+    def _qkv(self, x: Tensor, w: tuple, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [B, H, 1, hd] of one token x [B, 1, d] at position `pos` ([1] long):
+        norm1, the one projection, the q/k bias, the rotation."""
+        n1, qkv_w, qk_bias = w[:3]
+        B, _, C = x.shape
+        h = F.rms_norm(x, (C,), n1, self.eps)
+        q, k, v = F.linear(h, qkv_w).view(B, 1, 3, self.n_head, self.head_dim).unbind(2)  # each [B, 1, H, hd]
+        if qk_bias is not None:
+            q, k = add_qk_bias(q, k, qk_bias)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, 1, hd]
+        if self.cos is not None:
+            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return q, k, v
+
+    def _block_out(self, x: Tensor, y: Tensor, w: tuple) -> Tensor:
+        """The rest of the block from the attention's output y [B, H, 1, hd]: the output
+        projection, the residual and norm2, then the MLP sandwich (norm3, norm4)."""
+        proj_w, n2, n3, fc_w, mproj_w, n4 = w[3:]
+        B, _, C = x.shape
         x = F.rms_norm(F.linear(y.transpose(1, 2).reshape(B, 1, C), proj_w) + x, (C,), n2, self.eps)
         h = F.linear(F.rms_norm(x, (C,), n3, self.eps), fc_w)
         h = gated_silu(h) if self.gated else F.silu(h)
         return F.rms_norm(F.linear(h, mproj_w) + x, (C,), n4, self.eps)
+
+    def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: tuple) -> Tensor:
+        """`block_token` for a compacted batch (eager): x [b, 1, d] holds the rows `rows` (an
+        index into the cache's B rows) only. Their k/v are written at `pos` in those rows,
+        and the attention reads positions 0 .. pos of those rows as `Block.forward` does
+        (`model.attend_rows`): the same kernels on the same operands."""
+        q, k, v = self._qkv(x, w, self.pos[pos])
+        kc[:, :, pos][rows], vc[:, :, pos][rows] = k[:, :, 0], v[:, :, 0]
+        return self._block_out(x, attend_rows(q, kc[:, :, : pos + 1], vc[:, :, : pos + 1], rows), w)
 
     def group_token(self, s: Tensor, e_proj: Tensor, adapter_w: Tensor, kvs: list[tuple[Tensor, Tensor]],
                     pos: Tensor, keep: Tensor | None, ws: list[tuple], n_ctx: int | None = None) -> Tensor:
@@ -136,6 +158,16 @@ class LeanSteps:
         """Layer i for one token x [B, 1, d] (`model.h[i](x, cache, pos, keep)`) with its
         cache tensors k, v [B, H, block_size, head_dim]."""
         return self._block(x, k, v, self.pos[pos], keep, self.blocks[i], None if self.compiled else pos + 1)
+
+    def group_rows(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
+                   rows: Tensor) -> Tensor:
+        """`model.apply_group(g, s, e_proj, caches, pos, rows)` for a compacted batch: s and
+        e_proj [b, 1, d] hold the cache rows `rows` (an index) only (`block_rows`; eager,
+        compiled or not: its shapes change with every exit)."""
+        u = F.linear(s, self.model.adapters[g].state.weight) + e_proj
+        for (kc, vc), w in zip(kvs, self.group_blocks[g], strict=True):
+            u = self.block_rows(u, kc, vc, pos, rows, w)
+        return u
 
     def group(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
               keep: Tensor | None = None) -> Tensor:

@@ -157,16 +157,22 @@ class CausalSelfAttention(nn.Module):
             ck, cv = cache.read(pos)
             if rows is None or rows.dtype == torch.bool:
                 y = F.scaled_dot_product_attention(q, ck, cv)
-            elif 2 * rows.numel() < ck.shape[0]:  # x holds under half the rows: attend over a
-                # copy of their entries (the oracle's attention 23.3 -> 16.0 s on 2048 tokens; a
-                # copy at every fraction was slower, 46.4 against 42.8 s the whole oracle)
-                y = F.scaled_dot_product_attention(q, ck.index_select(0, rows), cv.index_select(0, rows))
-            else:  # x holds most rows: attend over the full cache (no copy of it), with zero
-                # queries in the other rows, and keep the listed rows' output
-                qf = q.new_zeros((ck.shape[0], *q.shape[1:]))
-                qf[rows] = q
-                y = F.scaled_dot_product_attention(qf, ck, cv)[rows]
+            else:
+                y = attend_rows(q, ck, cv, rows)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+def attend_rows(q: Tensor, ck: Tensor, cv: Tensor, rows: Tensor) -> Tensor:
+    """One token's attention in a compacted batch: q [b, H, 1, hd] holds the cache rows
+    `rows` (an index into ck, cv [B, H, n, hd]) only. Under half the rows: over a copy of
+    their entries (the oracle's attention 23.3 -> 16.0 s on 2048 tokens; a copy at every
+    fraction was slower, 46.4 against 42.8 s the whole oracle); else over the full cache
+    (no copy of it) with zero queries in the other rows, keeping the listed rows' output."""
+    if 2 * rows.numel() < ck.shape[0]:
+        return F.scaled_dot_product_attention(q, ck.index_select(0, rows), cv.index_select(0, rows))
+    qf = q.new_zeros((ck.shape[0], *q.shape[1:]))
+    qf[rows] = q
+    return F.scaled_dot_product_attention(qf, ck, cv)[rows]
 
 
 def gated_silu(h: Tensor) -> Tensor:
