@@ -336,7 +336,12 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
 
     from recdepth.core.calibration import Target
     from recdepth.core.exits import build
-    from recdepth.glue.calibrating import CalibrationSplit, calibrate_many, calibration_split, load_splits
+    from recdepth.glue.calibrating import (
+        CalibrationSplit,
+        calibrate_many,
+        calibration_split,
+        load_splits,
+    )
     from recdepth.glue.schema import validated
 
     run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
