@@ -285,18 +285,10 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
     rules that do not (a mixed batch would compute the logits for all its rows)."""
     from recdepth.core.calibration import Target
     from recdepth.core.exits import build
-    from recdepth.glue.calibrating import (
-        calibrate_many,
-        calibrate_policy,
-        calibration_split,
-        load_splits,
-    )
-    from recdepth.glue.schema import validated
+    from recdepth.glue.calibrating import calibrate_many, calibrate_policy, calibration_split
 
-    run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
-                                "device=cpu", f"run_dir={tmp_path}"))
-    opened, _, _, cal_tokens, _ = load_splits(run)
-    split = calibration_split(run, opened.model.double(), cal_tokens)
+    run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
+    split = calibration_split(run, model, cal_tokens)
     N = 4
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     searches = [(build("stepnorm", 1.0, max_steps=N), Target("max_ce_increase", 0.05)),
@@ -304,7 +296,7 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
                 (build("fixed", None, max_steps=N), Target("max_ce_increase", 0.02))]
     alone = [calibrate_policy(split, b, t, True, 6, ce_ref) for b, t in searches]
     batches = []
-    split = calibration_split(run, opened.model, cal_tokens)  # a fresh split: nothing decoded yet
+    split = calibration_split(run, model, cal_tokens)  # a fresh split: nothing decoded yet
     split.decode_many = lambda ps, rows, real=split.decode_many: (batches.append([p.name for p in ps]),
                                                                   real(ps, rows))[1]
     together = calibrate_many(split, searches, True, 6, ce_ref, max_rows=64)
@@ -336,18 +328,9 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
 
     from recdepth.core.calibration import Target
     from recdepth.core.exits import build
-    from recdepth.glue.calibrating import (
-        CalibrationSplit,
-        calibrate_many,
-        calibration_split,
-        load_splits,
-    )
-    from recdepth.glue.schema import validated
+    from recdepth.glue.calibrating import CalibrationSplit, calibrate_many, calibration_split
 
-    run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
-                                "device=cpu", f"run_dir={tmp_path}"))
-    opened, _, _, cal_tokens, _ = load_splits(run)
-    model = opened.model.double()
+    run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
     N = 4
     split = calibration_split(run, model, cal_tokens)
     a, b = build("stepnorm", 0.1, max_steps=N), build("fixed", None, max_steps=2)
@@ -381,6 +364,18 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
     for (p_1, r1, rec1, _), (p_2, r2, rec2, _) in zip(alone, together, strict=True):
         assert p_1 == p_2 and [h.setting for h in r1.history] == [h.setting for h in r2.history]
         assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12) and np.array_equal(rec1["apps"], rec2["apps"])
+
+
+def tiny_split(tiny_ckpt, tmp_path):
+    """The validated calibrate config of the tiny checkpoint's 30-token calibration split,
+    its model in float64 (decisions then never hang on float32 rounding) and the tokens."""
+    from recdepth.glue.calibrating import load_splits
+    from recdepth.glue.schema import validated
+
+    run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
+                                "device=cpu", f"run_dir={tmp_path}"))
+    opened, _, _, cal_tokens, _ = load_splits(run)
+    return run, opened.model.double(), cal_tokens
 
 
 def calibrate_policy_fresh(run, model, cal_tokens, base, target, ce_ref):
