@@ -78,6 +78,18 @@ log = logging.getLogger("recdepth.report")
 TARGET_NAMES = {"max_ce_increase": "CE increase", "layer_applications": "layer applications"}
 
 
+def calibration_searches(run: ReportConfig, opened, gate) -> tuple[list[calibration.Target], list[tuple]]:
+    """The report's two targets and its (base policy, target) searches: every rule of
+    report.calibrate to each target, at report.max_steps (`gate`: the gate's (weight, bias))."""
+    r, model = run.report, opened.model
+    targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
+               calibration.Target("layer_applications", r.layer_applications)]
+    searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=r.max_steps,
+                                 **({"gate": gate} if rule == "gate" else {})), opened), target)
+                for rule in r.calibrate for target in targets]
+    return targets, searches
+
+
 def _start_tau(rule: str) -> float | None:
     """A valid τ to build a rule's policy before calibration replaces it (None: it has none)."""
     return None if rule in NO_TAU else 0.5 if rule == "gate" else 1e-3
@@ -101,12 +113,8 @@ def report(cfg: DictConfig) -> dict:
     # (report.shared_rows rows a batch; rules that read the logits in batches of their own)
     split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
-    targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
-               calibration.Target("layer_applications", r.layer_applications)]
+    targets, searches = calibration_searches(run, opened, gate)
     cal_range = tuple(sp["calibration"])
-    searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=N,
-                                 **({"gate": gate} if rule == "gate" else {})), opened), target)
-                for rule in r.calibrate for target in targets]
     t0 = time.perf_counter()
     found = calibrate_many(split, searches, c.per_group, c.max_evals, ce_ref, r.shared_rows)
     seconds = time.perf_counter() - t0

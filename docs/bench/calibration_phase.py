@@ -16,7 +16,6 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth.core import calibration
 from recdepth.core.exits import build
 from recdepth.core.gate import load_gate
 from recdepth.core.runtime import tune_cpu_allocator
@@ -27,9 +26,8 @@ from recdepth.glue.calibrating import (
     load_splits,
 )
 from recdepth.glue.config import conf_dir
-from recdepth.glue.evaluation import for_model
 from recdepth.glue.schema import validated
-from recdepth.report import _start_tau
+from recdepth.report import calibration_searches
 
 
 def main(argv: list[str]) -> None:
@@ -49,11 +47,7 @@ def main(argv: list[str]) -> None:
     t0 = time.perf_counter()
     split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
     ce_ref = float(split.decode(build("fixed", None, max_steps=n))["nll"].mean())
-    targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
-               calibration.Target("layer_applications", r.layer_applications)]
-    searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=n,
-                                 **({"gate": gate} if rule == "gate" else {})), opened), target)
-                for rule in r.calibrate for target in targets]
+    _, searches = calibration_searches(run, opened, gate)
     found = calibrate_many(split, searches, c.per_group, c.max_evals, ce_ref, r.shared_rows)
     print(f"memory {'on' if memo else 'off'}: {time.perf_counter() - t0:.1f} s, {torch.get_num_threads()} threads, "
           f"{split.decodes} settings decoded, {split.reused} asks answered from memory")

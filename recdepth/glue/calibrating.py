@@ -88,13 +88,13 @@ class CalibrationSplit:
         self.first_window = first_window
         self.cost = model_cost(model)
         self.seconds = 0.0
-        self.decoded: dict[tuple, tuple[ExitPolicy, dict]] = {}  # policy key -> (policy, its record)
+        self.decoded: dict[tuple, dict] = {}  # policy key -> its record
         self.decodes = self.reused = 0
 
     @staticmethod
     def _key(p: ExitPolicy) -> tuple:
         """A policy's identity for the memory: its fields, and its gate tensors by identity
-        (the dataclass leaves the gate out of equality; the stored policy keeps it alive)."""
+        (the dataclass leaves the gate out of equality; the key's policy keeps them alive)."""
         return p, None if p.gate is None else (id(p.gate[0]), id(p.gate[1]))
 
     def decode_many(self, policies: list[ExitPolicy], max_rows: int) -> list[dict]:
@@ -116,8 +116,8 @@ class CalibrationSplit:
                 recs = [rec for _, rec in out]
             self.seconds += time.perf_counter() - t0
             self.decodes += len(new)
-            self.decoded.update({k: (p, r) for (k, p), r in zip(new.items(), recs, strict=True)})
-        return [dict(self.decoded[k][1]) for k in keys]
+            self.decoded.update(zip(new, recs, strict=True))
+        return [dict(self.decoded[k]) for k in keys]
 
     def decode(self, policy: ExitPolicy) -> dict:
         return self.decode_many([policy], 0)[0]
