@@ -114,7 +114,9 @@ def test_bad_step_is_one_line():
 def test_compiled_step_equals_eager():
     """torch.compile'd lean step against the module path on the tiny model (float32):
     NLL within float rounding, applications identical here (a criterion within rounding
-    of τ could flip one; bench decode counts those on real checkpoints)."""
+    of τ could flip one; bench decode counts those on real checkpoints). The third window
+    runs alone: the batch-1 graph, whose matrix-vector products are a product and a sum
+    (`lean_step.linear`), is compiled and checked too."""
     m = model(HUGINN, torch.float32, groups=((1, 2),))  # one group: two graphs to compile, not five
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
