@@ -103,12 +103,54 @@ def test_step_none_keeps_the_models_step_and_module_detaches():
     assert D.step_of(m) == "module" and m.lean_steps is None
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["one setting", "settings side by side"])
+def test_latency_step_times_with_its_step_and_leaves_the_quality_pass_alone(monkeypatch, shared):
+    """eval.latency_step: the batch-1 latency passes run the lean step (no Block.forward
+    call) while the quality pass keeps eval.step=module; the records are those of a run
+    without it, the model decodes with the module step afterwards, the eval block names
+    both steps, and batch_check sees the two steps agree (float32 rounding)."""
+    m = model(HUGINN, torch.float32)
+    tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
+    policies = [build("stepnorm", 0.3, max_steps=9), build("fixed", None, max_steps=3)]
+    calls, timing = [], [False]  # Block.forward calls: made in a latency pass or not
+    real_forward, real_time = Block.forward, S.time_tokens
+
+    def time_tokens(*a, **k):
+        timing[0] = True
+        try:
+            return real_time(*a, **k)
+        finally:
+            timing[0] = False
+
+    monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(timing[0]) or real_forward(self, *a, **k))
+    monkeypatch.setattr(S, "time_tokens", time_tokens)
+
+    def run(latency_step):
+        calls.clear()
+        kw = dict(warmup_tokens=2, seed=5, step="module", latency_tokens=12, repeats=2, latency_step=latency_step)
+        if shared:
+            return S.evaluate_exits(m, tokens, policies, 40, max_rows=4, **kw), set(calls)
+        return [S.evaluate_exit(m, tokens, p, 40, batch_size=4, **kw) for p in policies], set(calls)
+
+    (plain, seen_plain), (lat, seen) = run(None), run("lean")
+    assert seen_plain == {True, False}  # without it the latency passes run Block.forward too ...
+    assert seen == {False}  # ... with it they do not; the quality pass still does
+    assert D.step_of(m) == "module"
+    for (ev0, rec0), (ev, rec) in zip(plain, lat, strict=True):
+        assert (ev0["step"], ev0["latency_step"], ev["step"], ev["latency_step"]) == ("module", "module", "module", "lean")
+        assert (rec["nll"] == rec0["nll"]).all() and (rec["apps"] == rec0["apps"]).all()
+        assert ev["batch_check"]["apps_mismatch"] == 0 and ev["batch_check"]["max_abs_dnll"] <= 1e-5
+        assert ev["latency_tokens"] == 12 and ev["repeats"] == 2
+
+
 def test_bad_step_is_one_line():
     m = model(PLAIN, torch.float32)
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         D.lean_steps(m, "fast")
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         EvalConfig(step="fast")
+    with pytest.raises(ValueError, match=r"^eval\.latency_step: expected one of module, lean, compiled, got 'fast'$"):
+        EvalConfig(latency_step="fast")
 
 
 def test_compiled_step_equals_eager():

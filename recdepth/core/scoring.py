@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 import torch
@@ -34,6 +35,20 @@ from recdepth.core.exits import ORACLE, ExitPolicy, build
 from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import has_coda
+
+
+@contextmanager
+def timed_with(model: LoopedGPT, step: str | None) -> Iterator[str]:
+    """The latency passes' `eval.latency_step`: the model decodes with `step` inside the
+    block (None: the step it decodes with now) and with its step before it afterwards, so
+    the batched quality pass and the batch-1 timing may use different steps (equal up to
+    float rounding; `add_latency`'s `batch_check` counts what differs). Yields the step used."""
+    before = step_of(model)
+    lean_steps(model, step or before)
+    try:
+        yield step_of(model)
+    finally:
+        lean_steps(model, before)
 
 
 def _plain(v):
@@ -79,7 +94,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
                   repeats: int = 1, warm_start: bool = False, first_window: int = 0,
                   bos: int | None = None, labels: np.ndarray | None = None,
                   answers: bool | None = None, context_steps: int | None = None,
-                  step: str | None = None) -> tuple[dict, dict]:
+                  step: str | None = None, latency_step: str | None = None) -> tuple[dict, dict]:
     """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
     `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
     from the previous token's final state with `warm_start` (continuous compute; see
@@ -102,7 +117,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     `labels` (a task's, aligned with `tokens`) and `answers`: see `score_task`.
     `context_steps`: see `decode_windows` (every pass, the timed ones included).
     `step` (`eval.step`): how a token's layers are computed, `lean_steps` (None: as the
-    model decodes now, `step_of`).
+    model decodes now, `step_of`); `latency_step` (`eval.latency_step`): the same for the
+    batch-1 latency passes only (None: `step`; `timed_with`), recorded as `latency_step`.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
     policy.check_model(model.n_groups, model.cfg.n_embd)
@@ -135,9 +151,12 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
     n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
-    timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos,
-                           labels=labels, context_steps=context_steps)
-               for _ in range(repeats)] if n_lat > 0 else []
+    with timed_with(model, latency_step if n_lat > 0 else None) as ev["latency_step"]:
+        if n_lat > 0 and ev["latency_step"] != ev["step"]:  # its first calls (a compile) untimed too
+            warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
+        timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos,
+                               labels=labels, context_steps=context_steps)
+                   for _ in range(repeats)] if n_lat > 0 else []
     add_latency(ev, rec, timings)
     model.train(was_training)
     return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
@@ -184,14 +203,14 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
                    latency_tokens: int | None = None, repeats: int = 1, warm_start: bool = False,
                    first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
                    answers: bool | None = None, context_steps: int | None = None,
-                   step: str | None = None) -> list[tuple[dict, dict]]:
+                   step: str | None = None, latency_step: str | None = None) -> list[tuple[dict, dict]]:
     """`evaluate_exit` of every setting in `policies`, the quality of all of them decoded as
     one batch (`decode_settings`); latency stays a batch-1 measurement per setting, the
     settings timed round-robin within each of the `repeats` rounds so that drift of the
     machine spreads over all of them. The oracle (it reads the target) runs on its own.
     Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
     `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
-    the number of settings decoded side by side. `step`: as `evaluate_exit`'s."""
+    the number of settings decoded side by side. `step`, `latency_step`: as `evaluate_exit`'s."""
     check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
     if step is not None:
         lean_steps(model, step)
@@ -213,15 +232,20 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
                                         warm_start, first_window, bos, labels, context_steps)
         n_lat = n_scored if latency_tokens is None else min(latency_tokens, n_scored)
         timings: dict[int, list] = {k: [] for k in loops}
-        for _ in range(repeats if n_lat > 0 else 0):
-            for k in loops:
-                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, cache, seed, warm_start,
-                                              first_window, bos=bos, labels=labels, context_steps=context_steps))
+        batched_step = step_of(model)
+        with timed_with(model, latency_step if n_lat > 0 else None) as timed_step:
+            for k in loops if n_lat > 0 and timed_step != batched_step else ():  # its first calls untimed too
+                warm_up(model, tokens_d, policies[k], cache, warmup_tokens, seed, warm_start)
+            for _ in range(repeats if n_lat > 0 else 0):
+                for k in loops:
+                    timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, cache, seed, warm_start,
+                                                  first_window, bos=bos, labels=labels, context_steps=context_steps))
         for k, rec in zip(loops, recs, strict=True):
             rec["ms"] = np.full(n_scored, np.nan)
             ev = _summary(model, policies[k], rec, cache, max_rows, warm_start, bos=bos)
             ev["tokens_per_s"] = n_scored * len(loops) / seconds
             ev["shared_batch"] = len(loops)  # the settings decoded side by side
+            ev["latency_step"] = timed_step
             add_latency(ev, rec, timings[k])
             out[k] = score_task(model, policies[k], ev, rec, labels, answers, cache, max_rows, warm_start, bos)
     model.train(was_training)

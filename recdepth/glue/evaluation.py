@@ -42,7 +42,8 @@ def eval_settings(cfg) -> dict:
     e = cfg.eval
     return dict(warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, latency_tokens=e.latency_tokens,
                 repeats=e.repeats, warm_start=e.warm_start, answers=getattr(e, "answers", None),
-                context_steps=getattr(e, "context_steps", None), step=getattr(e, "step", EvalConfig.step))
+                context_steps=getattr(e, "context_steps", None), step=getattr(e, "step", EvalConfig.step),
+                latency_step=getattr(e, "latency_step", None))
 
 
 # Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> a list

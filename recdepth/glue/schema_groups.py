@@ -347,6 +347,14 @@ class EvalConfig(DecodeConfig):
     """The first this many tokens timed again at batch 1 (ms/token; >= 0) ..."""
     repeats: int = 3
     """... this many times (>= 1): median and min-max."""
+    latency_step: str | None = None
+    """How those batch-1 latency passes compute a token's layers: null = as eval.step, or
+    module | lean | compiled. The quality pass keeps eval.step; the two are equal up to
+    float rounding, and each job's `batch_check` counts timed tokens whose applications
+    differ. `compiled` ran the default model's frontier latency passes 1.45x faster on
+    the 2-core CPU (the whole `make frontier` 1.15x; docs/results.md), but needs a C++
+    compiler and is slower at d = 768; its first calls (the compile) run in the untimed
+    warm-up."""
     warmup_tokens: int = 8
     """Untimed decode steps before timing starts (>= 0)."""
     answers: bool | None = None
@@ -363,6 +371,8 @@ class EvalConfig(DecodeConfig):
     def __post_init__(self):
         super().__post_init__()
         _one_of("eval.split", self.split, ("test", "extrapolation"))
+        if self.latency_step is not None:
+            _one_of("eval.latency_step", self.latency_step, decoding.STEPS)
         if self.context_steps is not None and self.context_steps < 1:
             raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
         decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
