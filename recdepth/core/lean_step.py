@@ -39,13 +39,21 @@ from torch import Tensor
 from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
 
 
+# Largest weight (elements) whose batch-1 product the compiled step fuses (`linear`): 1 MiB of
+# float32. Measured on the 2-core CPU: it pays at d = 128 (weights up to 512 x 128) and loses
+# to the BLAS call at d = 768 (768 x 768 and up: compiled 1.00-1.06 against 0.96-0.98 ms per
+# layer application); between the two it is a guess, at the size a core's L2 holds twice.
+FUSED_MATVEC_MAX = 1 << 18
+
+
 def linear(x: Tensor, w: Tensor) -> Tensor:
-    """`F.linear(x, w)` (no bias). Compiled at batch 1, written as a product and a sum over d:
-    inductor then fuses the matrix-vector product into the layer's one C++ kernel, where an
-    `mm` is an external call that first copies its [1, d] operand (inductor gives the size-1
-    dimension stride 0, which BLAS refuses). A compiled two-layer group application at d = 128
-    took 107 against 136 µs (measured; docs/results.md). Eager, and at batch > 1, `F.linear`."""
-    if torch.compiler.is_compiling() and x.shape[0] == 1:
+    """`F.linear(x, w)` (no bias). Compiled at batch 1 with a small w, written as a product and
+    a sum over d: inductor then fuses the matrix-vector product into the layer's one C++
+    kernel, where an `mm` is an external call that first copies its [1, d] operand (inductor
+    gives the size-1 dimension stride 0, which BLAS refuses). A compiled two-layer group
+    application at d = 128 took 107 against 136 µs (measured; docs/results.md). Eager, at
+    batch > 1 and above `FUSED_MATVEC_MAX`, `F.linear`."""
+    if torch.compiler.is_compiling() and x.shape[0] == 1 and w.numel() <= FUSED_MATVEC_MAX:
         return (x.unsqueeze(-2) * w).sum(-1)
     return F.linear(x, w)
 
