@@ -38,7 +38,6 @@ from torch import Tensor
 
 from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
 
-
 # Largest weight (elements) whose batch-1 product the compiled step fuses (`linear`): 1 MiB of
 # float32. Measured on the 2-core CPU: it pays at d = 128 (weights up to 512 x 128) and loses
 # to the BLAS call at d = 768 (768 x 768 and up: compiled 1.00-1.06 against 0.96-0.98 ms per
