@@ -8,6 +8,7 @@ import torch
 from recdepth.core import decoding as D
 from recdepth.core import scoring as S
 from recdepth.core.exits import build
+from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import Block, GPTConfig, LoopedGPT
 from recdepth.glue.schema import EvalConfig
 
@@ -167,6 +168,37 @@ def test_compiled_step_equals_eager():
     assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
     assert (comp["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1
+
+
+@pytest.mark.parametrize("block", [20, 64, 100, 256])
+def test_compiled_attention_span_holds_the_position_and_at_most_twice_it(block):
+    """The compiled step's attention at position p reads spans[p] entries: enough for
+    positions 0 .. p, at most the block, and at most twice what p needs (or 16)."""
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=block, vocab_size=40, groups=[[1]])
+    lean = LeanSteps(LoopedGPT(cfg), compile=True)
+    for p, span in enumerate(lean.spans):
+        assert p + 1 <= span <= min(block, max(16, 2 * (p + 1)))
+    starts = lean.span_starts(8)
+    assert all(lean.spans[p] != lean.spans[p - 1] for p in starts)
+    assert len(starts) == len(set(lean.spans[8:])) - (lean.spans[8] == lean.spans[7])
+
+
+def test_compiled_warm_up_builds_every_span_so_a_timed_pass_compiles_nothing():
+    """Under the compiled step the untimed warm-up (2 positions) also decodes one step at
+    the first position of each later span, so the timed pass over positions 0 .. 18
+    (spans 16 and 20) builds no graph: the compile stays out of the latency."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    m = model(PLAIN, torch.float32, groups=((1, 2),), seed=1)
+    D.lean_steps(m, "compiled")
+    policy = build("fixed", None, max_steps=2)
+    tokens = torch.randint(0, 40, (40,), generator=torch.Generator().manual_seed(3))
+    start = counters["stats"]["unique_graphs"]
+    D.warm_up(m, tokens, policy, "latest", 2, 5)
+    warmed = counters["stats"]["unique_graphs"]
+    S.time_tokens(m, tokens, policy, 19, seed=5)
+    assert warmed > start and counters["stats"]["unique_graphs"] == warmed
 
 
 def test_bench_decode_bound_is_the_models_arithmetic():

@@ -456,7 +456,9 @@ def prepare_windows(model: LoopedGPT, tokens: Tensor, n_tokens: int,
 
 def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int,
             warm_start: bool = False) -> None:
-    """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels."""
+    """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels.
+    Under the compiled step also one step at the first position of each later attention
+    span (`LeanSteps.spans`), so that no graph is compiled inside a timed pass."""
     n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
     if n:
         caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps_bound)
@@ -464,3 +466,6 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, wa
         warm = [None] * model.n_groups if warm_start else None
         for pos in range(n):
             decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise, warm=warm)
+        lean = getattr(model, "lean_steps", None)
+        for pos in lean.span_starts(n) if lean is not None and lean.compiled else ():
+            decode_step(model, tokens[:1], pos, caches, policy, noise=noise, warm=warm)

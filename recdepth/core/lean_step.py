@@ -202,6 +202,10 @@ class LeanSteps:
         return self._group(s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos], keep,
                            self.group_blocks[g], *self._context(pos))
 
+    def span_starts(self, after: int = 0) -> list[int]:
+        """The first position of each attention span that starts at or after `after`."""
+        return [p for p in range(after, len(self.spans)) if p == 0 or self.spans[p] != self.spans[p - 1]]
+
     def _context(self, pos: int) -> tuple[int, bool]:
         """(n_ctx, masked) of `block_token` at position pos: compiled, the span masked; eager,
         positions 0 .. pos."""
