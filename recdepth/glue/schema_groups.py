@@ -351,8 +351,8 @@ class EvalConfig(DecodeConfig):
     """How those batch-1 latency passes compute a token's layers: null = as eval.step, or
     module | lean | compiled. The quality pass keeps eval.step; the two are equal up to
     float rounding, and each job's `batch_check` counts timed tokens whose applications
-    differ. `compiled` ran the default model's frontier latency passes 1.45x faster on
-    the 2-core CPU (the whole `make frontier` 1.15x; docs/results.md), but needs a C++
+    differ. `compiled` ran the default model's frontier latency passes 1.33x faster on
+    the 2-core CPU (the whole `make frontier` 1.11x; docs/results.md), but needs a C++
     compiler and is slower at d = 768; its first calls (the compile) run in the untimed
     warm-up."""
     warmup_tokens: int = 8
