@@ -29,9 +29,10 @@ from __future__ import annotations
 import logging
 
 import numpy as np
+import torch
 from omegaconf import DictConfig
 
-from recdepth.core.decoding import lean_steps
+from recdepth.core.decoding import lean_steps, warm_up
 from recdepth.core.exits import ExitPolicy
 from recdepth.core.generation import Generation, greedy, speculative
 from recdepth.core.model import LoopedGPT
@@ -76,9 +77,12 @@ def _compare(spec: Generation, ref: Generation) -> dict:
 
 
 def _warm_up(model: LoopedGPT, prompt: list[int], policy: ExitPolicy, run: GenerateConfig) -> None:
-    """Untimed: the first calls allocate and pick kernels."""
+    """Untimed: the first calls allocate and pick kernels (under the compiled step, at every
+    attention span too: `decoding.warm_up`)."""
     s = run.speculative
     greedy(model, prompt[:1], policy, 2, cache=run.eval.cache, seed=run.seed, warm_start=run.eval.warm_start)
+    first = torch.tensor(prompt[:1], device=next(model.parameters()).device)
+    warm_up(model, first, policy, run.eval.cache, 0, run.seed, run.eval.warm_start)
     if s.draft_steps is not None:
         speculative(model, prompt[:1], policy, 3, s.draft_steps, 1, cache=run.eval.cache, seed=run.seed)
 

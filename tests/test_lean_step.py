@@ -150,8 +150,14 @@ def test_bad_step_is_one_line():
         D.lean_steps(m, "fast")
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         EvalConfig(step="fast")
-    with pytest.raises(ValueError, match=r"^eval\.latency_step: expected one of module, lean, compiled, got 'fast'$"):
+    bad = r"^eval\.latency_step: expected null or one of module, lean, compiled, got 'fast'$"
+    with pytest.raises(ValueError, match=bad):
         EvalConfig(latency_step="fast")
+    tokens = torch.randint(0, 40, (30,), generator=torch.Generator().manual_seed(3))
+    for run in (lambda: S.evaluate_exit(m, tokens, build("fixed", None, max_steps=2), 10, latency_step="fast"),
+                lambda: S.evaluate_exits(m, tokens, [build("fixed", None, max_steps=2)], 10, latency_step="fast")):
+        with pytest.raises(ValueError, match=bad):  # before any decoding, latency_tokens 0 or not
+            run()
 
 
 def test_compiled_step_equals_eager():
@@ -159,7 +165,7 @@ def test_compiled_step_equals_eager():
     NLL within float rounding, applications identical here (a criterion within rounding
     of τ could flip one; bench decode counts those on real checkpoints). The third window
     runs alone: the batch-1 graph, whose matrix-vector products are a product and a sum
-    (`lean_step.linear`), is compiled and checked too."""
+    (`lean_step.linear`) and whose attention reads a span, is compiled and checked too."""
     m = model(HUGINN, torch.float32, groups=((1, 2),))  # one group: two graphs to compile, not five
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
@@ -168,6 +174,15 @@ def test_compiled_step_equals_eager():
     assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
     assert (comp["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1
+    # batches attend the whole block: a second batch size turns the batch dynamic (a graph
+    # per function at most), a third builds none (no graph per batch size and span)
+    from torch._dynamo.utils import counters
+
+    graphs = [counters["stats"]["unique_graphs"]]
+    for b in (3, 4):
+        assert abs(score(m, "compiled", policy, b)["nll"] - ref["nll"]).max() <= 1e-5
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[1] - graphs[0] <= 2 and graphs[2] == graphs[1]
 
 
 @pytest.mark.parametrize("block", [20, 64, 100, 256])

@@ -458,14 +458,16 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, wa
             warm_start: bool = False) -> None:
     """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels.
     Under the compiled step also one step at the first position of each later attention
-    span (`LeanSteps.spans`), so that no graph is compiled inside a timed pass."""
+    span (`LeanSteps.spans`), with warmup_tokens = 0 too, so that no graph is compiled
+    inside a timed pass (it compiles every span of the block, reached or not)."""
     n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
-    if n:
+    lean = getattr(model, "lean_steps", None)
+    spans = lean.span_starts(n) if lean is not None and lean.compiled and tokens.numel() else []
+    if n or spans:
         caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps_bound)
         noise = RowNoise(seed, [-1])
         warm = [None] * model.n_groups if warm_start else None
         for pos in range(n):
             decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise, warm=warm)
-        lean = getattr(model, "lean_steps", None)
-        for pos in lean.span_starts(n) if lean is not None and lean.compiled else ():
+        for pos in spans:  # even with warmup_tokens = 0: a compile is never timed
             decode_step(model, tokens[:1], pos, caches, policy, noise=noise, warm=warm)

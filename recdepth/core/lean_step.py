@@ -11,8 +11,8 @@ from token to token, so `torch.compile` can fuse it into a few kernels once:
 - the K/V cache is the preallocated `KVCache` tensor [B, H, block_size, head_dim],
   written in place at the position (a tensor, not a Python int) with one `index_copy_`
   per tensor; eagerly the attention reads positions 0 .. pos, compiled it reads a span of
-  the block (the power of two from 16 up that holds pos + 1) with the later positions
-  masked (`block_token`);
+  the block at batch 1 (the power of two from 16 up that holds pos + 1), the whole block
+  in a batch, with the later positions masked (`block_token`);
 - q, k, v are views of one projection; a group application (the adapter and the group's
   layers, `group_token`) is one call.
 
@@ -26,12 +26,14 @@ caches (`eval.cache=latest`), one token; the decoding engine
 
 Equal to `Block.forward` up to float rounding (tests compare the two: float64 within
 1e-12, float32 within 1e-5). Compiled, the masked entries' softmax weights are exactly 0,
-but the attention sums over the whole block and the kernels fuse differently (within
+but the attention sums over its span (batch 1) or the whole block and the kernels fuse differently (within
 float32 rounding; recdepth.bench decode counts the applications that change because a
 criterion lies within rounding of τ).
 """
 
 from __future__ import annotations
+
+import types
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +58,20 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     if torch.compiler.is_compiling() and x.shape[0] == 1 and w.numel() <= FUSED_MATVEC_MAX:
         return (x.unsqueeze(-2) * w).sum(-1)
     return F.linear(x, w)
+
+
+_STATIC: dict[str, types.FunctionType] = {}
+
+
+def _static(fn: types.FunctionType) -> types.FunctionType:
+    """A copy of `fn` with a code object of its own, made once: dynamo keeps graphs, and
+    which sizes it has seen change, per code object, so the batch-1 static graphs and the
+    batches' dynamic ones do not mix."""
+    if fn.__qualname__ not in _STATIC:
+        code = fn.__code__.replace(co_name=f"{fn.__name__}_static")
+        _STATIC[fn.__qualname__] = types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__,
+                                                      fn.__closure__)
+    return _STATIC[fn.__qualname__]
 
 
 def _block_weights(block) -> tuple:
@@ -83,7 +99,7 @@ class LeanSteps:
         device = next(model.parameters()).device
         self.positions = torch.arange(cfg.block_size, device=device)
         self.pos = [self.positions[p : p + 1] for p in range(cfg.block_size)]  # no tensor made per token
-        # Compiled, the attention at position p reads the first span(p) entries, the power of two
+        # Compiled at batch 1, the attention at position p reads the first span(p) entries, the power of two
         # from 16 up that holds p + 1 (at most the block), the later ones masked: a graph per
         # span, and a token early in a long block does not read the whole block (Huginn's
         # shape, block 512, 64 tokens: 357 -> 300 µs per 4-layer application, measured). At
@@ -95,20 +111,26 @@ class LeanSteps:
             self.cos, self.sin = self.rotary(0, cfg.block_size, device)
         else:
             self.cos = self.sin = None
-        block = self.block_token
-        group = self.group_token
+        self._block, self._group = self._block1, self._group1 = self.block_token, self.group_token
         if compile:
-            # A graph per group length, span, batch size, qk_bias/keep present or not, and
-            # model (dynamo keys its cache on the function's code, shared by every instance;
-            # dynamic=False: the span stays a constant of its graph). More than the default 8
-            # in a process that decodes several models (a test session), never one per token.
+            # A graph per group length, qk_bias/keep present or not, and model (dynamo keys its
+            # cache on the function's code, shared by every instance). Batches > 1 attend the
+            # whole block and their batch size turns dynamic on its second value; batch 1 runs
+            # copies of the functions with code of their own (`_static`) and static shapes, a
+            # graph per span (dynamic=False keeps the span a constant of its graph; a shared
+            # code object would also make every batch size a graph of its own). More than the
+            # default 8 in a process that decodes several models (a test session), never one
+            # per token.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
             # cpp_wrapper: the graph's launcher in C++, not Python (batch 1 at d = 128: 0.048
             # against 0.063 ms per layer application of a two-layer group, measured)
             opts = {"cpp_wrapper": True}
-            block = torch.compile(block, fullgraph=True, dynamic=False, options=opts)
-            group = torch.compile(group, fullgraph=True, dynamic=False, options=opts)
-        self._block, self._group = block, group
+            self._block = torch.compile(self.block_token, fullgraph=True, options=opts)
+            self._group = torch.compile(self.group_token, fullgraph=True, options=opts)
+            self._block1 = torch.compile(types.MethodType(_static(LeanSteps.block_token), self), fullgraph=True,
+                                         dynamic=False, options=opts)
+            self._group1 = torch.compile(types.MethodType(_static(LeanSteps.group_token), self), fullgraph=True,
+                                         dynamic=False, options=opts)
 
     # ---------------------------------------------------------------- the math
     def block_token(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, keep: Tensor | None, w: tuple,
@@ -186,7 +208,8 @@ class LeanSteps:
     def layer(self, i: int, x: Tensor, k: Tensor, v: Tensor, pos: int, keep: Tensor | None = None) -> Tensor:
         """Layer i for one token x [B, 1, d] (`model.h[i](x, cache, pos, keep)`) with its
         cache tensors k, v [B, H, block_size, head_dim]."""
-        return self._block(x, k, v, self.pos[pos], keep, self.blocks[i], *self._context(pos))
+        step, n_ctx, masked = self._call(self._block, self._block1, x.shape[0], pos)
+        return step(x, k, v, self.pos[pos], keep, self.blocks[i], n_ctx, masked)
 
     def group_rows(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
                    rows: Tensor) -> Tensor:
@@ -202,14 +225,20 @@ class LeanSteps:
               keep: Tensor | None = None) -> Tensor:
         """`model.apply_group(g, s, e_proj, caches, pos, keep)` for one token, with the cache
         tensors (k, v) of the group's layers."""
-        return self._group(s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos], keep,
-                           self.group_blocks[g], *self._context(pos))
+        step, n_ctx, masked = self._call(self._group, self._group1, s.shape[0], pos)
+        return step(s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos], keep, self.group_blocks[g],
+                    n_ctx, masked)
 
     def span_starts(self, after: int = 0) -> list[int]:
         """The first position of each attention span that starts at or after `after`."""
         return [p for p in range(after, len(self.spans)) if p == 0 or self.spans[p] != self.spans[p - 1]]
 
-    def _context(self, pos: int) -> tuple[int, bool]:
-        """(n_ctx, masked) of `block_token` at position pos: compiled, the span masked; eager,
-        positions 0 .. pos."""
-        return (self.spans[pos], True) if self.compiled else (pos + 1, False)
+    def _call(self, batched, single, batch: int, pos: int) -> tuple:
+        """(the function, n_ctx, masked) of a call at position pos: eager, positions 0 .. pos;
+        compiled at batch 1, the static copy over pos's span; compiled batches, the whole
+        block, both masked past pos."""
+        if not self.compiled:
+            return batched, pos + 1, False
+        if batch == 1:
+            return single, self.spans[pos], True
+        return batched, len(self.spans), True

@@ -22,6 +22,7 @@ from torch import Tensor
 
 from recdepth.core import stats, tasks
 from recdepth.core.decoding import (
+    STEPS,
     check_settings,
     decode_windows,
     lean_steps,
@@ -35,6 +36,12 @@ from recdepth.core.exits import ORACLE, ExitPolicy, build
 from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import has_coda
+
+
+def check_latency_step(step: str | None) -> None:
+    """`eval.latency_step`: None or one of `STEPS`, checked before any decoding."""
+    if step is not None and step not in STEPS:
+        raise ValueError(f"eval.latency_step: expected null or one of {', '.join(STEPS)}, got {step!r}")
 
 
 @contextmanager
@@ -121,6 +128,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     batch-1 latency passes only (None: `step`; `timed_with`), recorded as `latency_step`.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
+    check_latency_step(latency_step)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     if step is not None:
         lean_steps(model, step)
@@ -212,6 +220,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
     the number of settings decoded side by side. `step`, `latency_step`: as `evaluate_exit`'s."""
     check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
+    check_latency_step(latency_step)
     if step is not None:
         lean_steps(model, step)
     was_training = model.training

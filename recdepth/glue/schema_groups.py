@@ -19,6 +19,7 @@ from recdepth.core import (
     decoding,
     exits,
     sampler,
+    scoring,
     tasks,
 )
 from recdepth.core.kv_cache import check_cache
@@ -371,8 +372,7 @@ class EvalConfig(DecodeConfig):
     def __post_init__(self):
         super().__post_init__()
         _one_of("eval.split", self.split, ("test", "extrapolation"))
-        if self.latency_step is not None:
-            _one_of("eval.latency_step", self.latency_step, decoding.STEPS)
+        scoring.check_latency_step(self.latency_step)
         if self.context_steps is not None and self.context_steps < 1:
             raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
         decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
