@@ -354,8 +354,8 @@ class EvalConfig(DecodeConfig):
     float rounding, and each job's `batch_check` counts timed tokens whose applications
     differ. `compiled` ran the default model's frontier latency passes 1.33x faster on
     the 2-core CPU (the whole `make frontier` 1.11x; docs/results.md), but needs a C++
-    compiler and is slower at d = 768; its first calls (the compile) run in the untimed
-    warm-up."""
+    compiler and 10-30 s of compiling per process; its first calls (the compile) run in
+    the untimed warm-up."""
     warmup_tokens: int = 8
     """Untimed decode steps before timing starts (>= 0)."""
     answers: bool | None = None
