@@ -139,8 +139,9 @@ class LeanSteps:
         layer's cache kc, vc [B, H, block_size, head_dim]: this token's k/v are written at
         `pos` (only in the rows where `keep` [B] is True, if given) and the attention reads
         positions 0 .. pos (SPEC §1; the decoding cache of SPEC §4): the first n_ctx = pos + 1
-        entries, or with `masked` (compiled: no shape may depend on pos) the first n_ctx =
-        span(pos) entries with the positions after pos masked."""
+        entries, or with `masked` (compiled: no shape may depend on pos) the first n_ctx
+        entries (pos's span at batch 1, the whole block in a batch; `_call`) with the
+        positions after pos masked."""
         q, k, v = self._qkv(x, w, pos)
         if keep is not None:  # rows that have exited keep their entry
             m = keep[:, None, None, None]
