@@ -353,7 +353,7 @@ class EvalConfig(DecodeConfig):
     module | lean | compiled. The quality pass keeps eval.step; the two are equal up to
     float rounding, and each job's `batch_check` counts timed tokens whose applications
     differ. `compiled` ran the default model's frontier latency passes 1.33x faster on
-    the 2-core CPU (the whole `make frontier` 1.11x; docs/results.md), but needs a C++
+    the 2-core CPU (the whole `make frontier` 1.07-1.11x; docs/results.md), but needs a C++
     compiler and 10-30 s of compiling per process; its first calls (the compile) run in
     the untimed warm-up."""
     warmup_tokens: int = 8
