@@ -454,6 +454,40 @@ def test_iterate_matches_reference(rule, limits, dtype):
         assert torch.equal(x0, T.params["x0"])
 
 
+def _observe_step_loop(rule, tau, min_steps, max_steps, x0, f, decode, patience):
+    """A loop driven by `exits.observe_step` (the check the compiled whole-loop runs, with
+    tensors for n and the limits) over the batch until every row has fired; (n per row)."""
+    policy = exits.build(rule, tau, min_steps=min_steps, max_steps=max_steps, patience=patience)
+    limits = torch.tensor([math.nan if tau is None else tau, min_steps, max_steps, patience], dtype=torch.float64)
+    hist = exits.history0(policy, x0, _decode_weight().shape[1])
+    x, n = x0, torch.zeros((), dtype=torch.long)
+    n_row = torch.zeros(x0.shape[0], dtype=torch.long)
+    active = torch.ones(x0.shape[0], dtype=torch.bool)
+    while bool(active.any()):
+        x_new = f(x)
+        n = n + 1
+        fired, hist = exits.observe_step(policy, n, x, x_new, hist, limits, decode)
+        n_row += active
+        active &= ~fired
+        x = x_new
+    return n_row
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["f32", "f64"])
+@pytest.mark.parametrize("rule", ALL_RULES)
+def test_observe_step_matches_reference(rule, dtype):
+    """`observe_step` (tensors only, no branch on a value: what `LeanSteps.loop` compiles)
+    exits every row where the slow reference does, at every τ (k) and step limit."""
+    T = _traj(dtype)
+    decode, _ = _make_decode(dtype)
+    for min_steps, max_steps in STEP_LIMITS:
+        for tau, k in _settings(rule, dtype):
+            n_ref, _, _ = _reference(dtype, rule, tau, min_steps, max_steps, k)
+            n = _observe_step_loop(rule, tau, min_steps, max_steps, T.params["x0"].clone(), SpiralMap(T.params),
+                                   decode, k)
+            assert n.tolist() == n_ref.tolist(), (rule, tau, k, min_steps, max_steps)
+
+
 @pytest.mark.parametrize("rule", ALL_RULES)
 def test_batch_equals_rows_alone(rule):
     """Each row gives the same (x, n) in the batch as when iterated alone (N = 1)."""

@@ -185,6 +185,61 @@ def test_compiled_step_equals_eager():
     assert graphs[1] - graphs[0] <= 2 and graphs[2] == graphs[1]
 
 
+FUSED = [("accel", (0.3, 0.1), (2, 0), {}), ("kl", (1e-2, 3e-2), (0, 3), {"kl_direction": "old_new"}),
+         ("gate", (0.5, 0.4), (1, 0), {})]
+FUSED_SLOW = [("argmax_stability", None, (0, 1), {"patience": 2}), ("fixed", None, 0, {}), ("stepnorm", 0.3, 0, {}), ("stepnorm_rel", 0.1, 0, {}), ("accel_rel", 0.6, 0, {}),
+              ("entropy_diff", 1e-2, 0, {}), ("cosine", 1e-3, 0, {}), ("kl", 1e-2, 0, {})]
+
+
+def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
+    """The compiled batch-1 loop as one graph (`LeanSteps.loop`: torch.while_loop, the rule's
+    check `exits.observe_step` inside) against the compiled step called per application with
+    the eager `ExitMonitor`, and against the eager lean step: NLL within float32 rounding,
+    applications identical; the fused loop really ran (for each group at every token)."""
+    m = model(HUGINN, torch.float32, groups=((1,), (2,)), seed=2)  # two one-layer groups: a graph per rule
+    G = torch.Generator().manual_seed(4)
+    gate = (torch.randn(2, 16, generator=G), torch.randn(2, generator=G)) if rule == "gate" else None
+    policy = build(rule, tau, min_steps=min_steps, max_steps=9, gate=gate, **kw)
+    tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
+
+    def run(step, fuse):
+        D.lean_steps(m, step)
+        lean = m.lean_steps
+        lean.fuse_loops = fuse
+        calls, real = [], lean.loop
+
+        def counted(*a):
+            calls.append(1)
+            return real(*a)
+
+        lean.loop = counted
+        _, rec = S.evaluate_exit(m, tokens, policy, 19, batch_size=1, latency_tokens=0, warmup_tokens=0,
+                                 seed=5, step=step, warm_start=warm_start)
+        del lean.loop
+        return rec, len(calls)
+
+    (eager, _), (steps, n_steps), (fused, n_fused) = run("lean", False), run("compiled", False), run("compiled", True)
+    assert n_steps == 0 and n_fused >= 2 * 19  # both groups at every scored token (and the warm-up's span steps)
+    for ref in (eager, steps):
+        assert abs(fused["nll"] - ref["nll"]).max() <= 1e-5
+        assert (fused["apps"] == ref["apps"]).all()
+    assert len(set(eager["apps"].ravel().tolist())) > 1 or rule == "fixed"  # the rule really varies depth
+
+
+@pytest.mark.parametrize("rule, tau, min_steps, kw", FUSED, ids=[r[0] for r in FUSED])
+def test_compiled_loop_as_one_graph_equals_the_step_by_step_loop(rule, tau, min_steps, kw):
+    """Per-group τ and min_steps, kl's other direction, the gate (the other rules, warm start
+    and argmax_stability's patience: the slow test below; every rule's check against the
+    slow reference: tests/test_exits.py): see `_fused_against_step_by_step`."""
+    _fused_against_step_by_step(rule, tau, min_steps, kw)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rule, tau, min_steps, kw", FUSED_SLOW, ids=[r[0] for r in FUSED_SLOW])
+def test_compiled_loop_as_one_graph_equals_the_step_by_step_loop_every_rule(rule, tau, min_steps, kw):
+    _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=rule == "stepnorm")
+
+
 @pytest.mark.parametrize("block", [20, 64, 100, 256])
 def test_compiled_attention_span_holds_the_position_and_at_most_twice_it(block):
     """The compiled step's attention at position p reads spans[p] entries: enough for

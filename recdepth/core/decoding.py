@@ -42,7 +42,7 @@ from recdepth.core.exits import ExitPolicy
 from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import LoopedGPT
-from recdepth.core.state_decode import state_decoder
+from recdepth.core.state_decode import decode_mode, state_decoder
 
 STEPS = ("module", "lean", "compiled")  # eval.step: how a token's layers are computed (`lean_steps`)
 
@@ -157,7 +157,9 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     ignore the rule and loop exactly `fixed_steps` applications (a task's context positions
     under `eval.context_steps`, docs/spec.md §6). A per-group `policy` loops group g under its group-g
     values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
-    says (`state_decoder`: the head, or through the coda without writing its cache)."""
+    says (`state_decoder`: the head, or through the coda without writing its cache).
+    Compiled at batch 1 without `limit` or `fixed_rows`, the loop is one graph
+    (`LeanSteps.loop`; `exits.observe_step` checks the rule there)."""
     policy = policy.group(g)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
@@ -167,6 +169,11 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         raise ValueError(f"loop_group: initial state of shape {tuple(init.shape)} for input {tuple(e.shape)}")
     else:
         s = init
+    mine = [caches[layer] for layer in model.cfg.groups[g]]
+    lean = lean_of(model, mine)
+    if (B == 1 and lean is not None and lean.fuse_loops and fixed_rows is None and limit is None
+            and (not policy.needs_decode or decode_mode(model, policy) == "head")):
+        return lean.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy)  # the loop as one graph
     decode = state_decoder(model, g, policy, caches, pos)  # exit.decode: head or through the coda
     monitor = policy.monitor(s[:, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=e.device)

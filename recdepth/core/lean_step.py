@@ -14,7 +14,13 @@ from token to token, so `torch.compile` can fuse it into a few kernels once:
   the block at batch 1 (the power of two from 16 up that holds pos + 1), the whole block
   in a batch, with the later positions masked (`block_token`);
 - q, k, v are views of one projection; a group application (the adapter and the group's
-  layers, `group_token`) is one call.
+  layers, `group_token`) is one call;
+- compiled at batch 1, a group's whole loop for a token, its exit checks included, is one
+  call (`loop`: a `torch.while_loop` whose body is the application and the rule's check,
+  `exits.observe_step`), so an application costs its kernels, not a call from Python, the
+  graph's guards and an eager check (`fuse_loops`; the engine falls back to a call per
+  application for what the graph does not cover: a row limit or fixed rows, per_step
+  caches, `exit.decode=coda`).
 
 It reads the same parameter tensors as the model (no copy), so it always computes the
 current weights. It covers what batch-1 decoding and a batch do: a row mask `keep` (rows
@@ -33,12 +39,14 @@ criterion lies within rounding of τ).
 
 from __future__ import annotations
 
+import math
 import types
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recdepth.core.exits import ExitPolicy, history0, observe_step
 from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
 
 # Largest weight (elements) whose batch-1 product the compiled step fuses (`linear`): 1 MiB of
@@ -131,6 +139,12 @@ class LeanSteps:
                                          dynamic=False, options=opts)
             self._group1 = torch.compile(types.MethodType(_static(LeanSteps.group_token), self), fullgraph=True,
                                          dynamic=False, options=opts)
+            # A group's whole loop at batch 1, its exit checks included, as one graph (`loop`): a graph
+            # per group length and rule, the block attended whole (no graph per span).
+            self._loop = torch.compile(self.loop_token, fullgraph=True, dynamic=False, options=opts)
+        self.fuse_loops = compile  # batch-1 loops as one graph each (`loop`); False: a compiled call per application
+        self._limits: dict[tuple, Tensor] = {}
+        self._rules: dict[tuple, ExitPolicy] = {}
 
     # ---------------------------------------------------------------- the math
     def block_token(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, keep: Tensor | None, w: tuple,
@@ -187,6 +201,56 @@ class LeanSteps:
         h = gated_silu(h) if self.gated else F.silu(h)
         return F.rms_norm(linear(h, mproj_w) + x, (C,), n4, self.eps)
 
+    def block_looping(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, w: tuple) -> tuple[Tensor, Tensor, Tensor]:
+        """`block_token` at batch 1 inside a loop compiled whole (`loop_token`), where the cache
+        may not be written: the attention reads the cached positions before `pos` and this
+        token's own k/v, kept apart (the same softmax over positions 0 .. pos). Returns the
+        block's output and this token's k, v [1, H, 1, hd], for the caller to write."""
+        q, k, v = self._qkv(x, w, pos)
+        scale = self.head_dim**-0.5
+        scores = (q @ kc.transpose(-1, -2)) * scale  # [1, H, 1, block]
+        scores = scores.masked_fill(self.positions >= pos, float("-inf"))
+        p = torch.softmax(torch.cat([scores, (q * k).sum(-1, keepdim=True) * scale], -1), -1)
+        y = p[..., :-1] @ vc + p[..., -1:] * v
+        return self._block_out(x, y, w), k, v
+
+    def loop_token(self, rule: ExitPolicy, s: Tensor, e_proj: Tensor, adapter_w: Tensor,
+                   kvs: list[tuple[Tensor, Tensor]], pos: Tensor, ws: list[tuple], limits: Tensor,
+                   gate: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """A group's loop for one token (batch 1) until its rule fires, as one
+        `torch.while_loop`: each iteration is `group_token` (with `block_looping`) and the
+        rule's check (`exits.observe_step`); after it, the last application's k/v are
+        written at `pos`, as the step-by-step loop leaves them. `rule` holds the rule's
+        name, decode and kl direction (a graph each); its numbers are in `limits`.
+        Returns the final state [1, 1, d] and the applications [] (long)."""
+        decode = self.model.decode_logits if rule.needs_decode else None
+        pos = pos.clone()  # a view of self.positions, which the loop also reads: its inputs may not alias
+        hist = history0(rule, s[:, 0], self.model.cfg.padded_vocab_size)
+        kv0 = [kc.new_zeros(kc.shape[:2] + (1, kc.shape[3])) for kc, _ in kvs for _ in "kv"]  # set every iteration
+        n0 = torch.zeros((), dtype=torch.long, device=s.device)
+        fired0 = torch.zeros(1, dtype=torch.bool, device=s.device)
+
+        def cond(n, fired, s, *rest):
+            return ~fired.any()
+
+        def body(n, fired, s, *rest):
+            h = rest[: len(hist)]
+            u, new_kv = linear(s, adapter_w) + e_proj, []
+            for (kc, vc), w in zip(kvs, ws, strict=True):
+                u, k, v = self.block_looping(u, kc, vc, pos, w)
+                # copies with the placeholders' strides: a loop's outputs may not alias (k, v are views of one projection)
+                new_kv += [t.clone(memory_format=torch.contiguous_format) for t in (k, v)]
+            n = n + 1
+            fired, h = observe_step(rule, n, s[:, 0], u[:, 0], tuple(h), limits, decode, gate)
+            return (n, fired, u, *h, *new_kv)
+
+        n, _, s, *rest = torch.while_loop(cond, body, (n0, fired0, s, *hist, *kv0))
+        kv = rest[len(hist):]
+        for i, (kc, vc) in enumerate(kvs):
+            kc.index_copy_(2, pos, kv[2 * i])
+            vc.index_copy_(2, pos, kv[2 * i + 1])
+        return s, n
+
     def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: tuple) -> Tensor:
         """`block_token` for a compacted batch (eager): x [b, 1, d] holds the rows `rows` (an
         index into the cache's B rows) only. Their k/v are written at `pos` in those rows,
@@ -229,6 +293,25 @@ class LeanSteps:
         step, n_ctx, masked = self._call(self._group, self._group1, s.shape[0], pos)
         return step(s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos], keep, self.group_blocks[g],
                     n_ctx, masked)
+
+    def loop(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
+             policy: ExitPolicy) -> tuple[Tensor, Tensor]:
+        """Group g's loop for one token at batch 1 under its one-group `policy`, compiled whole
+        (`loop_token`): the final state [1, 1, d] and the applications [1]. For the compiled
+        step only (`fuses`)."""
+        key = (policy.tau, policy.min_steps, policy.max_steps, policy.patience)
+        limits = self._limits.get(key)
+        if limits is None:
+            tau = math.nan if policy.tau is None else policy.tau
+            limits = self._limits[key] = torch.tensor([tau, *key[1:]], dtype=torch.float64, device=s.device)
+        gate = None if policy.gate is None else tuple(t.to(device=s.device, dtype=s.dtype) for t in policy.gate)
+        key = (policy.name, policy.kl_direction)
+        rule = self._rules.get(key)  # one object per rule: the graph's guards see the same one
+        if rule is None:
+            rule = self._rules[key] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
+        s, n = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
+                          self.group_blocks[g], limits, gate)
+        return s, n.reshape(1)
 
     def span_starts(self, after: int = 0) -> list[int]:
         """The first position of each attention span that starts at or after `after`."""
