@@ -314,6 +314,67 @@ def test_oracle_n_equals_brute_force(sharing):
     np.testing.assert_allclose(rec["nll_by_n"][:, -1], rec_fixed["nll"], rtol=0, atol=1e-10)
 
 
+@pytest.mark.parametrize("pos", [0, 1, 5, 9])
+@pytest.mark.parametrize("active", ["all", "some", "one"])
+def test_attention_over_a_shared_history_equals_each_rows_own(pos, active):
+    """`attend_shared` (the history read once per block of rows) equals `attend_rows` (each
+    row's own cache) when every row of a block holds the same entries before pos and its
+    own at pos, for every row subset, at pos 0 (only its own entry) too. float64."""
+    from recdepth.core.model import attend_rows, attend_shared
+
+    g = torch.Generator().manual_seed(pos)
+    W, reps, H, T, hd = 3, 4, 2, 12, 8
+    hist_k = torch.randn(W, H, T, hd, generator=g, dtype=torch.float64).repeat_interleave(reps, 0)
+    hist_v = torch.randn(W, H, T, hd, generator=g, dtype=torch.float64).repeat_interleave(reps, 0)
+    R = W * reps
+    rows = {"all": torch.arange(R), "some": torch.tensor([0, 3, 5, 6, 7, 11]), "one": torch.tensor([7])}[active]
+    q, k, v = (torch.randn(len(rows), H, 1, hd, generator=g, dtype=torch.float64) for _ in range(3))
+    ck, cv = hist_k.clone(), hist_v.clone()
+    ck[rows, :, pos], cv[rows, :, pos] = k[:, :, 0], v[:, :, 0]  # each row's own entry at pos
+    ck[:, :, pos + 1 :] = cv[:, :, pos + 1 :] = float("nan")  # later positions are never read
+    ref = attend_rows(q, ck[:, :, : pos + 1], cv[:, :, : pos + 1], rows)
+    out = attend_shared(q, k, v, ck, cv, pos, rows, reps)
+    assert out.shape == ref.shape == (len(rows), H, 1, hd)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("groups, sharing, warm_start, bos", [([[1], [2, 3]], "latest", False, None),
+                                                              ([[1], [2, 3]], "latest", True, 7),
+                                                              ([[1], [2], [3]], "per_step", False, None)])
+def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(groups, sharing, warm_start, bos):
+    """Under the lean step the oracle's rows read their window's shared history once per
+    window (`model.attend_shared`, in the later groups and the layers outside the loops):
+    NLL at every n and the oracle's n equal the module step's (each row attending to its own
+    cache), float64 to rounding, and the shared attention really ran."""
+    import numpy as np
+
+    from recdepth.core import decoding as D
+    from recdepth.core import model as M
+
+    m = model(groups, state_init="normal")
+    tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(6))
+    policy = exits.build("oracle", 0.02, max_steps=6)
+    run = dict(n_tokens=35, seed=3, cache=sharing, batch_size=2, warm_start=warm_start, bos=bos)
+    _, ref = evaluate_oracle(D.lean_steps(m, "module"), tokens, policy, **run)
+    calls, real = [], M.attend_shared
+
+    def counted(*a):
+        calls.append(1)
+        return real(*a)
+
+    import recdepth.core.lean_step as L
+
+    L.attend_shared = counted
+    try:
+        _, rec = evaluate_oracle(D.lean_steps(m, "lean"), tokens, policy, **run)
+    finally:
+        L.attend_shared = real
+    assert calls
+    np.testing.assert_allclose(rec["nll_by_n"], ref["nll_by_n"], rtol=0, atol=1e-10)
+    assert (rec["apps"] == ref["apps"]).all() and len(set(ref["apps"].ravel().tolist())) > 1
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("groups, sharing, warm_start, bos", [([[1], [2, 3]], "latest", False, None),
                                                               ([[1], [2, 3]], "per_step", True, 7),

@@ -114,16 +114,17 @@ def lean_of(model: LoopedGPT, caches: list) -> LeanSteps | None:
 
 
 def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
-                rows: Tensor | None) -> Tensor:
+                rows: Tensor | None, reps: int | None = None) -> Tensor:
     """One application of group g for one token, `model.apply_group` or its lean step
     (`lean_of`; rows None, a bool mask over the batch, or an index of the rows s holds: a
-    compacted batch)."""
+    compacted batch; with an index, `reps`: the rows' history is shared in blocks of that
+    many, `LeanSteps.block_rows`)."""
     mine = [caches[layer] for layer in model.cfg.groups[g]]
     lean = lean_of(model, mine)
     if lean is None:
         return model.apply_group(g, s, e_proj, caches, pos, rows)
     if rows is not None and rows.dtype != torch.bool:
-        return lean.group_rows(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
+        return lean.group_rows(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows, reps)
     return lean.group(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
 
 
@@ -142,7 +143,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
                pos: int, generator: torch.Generator | None = None, compact: bool = True,
                noise: RowNoise | None = None, limit: Tensor | None = None,
                init: Tensor | None = None, fixed_rows: Tensor | None = None,
-               fixed_steps: int | None = None) -> tuple[Tensor, Tensor]:
+               fixed_steps: int | None = None, reps: int | None = None) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
     Returns the final states [B, 1, d] and applications per row [B].
 
@@ -159,7 +160,10 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
     says (`state_decoder`: the head, or through the coda without writing its cache).
     Compiled at batch 1 without `limit` or `fixed_rows`, the loop is one graph
-    (`LeanSteps.loop`; `exits.observe_step` checks the rule there)."""
+    (`LeanSteps.loop`; `exits.observe_step` checks the rule there). `reps`: the rows' history
+    is shared in blocks of that many (the oracle's, `decode_step`'s `shared`); the lean
+    step then reads it once per block (`model.attend_shared`), on the compacted rows from the
+    first application."""
     policy = policy.group(g)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
@@ -171,6 +175,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         s = init
     mine = [caches[layer] for layer in model.cfg.groups[g]]
     lean = lean_of(model, mine)
+    reps = reps if lean is not None and compact else None
     if (B == 1 and lean is not None and lean.fuse_loops and fixed_rows is None and limit is None
             and (not policy.needs_decode or decode_mode(model, policy) == "head")):
         return lean.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy)  # the loop as one graph
@@ -185,9 +190,9 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
             c.step = j
         if B == 1:  # the one row is active while looping
             s = s_new = apply_group(model, g, s, e_proj, caches, pos, None)
-        elif compact and n_active < B:
+        elif compact and (n_active < B or reps is not None):
             idx = active.nonzero()[:, 0]
-            s = s_new = s.index_copy(0, idx, apply_group(model, g, s[idx], e_proj[idx], caches, pos, idx))
+            s = s_new = s.index_copy(0, idx, apply_group(model, g, s[idx], e_proj[idx], caches, pos, idx, reps))
         else:
             s_new = apply_group(model, g, s, e_proj, caches, pos, active)
             s = torch.where(active[:, None, None], s_new, s)
@@ -265,7 +270,8 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     `fixed_steps`: see `loop_group`). `shared` (the oracle's rows, `decode_windows`): the
     rows come in blocks of that many with the same history and a fixed-rule `limit`, so the
     first group, whose input is the same in every row of a block, loops once per block
-    (`loop_shared`).
+    (`loop_shared`), and the lean step reads the later groups' shared history once per block
+    (`loop_group`'s `reps`).
     `states`, if given (one entry per group), receives each group's final loop state
     [B, 1, d] (before `leave_group`: what the exit monitor saw last; the gate's features).
 
@@ -281,14 +287,15 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     for kind, i in model.plan:
         if kind == "layer":
             lean = lean_of(model, [caches[i]])
-            x = model.h[i](x, caches[i], pos) if lean is None else lean.layer(i, x, caches[i].k, caches[i].v, pos)
+            x = model.h[i](x, caches[i], pos) if lean is None else lean.layer(i, x, caches[i].k, caches[i].v, pos,
+                                                                               reps=shared)
         else:
             init = None if warm is None else warm[i]
             if shared and i == first:  # the first group's input is the same in every row of a block
                 x, apps[:, i] = loop_shared(model, i, x, caches, pos, shared, limit, noise, init)
             else:
                 x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit, init,
-                                           fixed_rows, fixed_steps)
+                                           fixed_rows, fixed_steps, shared)
             if states is not None:
                 states[i] = x
             x = model.leave_group(i, x)

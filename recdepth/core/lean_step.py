@@ -47,7 +47,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recdepth.core.exits import ExitPolicy, history0, observe_step
-from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
+from recdepth.core.model import (
+    LoopedGPT,
+    add_qk_bias,
+    apply_rope,
+    attend_rows,
+    attend_shared,
+    gated_silu,
+)
 
 # Largest weight (elements) whose batch-1 product the compiled step fuses (`linear`): 1 MiB of
 # float32. Measured on the 2-core CPU: it pays at d = 128 (weights up to 512 x 128) and loses
@@ -69,6 +76,7 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 
 _STATIC: dict[str, types.FunctionType] = {}
+_RULES: dict[tuple, ExitPolicy] = {}  # `LeanSteps.loop`'s rule objects, by (name, kl_direction)
 
 
 def _static(fn: types.FunctionType) -> types.FunctionType:
@@ -144,7 +152,6 @@ class LeanSteps:
             self._loop = torch.compile(self.loop_token, fullgraph=True, dynamic=False, options=opts)
         self.fuse_loops = compile  # batch-1 loops as one graph each (`loop`); False: a compiled call per application
         self._limits: dict[tuple, Tensor] = {}
-        self._rules: dict[tuple, ExitPolicy] = {}
 
     # ---------------------------------------------------------------- the math
     def block_token(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, keep: Tensor | None, w: tuple,
@@ -251,13 +258,18 @@ class LeanSteps:
             vc.index_copy_(2, pos, kv[2 * i + 1])
         return s, n
 
-    def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: tuple) -> Tensor:
+    def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: tuple,
+                   reps: int | None = None) -> Tensor:
         """`block_token` for a compacted batch (eager): x [b, 1, d] holds the rows `rows` (an
         index into the cache's B rows) only. Their k/v are written at `pos` in those rows,
         and the attention reads positions 0 .. pos of those rows as `Block.forward` does
-        (`model.attend_rows`): the same kernels on the same operands."""
+        (`model.attend_rows`): the same kernels on the same operands. With `reps`, the rows'
+        history is shared in blocks of that many (the oracle's), read once per block
+        (`model.attend_shared`: the same attention to float rounding)."""
         q, k, v = self._qkv(x, w, self.pos[pos])
         kc[:, :, pos][rows], vc[:, :, pos][rows] = k[:, :, 0], v[:, :, 0]
+        if reps is not None:
+            return self._block_out(x, attend_shared(q, k, v, kc, vc, pos, rows, reps), w)
         return self._block_out(x, attend_rows(q, kc[:, :, : pos + 1], vc[:, :, : pos + 1], rows), w)
 
     def group_token(self, s: Tensor, e_proj: Tensor, adapter_w: Tensor, kvs: list[tuple[Tensor, Tensor]],
@@ -270,20 +282,25 @@ class LeanSteps:
         return u
 
     # ------------------------------------------------------- the engine's calls
-    def layer(self, i: int, x: Tensor, k: Tensor, v: Tensor, pos: int, keep: Tensor | None = None) -> Tensor:
+    def layer(self, i: int, x: Tensor, k: Tensor, v: Tensor, pos: int, keep: Tensor | None = None,
+              reps: int | None = None) -> Tensor:
         """Layer i for one token x [B, 1, d] (`model.h[i](x, cache, pos, keep)`) with its
-        cache tensors k, v [B, H, block_size, head_dim]."""
+        cache tensors k, v [B, H, block_size, head_dim]; with `reps` (and no `keep`), the
+        rows' history is shared in blocks of that many (`block_rows`)."""
+        if reps is not None and keep is None:
+            return self.block_rows(x, k, v, pos, torch.arange(x.shape[0], device=x.device), self.blocks[i], reps)
         step, n_ctx, masked = self._call(self._block, self._block1, x.shape[0], pos)
         return step(x, k, v, self.pos[pos], keep, self.blocks[i], n_ctx, masked)
 
     def group_rows(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
-                   rows: Tensor) -> Tensor:
+                   rows: Tensor, reps: int | None = None) -> Tensor:
         """`model.apply_group(g, s, e_proj, caches, pos, rows)` for a compacted batch: s and
-        e_proj [b, 1, d] hold the cache rows `rows` (an index) only (`block_rows`; eager,
-        compiled or not: its shapes change with every exit)."""
+        e_proj [b, 1, d] hold the cache rows `rows` (an index) only (`block_rows`, with
+        `reps` for a history shared in blocks; eager, compiled or not: its shapes change
+        with every exit)."""
         u = F.linear(s, self.model.adapters[g].state.weight) + e_proj
         for (kc, vc), w in zip(kvs, self.group_blocks[g], strict=True):
-            u = self.block_rows(u, kc, vc, pos, rows, w)
+            u = self.block_rows(u, kc, vc, pos, rows, w, reps)
         return u
 
     def group(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
@@ -306,9 +323,9 @@ class LeanSteps:
             limits = self._limits[key] = torch.tensor([tau, *key[1:]], dtype=torch.float64, device=s.device)
         gate = None if policy.gate is None else tuple(t.to(device=s.device, dtype=s.dtype) for t in policy.gate)
         key = (policy.name, policy.kl_direction)
-        rule = self._rules.get(key)  # one object per rule: the graph's guards see the same one
+        rule = _RULES.get(key)  # one object per rule, in every process-wide graph's guards
         if rule is None:
-            rule = self._rules[key] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
+            rule = _RULES[key] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
         s, n = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
                           self.group_blocks[g], limits, gate)
         return s, n.reshape(1)
