@@ -320,7 +320,8 @@ def test_attention_over_a_shared_history_equals_each_rows_own(pos, active):
     """`attend_shared` (the history read once per block of rows) equals `attend_rows` (each
     row's own cache) when every row of a block holds the same entries before pos and its
     own at pos, for every row subset, at pos 0 (only its own entry) too. float64."""
-    from recdepth.core.model import attend_rows, attend_shared
+    from recdepth.core.lean_step import attend_shared
+    from recdepth.core.model import attend_rows
 
     g = torch.Generator().manual_seed(pos)
     W, reps, H, T, hd = 3, 4, 2, 12, 8
@@ -344,26 +345,24 @@ def test_attention_over_a_shared_history_equals_each_rows_own(pos, active):
                                                               ([[1], [2], [3]], "per_step", False, None)])
 def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(groups, sharing, warm_start, bos):
     """Under the lean step the oracle's rows read their window's shared history once per
-    window (`model.attend_shared`, in the later groups and the layers outside the loops):
+    window (`lean_step.attend_shared`, in the later groups and the layers outside the loops):
     NLL at every n and the oracle's n equal the module step's (each row attending to its own
     cache), float64 to rounding, and the shared attention really ran."""
     import numpy as np
 
     from recdepth.core import decoding as D
-    from recdepth.core import model as M
+    from recdepth.core import lean_step as L
 
     m = model(groups, state_init="normal")
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(6))
     policy = exits.build("oracle", 0.02, max_steps=6)
     run = dict(n_tokens=35, seed=3, cache=sharing, batch_size=2, warm_start=warm_start, bos=bos)
     _, ref = evaluate_oracle(D.lean_steps(m, "module"), tokens, policy, **run)
-    calls, real = [], M.attend_shared
+    calls, real = [], L.attend_shared
 
     def counted(*a):
         calls.append(1)
         return real(*a)
-
-    import recdepth.core.lean_step as L
 
     L.attend_shared = counted
     try:

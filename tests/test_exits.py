@@ -34,7 +34,7 @@ import math
 import pytest
 import torch
 
-from recdepth.core import exits
+from recdepth.core import exit_step, exits
 
 EPS = 1e-6
 PATIENCE = 5  # argmax_stability's default k
@@ -455,18 +455,18 @@ def test_iterate_matches_reference(rule, limits, dtype):
 
 
 def _observe_step_loop(rule, tau, min_steps, max_steps, x0, f, decode, patience):
-    """A loop driven by `exits.observe_step` (the check the compiled whole-loop runs, with
+    """A loop driven by `exit_step.observe_step` (the check the compiled whole-loop runs, with
     tensors for n and the limits) over the batch until every row has fired; (n per row)."""
     policy = exits.build(rule, tau, min_steps=min_steps, max_steps=max_steps, patience=patience)
     limits = torch.tensor([math.nan if tau is None else tau, min_steps, max_steps, patience], dtype=torch.float64)
-    hist = exits.history0(policy, x0, _decode_weight().shape[1])
+    hist = exit_step.history0(policy, x0, _decode_weight().shape[1])
     x, n = x0, torch.zeros((), dtype=torch.long)
     n_row = torch.zeros(x0.shape[0], dtype=torch.long)
     active = torch.ones(x0.shape[0], dtype=torch.bool)
     while bool(active.any()):
         x_new = f(x)
         n = n + 1
-        fired, hist = exits.observe_step(policy, n, x, x_new, hist, limits, decode)
+        fired, hist = exit_step.observe_step(policy, n, x, x_new, hist, limits, decode)
         n_row += active
         active &= ~fired
         x = x_new

@@ -192,7 +192,7 @@ FUSED_SLOW = [("accel", (0.3, 0.1), (2, 0), {}), ("argmax_stability", None, (0, 
 
 def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
     """The compiled batch-1 loop as one graph (`LeanSteps.loop`: torch.while_loop, the rule's
-    check `exits.observe_step` inside) against the compiled step called per application with
+    check `exit_step.observe_step` inside) against the compiled step called per application with
     the eager `ExitMonitor`, and against the eager lean step: NLL within float32 rounding,
     applications identical; the fused loop really ran (for each group at every token)."""
     m = model(HUGINN, torch.float32, groups=((1,), (2,)), seed=2)  # two one-layer groups: a graph per rule

@@ -160,9 +160,9 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
     says (`state_decoder`: the head, or through the coda without writing its cache).
     Compiled at batch 1 without `limit` or `fixed_rows`, the loop is one graph
-    (`LeanSteps.loop`; `exits.observe_step` checks the rule there). `reps`: the rows' history
+    (`LeanSteps.loop`; `exit_step.observe_step` checks the rule there). `reps`: the rows' history
     is shared in blocks of that many (the oracle's, `decode_step`'s `shared`); the lean
-    step then reads it once per block (`model.attend_shared`), on the compacted rows from the
+    step then reads it once per block (`lean_step.attend_shared`), on the compacted rows from the
     first application."""
     policy = policy.group(g)
     B = e.shape[0]

@@ -17,7 +17,7 @@ from token to token, so `torch.compile` can fuse it into a few kernels once:
   layers, `group_token`) is one call;
 - compiled at batch 1, a group's whole loop for a token, its exit checks included, is one
   call (`loop`: a `torch.while_loop` whose body is the application and the rule's check,
-  `exits.observe_step`), so an application costs its kernels, not a call from Python, the
+  `exit_step.observe_step`), so an application costs its kernels, not a call from Python, the
   graph's guards and an eager check (`fuse_loops`; the engine falls back to a call per
   application for what the graph does not cover: a row limit or fixed rows, per_step
   caches, `exit.decode=coda`).
@@ -46,15 +46,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recdepth.core.exits import ExitPolicy, history0, observe_step
-from recdepth.core.model import (
-    LoopedGPT,
-    add_qk_bias,
-    apply_rope,
-    attend_rows,
-    attend_shared,
-    gated_silu,
-)
+from recdepth.core.exit_step import history0, observe_step
+from recdepth.core.exits import ExitPolicy
+from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
 
 # Largest weight (elements) whose batch-1 product the compiled step fuses (`linear`): 1 MiB of
 # float32. Measured on the 2-core CPU: it pays at d = 128 (weights up to 512 x 128) and loses
@@ -73,6 +67,30 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
     if torch.compiler.is_compiling() and x.shape[0] == 1 and w.numel() <= FUSED_MATVEC_MAX:
         return (x.unsqueeze(-2) * w).sum(-1)
     return F.linear(x, w)
+
+
+def attend_shared(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, pos: int, rows: Tensor,
+                  reps: int) -> Tensor:
+    """One token's attention at `pos` for rows whose history is shared in blocks of `reps`
+    (the oracle's N rows of a window: after each position every row of a block holds its
+    last row's entries, `recdepth.core.decoding.decode_windows`). q, k, v [b, H, 1, hd] are the cache rows
+    `rows` (an index into ck, cv [R, H, n, hd]) at `pos`: each attends to its block's
+    positions 0 .. pos − 1, read once per block from the block's last row, and to its own
+    k, v at pos (the same softmax over positions 0 .. pos as `model.attend_rows`, summed in
+    another order). Reading the history once per block, not once per row, is what pays:
+    the oracle's attention is bound by reading the cache (N = 32 rows per window)."""
+    R, H, _, hd = ck.shape
+    W, scale = R // reps, hd**-0.5
+    kp, vp = ck[reps - 1 :: reps, :, :pos], cv[reps - 1 :: reps, :, :pos]  # [W, H, pos, hd], views
+    qd = q.new_zeros(R, H, hd)
+    qd[rows] = q[:, :, 0]
+    scores = qd.view(W, reps, H, hd).transpose(1, 2) @ kp.transpose(-1, -2) * scale  # [W, H, reps, pos]
+    scores = scores.transpose(1, 2).reshape(R, H, pos)[rows]
+    p = torch.softmax(torch.cat([scores, (q[:, :, 0] * k[:, :, 0]).sum(-1, keepdim=True) * scale], -1), -1)
+    pd = q.new_zeros(R, H, pos)
+    pd[rows] = p[..., :pos]
+    y = (pd.view(W, reps, H, pos).transpose(1, 2) @ vp).transpose(1, 2).reshape(R, H, hd)[rows]  # [b, H, hd]
+    return (y + p[..., pos:] * v[:, :, 0])[:, :, None]
 
 
 _STATIC: dict[str, types.FunctionType] = {}
@@ -226,9 +244,10 @@ class LeanSteps:
                    gate: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         """A group's loop for one token (batch 1) until its rule fires, as one
         `torch.while_loop`: each iteration is `group_token` (with `block_looping`) and the
-        rule's check (`exits.observe_step`); after it, the last application's k/v are
+        rule's check (`exit_step.observe_step`); after it, the last application's k/v are
         written at `pos`, as the step-by-step loop leaves them. `rule` holds the rule's
-        name, decode and kl direction (a graph each); its numbers are in `limits`.
+        name and kl direction (a graph each; a decoding rule decodes with the head); its
+        numbers are in `limits`.
         Returns the final state [1, 1, d] and the applications [] (long)."""
         decode = self.model.decode_logits if rule.needs_decode else None
         pos = pos.clone()  # a view of self.positions, which the loop also reads: its inputs may not alias
@@ -265,7 +284,7 @@ class LeanSteps:
         and the attention reads positions 0 .. pos of those rows as `Block.forward` does
         (`model.attend_rows`): the same kernels on the same operands. With `reps`, the rows'
         history is shared in blocks of that many (the oracle's), read once per block
-        (`model.attend_shared`: the same attention to float rounding)."""
+        (`attend_shared`: the same attention to float rounding)."""
         q, k, v = self._qkv(x, w, self.pos[pos])
         kc[:, :, pos][rows], vc[:, :, pos][rows] = k[:, :, 0], v[:, :, 0]
         if reps is not None:
@@ -315,7 +334,7 @@ class LeanSteps:
              policy: ExitPolicy) -> tuple[Tensor, Tensor]:
         """Group g's loop for one token at batch 1 under its one-group `policy`, compiled whole
         (`loop_token`): the final state [1, 1, d] and the applications [1]. For the compiled
-        step only (`fuses`)."""
+        step only (`fuse_loops`)."""
         key = (policy.tau, policy.min_steps, policy.max_steps, policy.patience)
         limits = self._limits.get(key)
         if limits is None:

@@ -175,30 +175,6 @@ def attend_rows(q: Tensor, ck: Tensor, cv: Tensor, rows: Tensor) -> Tensor:
     return F.scaled_dot_product_attention(qf, ck, cv)[rows]
 
 
-def attend_shared(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, pos: int, rows: Tensor,
-                  reps: int) -> Tensor:
-    """One token's attention at `pos` for rows whose history is shared in blocks of `reps`
-    (the oracle's N rows of a window: after each position every row of a block holds its
-    last row's entries, `decoding.decode_windows`). q, k, v [b, H, 1, hd] are the cache rows
-    `rows` (an index into ck, cv [R, H, n, hd]) at `pos`: each attends to its block's
-    positions 0 .. pos − 1, read once per block from the block's last row, and to its own
-    k, v at pos (the same softmax over positions 0 .. pos as `attend_rows`, summed in
-    another order). Reading the history once per block, not once per row, is what pays:
-    the oracle's attention is bound by reading the cache (N = 32 rows per window)."""
-    R, H, _, hd = ck.shape
-    W, scale = R // reps, hd**-0.5
-    kp, vp = ck[reps - 1 :: reps, :, :pos], cv[reps - 1 :: reps, :, :pos]  # [W, H, pos, hd], views
-    qd = q.new_zeros(R, H, hd)
-    qd[rows] = q[:, :, 0]
-    scores = qd.view(W, reps, H, hd).transpose(1, 2) @ kp.transpose(-1, -2) * scale  # [W, H, reps, pos]
-    scores = scores.transpose(1, 2).reshape(R, H, pos)[rows]
-    p = torch.softmax(torch.cat([scores, (q[:, :, 0] * k[:, :, 0]).sum(-1, keepdim=True) * scale], -1), -1)
-    pd = q.new_zeros(R, H, pos)
-    pd[rows] = p[..., :pos]
-    y = (pd.view(W, reps, H, pos).transpose(1, 2) @ vp).transpose(1, 2).reshape(R, H, hd)[rows]  # [b, H, hd]
-    return (y + p[..., pos:] * v[:, :, 0])[:, :, None]
-
-
 def gated_silu(h: Tensor) -> Tensor:
     """SiLU(a) ⊙ b for h = [a, b] split into halves along the last dimension (the first
     half gated by SiLU, the second linear) (docs/spec.md §1b; reference:
