@@ -15,6 +15,8 @@ Core (recdepth/core/): the math, torch and numpy only
   core/gate.py          the learned exit gate: labels, logistic fit, the gate's probability, and
                         the parallel pass's states and depth-wise losses (SPEC §3c)
   core/exits.py         early-exit rules (the gate's too) and the reference `iterate` loop
+  core/exit_step.py     an exit rule's check over tensors, for a loop compiled whole (the
+                        compiled step's batch-1 loop, torch.while_loop)
   core/kv_cache.py      the K/V caches of decoding: one entry per position ("latest") or per
                         application ("per_step"), each row owning its entries
   core/state_decode.py  what the decoding rules decode a loop state with: the LM head, or
@@ -25,7 +27,8 @@ Core (recdepth/core/): the math, torch and numpy only
   core/scoring.py       held-out text scored under exit rules with the engine: evaluate_exit(s)
                         (quality, cost, batch-1 latency), task answers, the oracle bound
   core/lean_step.py     the lean decode step: one token's layers in static shapes, eager or
-                        torch.compile'd (eval.step)
+                        torch.compile'd (eval.step); compiled at batch 1, a group's whole loop
+                        as one graph; the oracle's rows reading their shared history once
   core/gate_states.py   the learned gate's data from the states the decoding engine visits
   core/calibration.py   the search that calibrates an exit rule per group to a CE-increase or
                         application target (real decodes of a calibration split)
