@@ -341,10 +341,10 @@ class LeanSteps:
             tau = math.nan if policy.tau is None else policy.tau
             limits = self._limits[key] = torch.tensor([tau, *key[1:]], dtype=torch.float64, device=s.device)
         gate = None if policy.gate is None else tuple(t.to(device=s.device, dtype=s.dtype) for t in policy.gate)
-        key = (policy.name, policy.kl_direction)
-        rule = _RULES.get(key)  # one object per rule, in every process-wide graph's guards
+        which = (policy.name, policy.kl_direction)
+        rule = _RULES.get(which)  # one object per rule, in every process-wide graph's guards
         if rule is None:
-            rule = _RULES[key] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
+            rule = _RULES[which] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
         s, n = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
                           self.group_blocks[g], limits, gate)
         return s, n.reshape(1)
