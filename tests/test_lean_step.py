@@ -144,13 +144,66 @@ def test_latency_step_times_with_its_step_and_leaves_the_quality_pass_alone(monk
         assert ev["latency_tokens"] == 12 and ev["repeats"] == 2
 
 
+def test_auto_latency_step_compiles_a_sweep_where_a_compiler_is(monkeypatch):
+    """eval.latency_step=auto (the default): the compiled step for the latency passes of at
+    least AUTO_COMPILE_SETTINGS settings on a CPU with a C++ compiler, else the quality
+    pass's step; an explicit step is kept whatever the count."""
+    m = model(PLAIN, torch.float32)
+    n = S.AUTO_COMPILE_SETTINGS
+    for found in (True, False):
+        monkeypatch.setattr(S, "has_cpp_compiler", lambda found=found: found)
+        assert S.latency_step_for(m, "auto", n) == ("compiled" if found else None)
+        assert S.latency_step_for(m, "auto", n - 1) is None and S.latency_step_for(m, "auto", 1) is None
+        for step in (None, "module", "lean", "compiled"):
+            assert S.latency_step_for(m, step, 1) == S.latency_step_for(m, step, n) == step
+    assert EvalConfig().latency_step == "auto"
+
+
+@pytest.mark.parametrize("settings", [2, 3])
+def test_auto_latency_step_reaches_the_timed_passes(monkeypatch, settings):
+    """evaluate_exits hands the latency passes the step auto resolves to for its count of
+    timed settings (the oracle, decoded alone, not among them), and evaluate_exit, one
+    setting, keeps eval.step: seen at `timed_with`, the eval blocks name the step used."""
+    m = model(PLAIN, torch.float32)
+    tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
+    monkeypatch.setattr(S, "has_cpp_compiler", lambda: True)
+    monkeypatch.setattr(S, "AUTO_COMPILE_SETTINGS", 3)
+    asked, real = [], S.timed_with
+    monkeypatch.setattr(S, "timed_with", lambda model, step: asked.append(step) or real(model, "lean" if step else None))
+    policies = [build("fixed", None, max_steps=k) for k in range(1, settings + 1)] + [build("oracle", 0.01, max_steps=3)]
+    kw = dict(warmup_tokens=1, seed=5, step="module", latency_tokens=3, repeats=1, latency_step="auto")
+    out = S.evaluate_exits(m, tokens, policies, 20, max_rows=4, **kw)
+    assert asked == (["compiled"] if settings >= 3 else [None])  # the oracle: no latency pass
+    assert [ev["latency_step"] for ev, _ in out[:-1]] == ["lean" if settings >= 3 else "module"] * settings
+    asked.clear()
+    ev, _ = S.evaluate_exit(m, tokens, policies[0], 20, batch_size=4, **kw)
+    assert asked == [None] and ev["latency_step"] == "module"
+
+
+def test_has_cpp_compiler_follows_torchs_search(monkeypatch):
+    """`runtime.has_cpp_compiler`: True where torch's compiler search answers, False where it
+    raises (no compiler on the machine)."""
+    from torch._inductor import cpp_builder
+
+    from recdepth.core import runtime
+
+    def missing():
+        raise RuntimeError("no C++ compiler")
+
+    for search, found in ((lambda: "g++", True), (missing, False)):
+        monkeypatch.setattr(cpp_builder, "get_cpp_compiler", search)
+        runtime.has_cpp_compiler.cache_clear()
+        assert runtime.has_cpp_compiler() is found
+    runtime.has_cpp_compiler.cache_clear()
+
+
 def test_bad_step_is_one_line():
     m = model(PLAIN, torch.float32)
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         D.lean_steps(m, "fast")
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         EvalConfig(step="fast")
-    bad = r"^eval\.latency_step: expected null or one of module, lean, compiled, got 'fast'$"
+    bad = r"^eval\.latency_step: expected null, auto or one of module, lean, compiled, got 'fast'$"
     with pytest.raises(ValueError, match=bad):
         EvalConfig(latency_step="fast")
     tokens = torch.randint(0, 40, (30,), generator=torch.Generator().manual_seed(3))

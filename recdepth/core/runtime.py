@@ -31,6 +31,19 @@ def tune_cpu_allocator() -> bool:
 
 
 @functools.cache
+def has_cpp_compiler() -> bool:
+    """Whether torch.compile's CPU backend (inductor) finds a C++ compiler on this machine
+    (`eval.latency_step=auto`: compile the latency passes only where they can be)."""
+    try:  # torch's own search (CXX, g++, clang++)
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        get_cpp_compiler()
+    except Exception:  # no compiler found (InvalidCxxCompiler), or a torch without this module
+        return False
+    return True
+
+
+@functools.cache
 def measured_cpu_peak_flops(n: int = 1024, seconds: float = 0.5) -> float:
     """The best fp32 matmul FLOP/s this process reaches on a square GEMM: the honest
     denominator of MFU on a CPU whose vendor peak is unknown."""

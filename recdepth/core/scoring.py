@@ -35,13 +35,33 @@ from recdepth.core.decoding import (
 from recdepth.core.exits import ORACLE, ExitPolicy, build
 from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
+from recdepth.core.runtime import has_cpp_compiler
 from recdepth.core.state_decode import has_coda
+
+AUTO = "auto"  # eval.latency_step: the compiled step where it is measured to pay (`latency_step_for`)
+# auto compiles the latency passes of at least this many settings in one process (a sweep's
+# shared pass): a compile costs about 5 s per rule and group length on the 2-core CPU and
+# saves about 4 ms a timed token (768 a setting at the defaults); docs/results.md
+AUTO_COMPILE_SETTINGS = 8
 
 
 def check_latency_step(step: str | None) -> None:
-    """`eval.latency_step`: None or one of `STEPS`, checked before any decoding."""
-    if step is not None and step not in STEPS:
-        raise ValueError(f"eval.latency_step: expected null or one of {', '.join(STEPS)}, got {step!r}")
+    """`eval.latency_step`: None, `AUTO` or one of `STEPS`, checked before any decoding."""
+    if step is not None and step != AUTO and step not in STEPS:
+        raise ValueError(f"eval.latency_step: expected null, {AUTO} or one of {', '.join(STEPS)}, got {step!r}")
+
+
+def latency_step_for(model: LoopedGPT, step: str | None, settings: int) -> str | None:
+    """The step the batch-1 latency passes of `settings` settings timed in this process take
+    for `eval.latency_step` = `step` (`timed_with`'s argument; None: as the quality pass).
+    `auto`: "compiled" where it was measured to pay (`make frontier` 461 -> 356-410 s on the
+    2-core CPU; docs/results.md): at least `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a
+    C++ compiler for torch.compile; else None. A GPU keeps its quality pass's step (the
+    compiled loop is unmeasured there)."""
+    if step != AUTO:
+        return step
+    on_cpu = next(model.parameters()).device.type == "cpu"
+    return "compiled" if settings >= AUTO_COMPILE_SETTINGS and on_cpu and has_cpp_compiler() else None
 
 
 @contextmanager
@@ -125,7 +145,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     `context_steps`: see `decode_windows` (every pass, the timed ones included).
     `step` (`eval.step`): how a token's layers are computed, `lean_steps` (None: as the
     model decodes now, `step_of`); `latency_step` (`eval.latency_step`): the same for the
-    batch-1 latency passes only (None: `step`; `timed_with`), recorded as `latency_step`.
+    batch-1 latency passes only (None: `step`; `auto`: `latency_step_for` one setting, i.e.
+    `step`; `timed_with`), recorded as `latency_step`.
     """
     check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
     check_latency_step(latency_step)
@@ -159,7 +180,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
     n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
-    with timed_with(model, latency_step if n_lat > 0 else None) as ev["latency_step"]:
+    with timed_with(model, latency_step_for(model, latency_step, 1) if n_lat > 0 else None) as ev["latency_step"]:
         if n_lat > 0 and ev["latency_step"] != ev["step"]:  # its first calls (a compile) untimed too
             warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
         timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos,
@@ -218,7 +239,8 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     machine spreads over all of them. The oracle (it reads the target) runs on its own.
     Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
     `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
-    the number of settings decoded side by side. `step`, `latency_step`: as `evaluate_exit`'s."""
+    the number of settings decoded side by side. `step`, `latency_step`: as `evaluate_exit`'s
+    (`auto` decided for the settings timed here, `latency_step_for`)."""
     check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
     check_latency_step(latency_step)
     if step is not None:
@@ -242,7 +264,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
         n_lat = n_scored if latency_tokens is None else min(latency_tokens, n_scored)
         timings: dict[int, list] = {k: [] for k in loops}
         batched_step = step_of(model)
-        with timed_with(model, latency_step if n_lat > 0 else None) as timed_step:
+        with timed_with(model, latency_step_for(model, latency_step, len(loops)) if n_lat > 0 else None) as timed_step:
             for k in loops if n_lat > 0 and timed_step != batched_step else ():  # its first calls untimed too
                 warm_up(model, tokens_d, policies[k], cache, warmup_tokens, seed, warm_start)
             for _ in range(repeats if n_lat > 0 else 0):

@@ -348,14 +348,16 @@ class EvalConfig(DecodeConfig):
     """The first this many tokens timed again at batch 1 (ms/token; >= 0) ..."""
     repeats: int = 3
     """... this many times (>= 1): median and min-max."""
-    latency_step: str | None = None
-    """How those batch-1 latency passes compute a token's layers: null = as eval.step, or
-    module | lean | compiled. The quality pass keeps eval.step; the two are equal up to
-    float rounding, and each job's `batch_check` counts timed tokens whose applications
-    differ. `compiled` ran the default model's frontier latency passes 1.33x faster on
-    the 2-core CPU (the whole `make frontier` 1.07-1.11x; docs/results.md), but needs a C++
-    compiler and 10-30 s of compiling per process; its first calls (the compile) run in
-    the untimed warm-up."""
+    latency_step: str | None = "auto"
+    """How those batch-1 latency passes compute a token's layers: null = as eval.step,
+    module | lean | compiled, or auto (the default) = compiled where it is measured to pay,
+    else as eval.step: a process timing at least 8 settings (a sweep's shared pass: `make
+    frontier`, the report) on a CPU with a C++ compiler (`scoring.latency_step_for`). The
+    quality pass keeps eval.step; the two are equal up to float rounding, and each job's
+    `batch_check` counts timed tokens whose applications differ. `compiled` made the default
+    model's `make frontier` 461 -> 356 s (410 s with inductor's cache empty: about 54 s of
+    compiling) on the 2-core CPU (docs/results.md); its first calls (the compile) run in the
+    untimed warm-up."""
     warmup_tokens: int = 8
     """Untimed decode steps before timing starts (>= 0)."""
     answers: bool | None = None
