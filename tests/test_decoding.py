@@ -215,6 +215,29 @@ def test_kl_is_finite_with_a_padded_vocabulary():
     assert kl.item() == __import__("pytest").approx((p * (p / q).log()).sum().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kl_and_entropy_sum_as_the_zeroed_terms_do(dtype):
+    """`kl_divergence` and `entropy` sum p·(...) with `nansum` (one pass): the same bits as
+    zeroing the p = 0 terms with `where` and summing (the form they replaced, whose value
+    the recorded frontiers hold), on a padded vocabulary and on rows whose p underflows to
+    0, and a float64 reference over the unpadded entries within rounding."""
+    g = torch.Generator().manual_seed(4)
+    scale = 30 if dtype == torch.float32 else 250  # log p down to -240 | -2000: some p underflow to 0
+    z = scale * torch.randn(64, 19200, generator=g, dtype=dtype)
+    z2 = z + 0.3 * torch.randn(64, 19200, generator=g, dtype=dtype)
+    z[:, 19000:], z2[:, 19000:] = float("-inf"), float("-inf")  # the padded entries
+    new, old = z.log_softmax(-1), z2.log_softmax(-1)
+    p = new.exp()
+    assert (p[:, :19000] == 0).any()
+    assert torch.equal(exits.kl_divergence(new, old), torch.where(p > 0, p * (new - old), 0.0).sum(-1))
+    assert torch.equal(exits.entropy(new), -torch.where(p > 0, p * new, 0.0).sum(-1))
+    n64, o64 = new[:, :19000].double(), old[:, :19000].double()
+    ref = (n64.exp() * (n64 - o64)).sum(-1)
+    tol = 1e-12 if dtype == torch.float64 else 1e-4
+    assert torch.allclose(exits.kl_divergence(new, old).double(), ref, rtol=tol, atol=tol)
+    assert torch.allclose(exits.entropy(new).double(), -(n64.exp() * n64).sum(-1), rtol=tol, atol=tol)
+
+
 # Every rule, with a τ at which it exits at varied n on this model (argmax_stability: its k),
 # and per-group values (this model has two groups).
 RULES = [("fixed", None, {}), ("stepnorm", 0.3, {}), ("stepnorm_rel", 0.05, {}), ("kl", 1e-3, {}), ("accel", 0.5, {}),
