@@ -91,20 +91,21 @@ class MixedMonitor:
         self.decode = decode
         self._x: Tensor | None = None
         self._logits: Tensor | None = None
-        self._sub: Tensor | None = None  # the rows decoded, if not every row
+        self._sub: Tensor | slice | None = None  # the rows decoded, if not every row
         at = None  # a row's place among the decoded rows
         need = [rows for p, rows in policy.rows if p.needs_decode]
         if need and policy.decode == "head":
             sub = torch.cat(need).sort().values
             if len(sub) < x0.shape[0]:
-                self._sub = sub
+                self._sub = _block(sub)
                 at = torch.full((x0.shape[0],), -1, dtype=torch.long, device=x0.device)
                 at[sub] = torch.arange(len(sub), device=x0.device)
-        self.parts = [(rows, p.monitor(x0[rows], self._rows_decoder(rows if at is None else at[rows])
-                                       if p.needs_decode else None))
+        self.parts = [(_block(rows), p.monitor(x0[_block(rows)],
+                                               self._rows_decoder(_block(rows if at is None else at[rows]))
+                                               if p.needs_decode else None))
                       for p, rows in policy.rows]
 
-    def _rows_decoder(self, idx: Tensor) -> Callable[[Tensor], Tensor]:
+    def _rows_decoder(self, idx: Tensor | slice) -> Callable[[Tensor], Tensor]:
         def decode(_x_rows: Tensor) -> Tensor:  # the rows' states, decoded with the other decoding rows
             if self._logits is None:
                 self._logits = self.decode(self._x if self._sub is None else self._x[self._sub])
@@ -117,3 +118,13 @@ class MixedMonitor:
         for rows, mon in self.parts:
             fired[rows] = mon.observe(x_new[rows])
         return fired
+
+
+def _block(rows: Tensor) -> Tensor | slice:
+    """A setting's rows as a slice where they are one block (a sweep's batch holds each
+    setting's windows side by side): reading them is then a view, not a copy of their
+    states and logits (a kl setting's rows × V at every application); else the index."""
+    if rows.numel() and int(rows[-1]) - int(rows[0]) + 1 == rows.numel():
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows
+
