@@ -54,8 +54,8 @@ def check_latency_step(step: str | None) -> None:
 def latency_step_for(model: LoopedGPT, step: str | None, settings: int) -> str | None:
     """The step the batch-1 latency passes of `settings` settings timed in this process take
     for `eval.latency_step` = `step` (`timed_with`'s argument; None: as the quality pass).
-    `auto`: "compiled" where it was measured to pay (`make frontier` 461 -> 356-410 s on the
-    2-core CPU; docs/results.md): at least `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a
+    `auto`: "compiled" where it was measured to pay (`make frontier` 456 -> 404 s on the
+    2-core CPU with inductor's cache empty; docs/results.md): at least `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a
     C++ compiler for torch.compile; else None. A GPU keeps its quality pass's step (the
     compiled loop is unmeasured there)."""
     if step != AUTO:

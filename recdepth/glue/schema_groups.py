@@ -355,8 +355,8 @@ class EvalConfig(DecodeConfig):
     frontier`, the report) on a CPU with a C++ compiler (`scoring.latency_step_for`). The
     quality pass keeps eval.step; the two are equal up to float rounding, and each job's
     `batch_check` counts timed tokens whose applications differ. `compiled` made the default
-    model's `make frontier` 461 -> 356 s (410 s with inductor's cache empty: about 54 s of
-    compiling) on the 2-core CPU (docs/results.md); its first calls (the compile) run in the
+    model's `make frontier` 456 -> 404 s with inductor's cache empty (about 54 s of it
+    compiling; 356 s warm) on the 2-core CPU (docs/results.md); its first calls (the compile) run in the
     untimed warm-up."""
     warmup_tokens: int = 8
     """Untimed decode steps before timing starts (>= 0)."""
