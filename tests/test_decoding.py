@@ -575,6 +575,31 @@ def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
     assert varied >= len(policies) - 1  # all but fixed exit at varied n
 
 
+def test_a_mixed_batch_stops_decoding_a_setting_whose_rows_have_all_exited(monkeypatch):
+    """MixedMonitor: once every row of a decoding setting has exited, the head no longer
+    decodes its rows while a slower setting of the batch loops on. kl at a τ it always
+    meets exits at its first check (n = 2) beside fixed at 10: the monitor decodes kl's 2
+    rows twice per group and position, not 10 times; the records are each setting's own."""
+    import numpy as np
+
+    from recdepth.core.scoring import decode_settings
+
+    m = model([[1], [2, 3]], state_init="normal")
+    tokens = torch.randint(0, 60, (30,), generator=torch.Generator().manual_seed(6))
+    policies = [exits.build("kl", 1e9, max_steps=10), exits.build("fixed", None, max_steps=10)]
+    calls, real = [], LoopedGPT.decode_logits
+    monkeypatch.setattr(LoopedGPT, "decode_logits", lambda self, x: calls.append((x.dim(), x.shape[0])) or real(self, x))
+    recs, _ = decode_settings(m, tokens, policies, n_tokens=24, seed=3, max_rows=4)  # 2 windows x 2 settings
+    monkeypatch.undo()
+    monitor = [rows for dim, rows in calls if dim == 2]  # the monitor's [rows, d]; the next-token logits are [B, 1, d]
+    positions = sum(dim == 3 for dim, _ in calls)
+    assert positions == 12 and set(monitor) == {2} and len(monitor) == 2 * 2 * positions
+    assert (recs[0]["apps"] == 2).all() and (recs[1]["apps"] == 10).all()
+    for p, rec in zip(policies, recs, strict=True):
+        _, alone = evaluate_exit(m, tokens, p, n_tokens=24, batch_size=2, latency_tokens=0, seed=3)
+        assert np.abs(rec["nll"] - alone["nll"]).max() < 1e-10 and (rec["apps"] == alone["apps"]).all()
+
+
 def test_mixed_settings_with_context_steps_equal_each_alone():
     """eval.context_steps (a task's prompt at fixed depth) under mixed settings."""
     import numpy as np

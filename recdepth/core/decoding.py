@@ -209,7 +209,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
                 return s, n
             continue
         n += active
-        fired = _forced(monitor.observe(s_new[:, 0]), n, fixed_rows, fixed_steps, limit)
+        fired = _forced(monitor.observe(s_new[:, 0], active), n, fixed_rows, fixed_steps, limit)
         active = active & ~fired
         n_active = int(active.sum())
         if n_active == 0:

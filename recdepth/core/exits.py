@@ -265,7 +265,9 @@ class ExitMonitor:
         if policy.name == GATE:  # the gate's weights where the state is
             self.gate_w, self.gate_b = (t.to(device=x0.device, dtype=x0.dtype) for t in policy.gate)
 
-    def observe(self, x_new: Tensor) -> Tensor:
+    def observe(self, x_new: Tensor, active: Tensor | None = None) -> Tensor:
+        """`active` (the rows still looping) is for `MixedMonitor`, which skips settings
+        whose rows have all exited; one setting computes every row's statistic in one call."""
         p = self.p
         self.n += 1
         N = x_new.shape[0]

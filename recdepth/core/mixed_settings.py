@@ -85,38 +85,69 @@ class MixedMonitor:
     rows. Under exit.decode=head (the head decodes each row on its own) only the rows of
     the settings that decode are decoded: a kl setting beside fixed and stepnorm ones
     costs the head on its own rows, not the batch's (the head was 37% of a frontier sweep's
-    shared decode, measured). The coda reads every row's cache, so it decodes the batch."""
+    shared decode, measured). The coda reads every row's cache, so it decodes the batch.
+
+    `observe(x_new, active)`: a setting none of whose rows is still looping is not observed
+    again (its rows' history is never read again), and under exit.decode=head its rows
+    leave the decoded set, so a kl setting whose rows have all exited no longer pays the
+    head while a slower setting of its batch loops on."""
 
     def __init__(self, policy: MixedPolicy, x0: Tensor, decode: Callable[[Tensor], Tensor] | None):
         self.decode = decode
         self._x: Tensor | None = None
         self._logits: Tensor | None = None
         self._sub: Tensor | slice | None = None  # the rows decoded, if not every row
-        at = None  # a row's place among the decoded rows
-        need = [rows for p, rows in policy.rows if p.needs_decode]
-        if need and policy.decode == "head":
-            sub = torch.cat(need).sort().values
-            if len(sub) < x0.shape[0]:
-                self._sub = _block(sub)
-                at = torch.full((x0.shape[0],), -1, dtype=torch.long, device=x0.device)
-                at[sub] = torch.arange(len(sub), device=x0.device)
-        self.parts = [(_block(rows), p.monitor(x0[_block(rows)],
-                                               self._rows_decoder(_block(rows if at is None else at[rows]))
-                                               if p.needs_decode else None))
-                      for p, rows in policy.rows]
+        self._head = policy.decode == "head"  # decode the decoding settings' rows only
+        self._rows = [rows for _, rows in policy.rows]
+        self._live = [True] * len(self._rows)  # settings with a row still looping
+        self._members = [rows.tolist() for rows in self._rows]  # for the liveness check, in Python
+        self.parts = [(_block(rows), p.monitor(x0[_block(rows)], self._rows_decoder(k) if p.needs_decode else None))
+                      for k, (p, rows) in enumerate(policy.rows)]
+        self._decoding = [k for k, (p, _) in enumerate(policy.rows) if p.needs_decode]
+        self._at: list[Tensor | slice | None] = [None] * len(self._rows)  # a setting's place among the decoded rows
+        self._place(x0.shape[0], x0.device)
 
-    def _rows_decoder(self, idx: Tensor | slice) -> Callable[[Tensor], Tensor]:
+    def _place(self, B: int, device: torch.device) -> None:
+        """The decoded rows (`_sub`) and each decoding setting's place among them (`_at`),
+        for the live decoding settings."""
+        need = [k for k in self._decoding if self._live[k]]
+        if not self._head or not need:
+            self._sub = None
+            for k in need:
+                self._at[k] = _block(self._rows[k])
+            return
+        sub = torch.cat([self._rows[k] for k in need]).sort().values
+        at = None  # a row's place among the decoded rows
+        if len(sub) < B:
+            at = torch.full((B,), -1, dtype=torch.long, device=device)
+            at[sub] = torch.arange(len(sub), device=device)
+        self._sub = _block(sub) if len(sub) < B else None
+        for k in need:
+            self._at[k] = _block(self._rows[k] if at is None else at[self._rows[k]])
+
+    def _rows_decoder(self, k: int) -> Callable[[Tensor], Tensor]:
         def decode(_x_rows: Tensor) -> Tensor:  # the rows' states, decoded with the other decoding rows
             if self._logits is None:
                 self._logits = self.decode(self._x if self._sub is None else self._x[self._sub])
-            return self._logits[idx]
+            return self._logits[self._at[k]]
         return decode
 
-    def observe(self, x_new: Tensor) -> Tensor:
+    def observe(self, x_new: Tensor, active: Tensor | None = None) -> Tensor:
+        """Fired rows [B] after this application; `active` [B] (bool), if given: the rows
+        still looping (the others' results are not read)."""
         self._x, self._logits = x_new, None
+        if active is not None:
+            flags = active.tolist()
+            live = [any(flags[r] for r in rows) for rows in self._members]
+            if live != self._live:
+                dropped = any(self._live[k] and not live[k] for k in self._decoding)
+                self._live = live
+                if dropped:
+                    self._place(x_new.shape[0], x_new.device)
         fired = torch.zeros(x_new.shape[0], dtype=torch.bool, device=x_new.device)
-        for rows, mon in self.parts:
-            fired[rows] = mon.observe(x_new[rows])
+        for (rows, mon), live in zip(self.parts, self._live, strict=True):
+            if live:
+                fired[rows] = mon.observe(x_new[rows])
         return fired
 
 
