@@ -55,8 +55,8 @@ def latency_step_for(model: LoopedGPT, step: str | None, settings: int) -> str |
     """The step the batch-1 latency passes of `settings` settings timed in this process take
     for `eval.latency_step` = `step` (`timed_with`'s argument; None: as the quality pass).
     `auto`: "compiled" where it was measured to pay (`make frontier` 456 -> 404 s on the
-    2-core CPU with inductor's cache empty; docs/results.md): at least `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a
-    C++ compiler for torch.compile; else None. A GPU keeps its quality pass's step (the
+    2-core CPU with inductor's cache empty; docs/results.md): at least
+    `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a C++ compiler for torch.compile; else None. A GPU keeps its quality pass's step (the
     compiled loop is unmeasured there)."""
     if step != AUTO:
         return step
