@@ -25,7 +25,7 @@ first generated token: tokens/s, speedups and acceptance rate, CIs over prompts.
 decode cost and memory of Huginn-0125 (an estimate).
 
 `python -m recdepth.bench ltt --ckpt PATH` checks the guarantee of Learn-then-Test calibration
-(docs/spec.md §4e): one rule's path decoded once over held-out windows, then LTT and the
+(docs/spec.md §4e; the protocol: docs/results/calibration.md): one rule's path decoded once over held-out windows, then LTT and the
 empirical search on many random calibration/test halvings of them: violation rates with
 95% intervals, and the layer applications each method's answer costs.
 
@@ -182,7 +182,7 @@ def _median_time(fn, reps: int, warmup: int = 3) -> float:
 @torch.no_grad()
 def bench_exits(args) -> dict:
     """Latency / throughput / compute per exit rule and τ, and the cost of the exit check."""
-    from recdepth.core import exits
+    from recdepth import exits
     from recdepth.core.decoding import decode_step
     from recdepth.core.kv_cache import new_caches
     from recdepth.core.scoring import evaluate_exit
@@ -223,7 +223,7 @@ def bench_exits(args) -> dict:
     print(f"\n{'rule':16s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
           f"{'tok/s b' + str(args.batch_large):>10s} {'ratio':>6s} {'mean apps':>10s}  per group")
     for name in args.rules:
-        for tau in ([None] if exits.ALIASES.get(name, name) in exits.NO_TAU else args.taus):  # τ-free: once
+        for tau in (args.taus if exits.lookup(exits.canonical(name)).takes_tau else [None]):  # τ-free: once
             policy = exits.build(name, tau, max_steps=args.max_steps)
             ev, _ = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
             tps = throughput(policy)
@@ -291,8 +291,8 @@ def _decode_seconds(model: LoopedGPT, tokens, n: int, reps: int) -> float:
     """Median seconds of one decode step at batch 1 with n applications per group, for the
     last of `tokens` after the others filled the cache (at one application each: cheap)."""
     from recdepth.core.decoding import decode_step
-    from recdepth.core.exits import build
     from recdepth.core.kv_cache import new_caches
+    from recdepth.exits.policy import build
 
     caches = new_caches(model, 1, model.cfg.block_size, "latest")
     one, policy = build("fixed", None, max_steps=1), build("fixed", None, max_steps=n)
@@ -371,7 +371,7 @@ def main(argv=None):
                    help="callbacks: trainer.max_steps of both runs (default: the config's 800)")
     p.add_argument("--ckpt", default=None, help="exits: a training checkpoint (default: a fresh cpu-size model)")
     p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"],
-                   help="exits: rules (any of recdepth.core.exits.RULES, e.g. entropy_diff cosine argmax_stability)")
+                   help="exits: rules (any registered rule, recdepth/exits/rules.py, e.g. entropy_diff cosine argmax_stability)")
     p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
     p.add_argument("--tokens", type=int, default=256,
                    help="exits: tokens scored at batch 1 per rule and τ; settings, oracle: test-split tokens")

@@ -1,6 +1,6 @@
 """`recdepth bench decode`: the cost of one layer application in token-by-token decoding,
 per way of computing it (`eval.step`: module, lean, compiled), beside its arithmetic
-lower bound (issue 23).
+lower bound (results: docs/results/decode-speed.md).
 
 For each shape (the default model, or `--ckpt`'s, and the paper's d = 768) and batch size,
 the cache is filled to `--context` positions and one decode step at the next position is
@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from recdepth.core.decoding import STEPS, decode_step, lean_steps
-from recdepth.core.exits import build
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
 from recdepth.core.scoring import evaluate_exit
+from recdepth.exits.policy import build
 
 GROUPS = [[4], [5, 6], [7]]  # the default model's recurrence groups (conf/model/grouped.yaml)
 

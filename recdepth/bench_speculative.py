@@ -1,5 +1,5 @@
 """`recdepth bench speculative --ckpt PATH`: self-speculative against ordinary greedy
-decoding, timed fairly (docs/results.md; recdepth/core/generation.py). See recdepth/bench.py for
+decoding, timed fairly (docs/results/speculative.md; recdepth/core/generation.py). See recdepth/bench.py for
 the benches and their options."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def speculative_medians(rows: list[dict], resamples: int = 1000, seed: int = 0) 
 @torch.no_grad()
 def bench_speculative(args) -> dict:
     """Self-speculative against ordinary greedy decoding on a checkpoint's test split,
-    timed fairly (issue 21).
+    timed fairly (docs/results/speculative.md).
 
     Prompts: the first `prompt_len` tokens of each of the first `prompts` windows of the
     held-out stream (`heldout_tokens` from offset 0, windows of block_size: the test split,
@@ -74,8 +74,8 @@ def bench_speculative(args) -> dict:
     import numpy as np
 
     from recdepth.core import stats
-    from recdepth.core.exits import build
     from recdepth.core.generation import greedy, speculative
+    from recdepth.exits.policy import build
     from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
     P, n, N = args.prompt_len, args.prompts, args.new_tokens

@@ -40,8 +40,8 @@ def bench_ltt(args) -> dict:
     import numpy as np
 
     from recdepth.core import ltt
-    from recdepth.core.exits import build
     from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
+    from recdepth.exits.policy import build
     from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
     tune_cpu_allocator()
@@ -272,7 +272,7 @@ def bench_settings(args) -> dict:
     """A frontier grid's quality pass, setting by setting against one mixed batch."""
     import numpy as np
 
-    from recdepth.core import exits
+    from recdepth import exits
     from recdepth.core.scoring import decode_settings, evaluate_exit
     from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
 
@@ -317,9 +317,9 @@ def bench_oracle(args) -> dict:
 
     import numpy as np
 
-    from recdepth.core.exits import build
     from recdepth.core.model import GPTConfig, LoopedGPT
     from recdepth.core.scoring import evaluate_oracle
+    from recdepth.exits.policy import build
 
     tune_cpu_allocator()
     if args.ckpt is not None:

@@ -40,8 +40,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core.exits import build
 from recdepth.core.scoring import evaluate_exit
+from recdepth.exits.policy import build
 from recdepth.glue import token_files
 from recdepth.glue.calibrating import (
     calibrate_ltt,

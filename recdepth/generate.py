@@ -19,7 +19,7 @@ The text goes to stdout as the tokens come (the log to stderr). The run director
     config.yaml      the resolved config
 
 Text <-> ids: a recdepth checkpoint carries its vocabulary (the compact map the data module
-built, `vocab_to_gpt2`), so text is GPT-2 BPE mapped into it (`recdepth.glue.vocab.Vocab`), with
+built, `vocab_to_gpt2`), so text is GPT-2 BPE mapped into it (`recdepth.data.vocabulary.Vocab`), with
 no corpus read; a prompt token outside the compact vocabulary becomes its "other" entry
 (logged). `prompt_ids` are model ids and need no tokenizer.
 """
@@ -33,10 +33,10 @@ import torch
 from omegaconf import DictConfig
 
 from recdepth.core.decoding import lean_steps, warm_up
-from recdepth.core.exits import ExitPolicy
 from recdepth.core.generation import Generation, greedy, speculative
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import has_coda
+from recdepth.exits.policy import ExitPolicy
 from recdepth.glue.checkpoints import resolve_device
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.config import exit_policy

@@ -53,10 +53,11 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth import sweep
 from recdepth.core import calibration, stats
-from recdepth.core.exits import NO_TAU, build
 from recdepth.core.gate import load_gate
 from recdepth.core.scoring import model_cost
 from recdepth.evaluate import evaluate
+from recdepth.exits.policy import build
+from recdepth.exits.rule import lookup
 from recdepth.glue import frontier
 from recdepth.glue.calibrating import (
     calibrate_many,
@@ -85,14 +86,16 @@ def calibration_searches(run: ReportConfig, opened, gate) -> tuple[list[calibrat
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
     searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=r.max_steps,
-                                 **({"gate": gate} if rule == "gate" else {})), opened), target)
+                                 **({"gate": gate} if lookup(rule).gated else {})), opened), target)
                 for rule in r.calibrate for target in targets]
     return targets, searches
 
 
 def _start_tau(rule: str) -> float | None:
-    """A valid τ to build a rule's policy before calibration replaces it (None: it has none)."""
-    return None if rule in NO_TAU else 0.5 if rule == "gate" else 1e-3
+    """A valid τ to build a rule's policy before calibration replaces it (None: it has none):
+    the rule's default."""
+    r = lookup(rule)
+    return r.default_tau if r.takes_tau else None
 
 
 def report(cfg: DictConfig) -> dict:

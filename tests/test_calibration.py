@@ -245,7 +245,7 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
     of the search decoding one setting at a time, in float64 (where the batch composition
     changes the NLL in its last bits, no decision)."""
     from recdepth.core.calibration import Target
-    from recdepth.core.exits import build
+    from recdepth.exits import build
     from recdepth.glue.calibrating import calibrate_policy, calibration_split, load_splits
     from recdepth.glue.schema import validated
 
@@ -284,7 +284,7 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
     searches share a batch, and a batch never mixes rules that read the logits (kl) with
     rules that do not (a mixed batch would compute the logits for all its rows)."""
     from recdepth.core.calibration import Target
-    from recdepth.core.exits import build
+    from recdepth.exits import build
     from recdepth.glue.calibrating import calibrate_many, calibrate_policy, calibration_split
 
     run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
@@ -327,7 +327,7 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
     import torch
 
     from recdepth.core.calibration import Target
-    from recdepth.core.exits import build
+    from recdepth.exits import build
     from recdepth.glue.calibrating import CalibrationSplit, calibrate_many, calibration_split
 
     run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)

@@ -2,8 +2,10 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 
-from recdepth.core import exits, mixed_settings
+from recdepth import exits
+from recdepth.core import mixed_settings
 from recdepth.core.decoding import RowNoise, decode_step, new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.scoring import evaluate_exit, evaluate_oracle
@@ -111,7 +113,8 @@ def test_latest_sharing_reads_earlier_positions_at_their_last_application():
             w = torch.softmax(q[:, sl] @ K[:, sl].T / 4.0, -1)
             heads.append(w @ V[:, sl])
         x = m.h[1].norm2(attn.proj(torch.cat(heads, -1)) + h)
-        return m.h[1].norm4(m.h[1].mlp(m.h[1].norm3(x)) + x)
+        mlp = m.h[1].mlp  # proj(SiLU(fc(.))), written out (SPEC §1)
+        return m.h[1].norm4(mlp.proj(F.silu(mlp.fc(m.h[1].norm3(x)))) + x)
 
     W = m.adapters[0].weight()
     x0 = m.h[0](m.embed(idx[:, :1]))[0]  # position 0 alone
@@ -247,7 +250,7 @@ RULES = [("fixed", None, {}), ("stepnorm", 0.3, {}), ("stepnorm_rel", 0.05, {}),
          # the learned gate (recdepth/core/gate.py): a random one per group, weight [2, 32], bias [2]
          ("gate", [0.5, 0.3], {"gate": (0.3 * torch.randn(2, 32, generator=torch.Generator().manual_seed(11),
                                                           dtype=torch.float64), torch.tensor([0.0, 0.5]))})]
-assert {r for r, _, _ in RULES} == set(exits.RULES)
+assert {r for r, _, _ in RULES} == set(exits.names())
 
 
 @pytest.mark.parametrize("rule, tau, kw", RULES, ids=lambda v: str(v).replace(" ", ""))

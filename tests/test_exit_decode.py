@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 
-from recdepth.core import exits
+from recdepth import exits
 from recdepth.core.decoding import decode_step
 from recdepth.core.generation import chunk_step, new_chunk_caches
 from recdepth.core.kv_cache import new_caches

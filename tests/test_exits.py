@@ -1,4 +1,4 @@
-"""Independent tests for `recdepth.core.exits` (SPEC.md section 3, "Exit rules").
+"""Independent tests for `recdepth.exits` (SPEC.md section 3, "Exit rules").
 
 Everything expected here comes from SPEC section 3 alone: either from closed forms of
 simple maps, from hand-built trajectories, or from `_ref_row`, a slow per-row reference
@@ -34,7 +34,7 @@ import math
 import pytest
 import torch
 
-from recdepth.core import exit_step, exits
+from recdepth import exits
 
 EPS = 1e-6
 PATIENCE = 5  # argmax_stability's default k
@@ -455,18 +455,18 @@ def test_iterate_matches_reference(rule, limits, dtype):
 
 
 def _observe_step_loop(rule, tau, min_steps, max_steps, x0, f, decode, patience):
-    """A loop driven by `exit_step.observe_step` (the check the compiled whole-loop runs, with
+    """A loop driven by `exits.observe_step` (the check the compiled whole-loop runs, with
     tensors for n and the limits) over the batch until every row has fired; (n per row)."""
     policy = exits.build(rule, tau, min_steps=min_steps, max_steps=max_steps, patience=patience)
     limits = torch.tensor([math.nan if tau is None else tau, min_steps, max_steps, patience], dtype=torch.float64)
-    hist = exit_step.history0(policy, x0, _decode_weight().shape[1])
+    hist = exits.history0(policy, x0, _decode_weight().shape[1])
     x, n = x0, torch.zeros((), dtype=torch.long)
     n_row = torch.zeros(x0.shape[0], dtype=torch.long)
     active = torch.ones(x0.shape[0], dtype=torch.bool)
     while bool(active.any()):
         x_new = f(x)
         n = n + 1
-        fired, hist = exit_step.observe_step(policy, n, x, x_new, hist, limits, decode)
+        fired, hist = exits.observe_step(policy, n, x, x_new, hist, limits, decode)
         n_row += active
         active &= ~fired
         x = x_new
@@ -901,8 +901,14 @@ def test_bad_tau(rule, tau):
 
 @pytest.mark.parametrize("name", ["fixed", "none"])
 def test_fixed_does_not_use_tau(name):
-    exits.build(name, 0.0, max_steps=3)
-    exits.build(name, float("nan"), max_steps=3)
+    """fixed (and its alias) accept any τ, also one no rule that reads τ would, and keep it
+    only for the records: the loop runs to max_steps whatever it is."""
+    T = _traj(torch.float64)
+    for tau in (0.0, float("nan"), -1.0):
+        policy = exits.build(name, tau, max_steps=3)
+        assert policy.name == "fixed" and not policy.lists()
+        _, n = exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), policy)
+        assert n.tolist() == [3] * len(n)
 
 
 @pytest.mark.parametrize("rule", ALL_RULES)
@@ -916,14 +922,19 @@ def test_bad_steps(rule):
 
 @pytest.mark.parametrize("rule", ALL_RULES)
 def test_good_arguments_accepted(rule):
-    for kw in [{}, {"min_steps": 0, "max_steps": 1}, {"min_steps": 7, "max_steps": 7}]:
-        exits.build(rule, 1e-3, **kw)
+    """The boundary values are accepted and kept: max_steps = 1, min_steps = max_steps; the
+    defaults are min_steps 0 and max_steps 32 (SPEC §3)."""
+    for kw, (lo, hi) in [({}, (0, 32)), ({"min_steps": 0, "max_steps": 1}, (0, 1)),
+                         ({"min_steps": 7, "max_steps": 7}, (7, 7))]:
+        p = exits.build(rule, 1e-3, **kw)
+        assert (p.min_steps, p.max_steps, p.name) == (lo, hi, exits.canonical(rule))
+        assert p.tau == 1e-3
 
 
 def test_kl_without_decode_is_rejected():
     T = _traj(torch.float64)
     policy = exits.build("kl", 1e-3, max_steps=5)
-    with pytest.raises((ValueError, TypeError)):
+    with pytest.raises(ValueError, match=r"^exit\.name: rule 'kl' needs a decode function \(state -> logits\)$"):
         exits.iterate(SpiralMap(T.params), T.params["x0"].clone(), policy)
 
 
@@ -1226,7 +1237,7 @@ def test_argmax_scripted_table_matches_the_reference():
             assert n == want[i], (k, i)
 
 
-@pytest.mark.parametrize("rule", exits.RULES)
+@pytest.mark.parametrize("rule", exits.names())
 def test_which_rules_decode(rule):
     """kl, entropy_diff and argmax_stability decode the state at every check (O(d V));
     the others never call decode (O(d)) and run without one."""
@@ -1238,8 +1249,7 @@ def test_which_rules_decode(rule):
         policy = exits.build(rule, 0.5, max_steps=7, gate=gate).group(0)
     else:
         policy = exits.build(rule, 1e-3, max_steps=7)
-    assert policy.needs_decode == (rule in decoding)
-    assert exits.COST[rule] == ("O(d·V)" if rule in decoding else "none" if rule == "fixed" else "O(d)")
+    assert policy.needs_decode == (rule in decoding) == exits.lookup(rule).decodes
     decode, _ = _make_decode(torch.float64)
     calls = []
 

@@ -1,4 +1,4 @@
-"""The learned exit gate (recdepth/core/gate.py, rule `gate` in recdepth/core/exits.py, SPEC §3c).
+"""The learned exit gate (recdepth/core/gate.py, rule `gate` in recdepth/exits/rules.py, SPEC §3c).
 
 Expected values come from the spec's equations, computed independently here:
     label   y^(n) = [nll(n) − nll(N) > margin]       (n = 1 .. N − 1)
@@ -19,7 +19,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth.core import exits
+from recdepth import exits
 from recdepth.core.decoding import RowNoise, decode_step
 from recdepth.core.gate import (
     class_weights,

@@ -15,12 +15,14 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recdepth.core import exits, generation
+from recdepth import exits
+from recdepth.core import generation
 from recdepth.core.decoding import RowNoise, decode_step
 from recdepth.core.generation import accepted, chunk_step, greedy, new_chunk_caches, speculative
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.glue import schema
+from recdepth.glue.cli import compose_job
 from recdepth.glue.config import conf_dir
 from tests.conftest import REPO
 
@@ -359,13 +361,14 @@ def test_the_command_line_prints_a_bad_setting_in_one_line(monkeypatch, tmp_path
     assert not (tmp_path / "g" / "generation.json").exists()
 
 
-def test_generate_yaml_defaults_equal_the_schema():
+def test_generate_yaml_holds_no_value_and_composes_to_the_schema_defaults():
+    """conf/generate.yaml holds its defaults list and where runs go; every value of the
+    composed config is GenerateConfig's default (its exit: the default rule's option)."""
     y = OmegaConf.to_container(OmegaConf.load(REPO / "conf" / "generate.yaml"))
-    y.pop("hydra"), y.pop("defaults")
-    ref = dataclasses.asdict(schema.GenerateConfig(ckpt="x", prompt="y"))
-    ref.update(ckpt=None, prompt=None)
-    assert {k: v for k, v in y.items()} == {k: ref[k] for k in y}
-    assert set(ref) - set(y) == {"exit", "data"}
+    assert set(y) == {"defaults", "run_dir", "hydra"}
+    run = schema.validated(compose_job("generate", ["ckpt=x", "prompt=y", "run_dir=/tmp/unused"]))
+    ref = schema.GenerateConfig(ckpt="x", prompt="y")
+    assert dataclasses.replace(run, run_dir=ref.run_dir) == ref
 
 
 # ---------------------------------------------------------------- timing

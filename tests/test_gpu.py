@@ -2,15 +2,15 @@
 
 CI has no GPU, so these tests are skipped there (reported as skipped, never as passed);
 a session lent a GPU runs them (`python -m pytest tests/test_gpu.py`, docs/bench/gpu_check.sh;
-docs/results.md "recdepth on one GPU").
+docs/results/gpu.md).
 """
 
 import numpy as np
 import pytest
 import torch
 
-from recdepth.core.exits import build
 from recdepth.core.scoring import evaluate_exit
+from recdepth.exits import build
 from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")

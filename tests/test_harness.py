@@ -19,9 +19,9 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth.core.exits import build
 from recdepth.core.generation import greedy
 from recdepth.core.scoring import evaluate_exit
+from recdepth.exits import build
 from recdepth.glue.checkpoints import open_model
 from recdepth.glue.evaluation import for_model
 from recdepth.glue.prompts import codec_of

@@ -145,7 +145,7 @@ def test_generate_accepts_hf_with_its_tokenizer_and_without_one(hf_dir, tmp_path
     """The prompt is encoded by the directory's tokenizer.json, and the generated ids are
     the core's greedy decoding of the loaded weights (run here directly); without a
     tokenizer, prompt_ids still work and text fails in one line."""
-    from recdepth.core import exits
+    from recdepth import exits
     from recdepth.core.generation import greedy
     from recdepth.generate import generate
     from recdepth.glue.hf import load_hf

@@ -270,7 +270,7 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     last setting of the certified prefix, and its recorded risk is the mean clipped window
     loss recomputed from its calibration record against a full-depth decode done here."""
     from recdepth.calibrate import calibrate
-    from recdepth.core.exits import build
+    from recdepth.exits import build
     from recdepth.glue.calibrating import calibration_split, load_splits
     from recdepth.glue.schema import validated
     from recdepth.glue.token_files import read_tokens

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth.core import exits
+from recdepth import exits
 from recdepth.core.decoding import RowNoise, decode_step, noise_seed, windows
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.scoring import evaluate_exit, evaluate_oracle
@@ -259,7 +259,7 @@ def test_one_grid_expands_the_same_for_make_frontier_and_the_report():
 
 
 # ------------------------------------------------------- (e) the frontier sweep, for real
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_frontier_sweep_reports_warm_start_as_its_own_family(tmp_path, env, tiny_ckpt):
     """`hydra/sweeper=frontier` with its default warm-start family: the warm fixed jobs are
     their own family "fixed (warm start)" in frontier.csv/.md, compared with the cold fixed
@@ -306,3 +306,55 @@ def test_frontier_sweep_reports_warm_start_as_its_own_family(tmp_path, env, tiny
     accel_A = float(front[0]["layer_applications"])  # cost in layer applications: 8 + 4n at a uniform n
     best = min((n for n in warm if 8 + 4 * n <= accel_A), key=warm.get, default=None)
     assert (front[0]["frontier_n"] or None) == (None if best is None else str(best))
+
+
+def test_the_default_frontier_sweep_draws_and_tabulates_the_warm_start_family(tmp_path, tiny_ckpt, cli_here,
+                                                                                monkeypatch):
+    """hydra/sweeper=frontier at its default (hydra.sweeper.warm_start=true), in-process: the
+    sweeper adds the fixed grid again under eval.warm_start=true; those jobs, and only those,
+    are the family "fixed (warm start)" of frontier.csv/.md, each compared with the cold grid
+    (its frontier), and Fig. 4 draws them as their own curve at their own CEs."""
+    from recdepth.glue import cli, plots
+    from tests.drawn import capture, curves, png_shows
+
+    figs = capture(monkeypatch, plots, "fig4")
+    monkeypatch.setattr(cli, "_FAILED", [])
+    out = tmp_path / "frontier"
+    code, err, _ = cli_here("recdepth.evaluate", [
+        "--multirun", "hydra/sweeper=frontier", f"ckpt={tiny_ckpt}", f"hydra.sweep.dir={out}", "eval.tokens=12",
+        "eval.latency_tokens=2", "eval.repeats=1", "eval.warmup_tokens=0", "eval.latency_step=null",
+        "hydra.sweeper.fixed=[1,2]", *(f"hydra.sweeper.rules.{r}=[]" for r in ("accel", "stepnorm", "kl")),
+        "hydra.sweeper.oracle=[]", "exit.max_steps=2"], tmp_path)
+    assert code == 0, err[-3000:]
+    jobs = list(csv.DictReader(open(out / "sweep_results.csv")))
+    assert [(r["exit"], r["max_steps"], r["warm_start"]) for r in jobs] == [
+        ("fixed", "1", "False"), ("fixed", "2", "False"), ("fixed", "1", "True"), ("fixed", "2", "True")]
+    ev = {int(r["job"]): json.loads((out / r["job"] / "metrics.json").read_text())["eval"] for r in jobs}
+    for j in ev:  # the sweeper's own lines: eval.warm_start=true on the second copy of the grid only
+        overrides = (out / str(j) / ".hydra" / "overrides.yaml").read_text()
+        assert ("eval.warm_start=true" in overrides) is (j >= 2) is ev[j]["warm_start"]
+    cold = {ev[j]["max_steps"]: ev[j]["ce"] for j in (0, 1)}
+    warm = {ev[j]["max_steps"]: ev[j]["ce"] for j in (2, 3)}
+    assert all(abs(cold[n] - warm[n]) > 1e-6 for n in (1, 2))  # warm start changes what the grid computes
+    front = {int(r["job"]): r for r in csv.DictReader(open(out / "frontier.csv"))}
+    assert sorted(front) == [2, 3]  # the cold grid is the frontier, the warm grid a family compared with it
+    for j, n in ((2, 1), (3, 2)):
+        f = front[j]
+        assert (f["family"], f["warm_start"], float(f["mean_applications"])) == ("fixed (warm start)", "True", n)
+        assert float(f["ce"]) == pytest.approx(warm[n], abs=1e-12)
+        assert float(f["frontier_ce"]) == pytest.approx(min(cold[m] for m in cold if m <= n), abs=1e-12)
+    assert "| fixed (warm start) |" in (out / "frontier.md").read_text()
+    assert "| fixed (warm start) |" in (out / "sweep_results.md").read_text()
+    # Fig. 4's frontier panels: the cold grid as the frontier, the warm grid its own curve, each
+    # at its jobs' layer applications and CE minus the cold grid's deepest CE; the third panel
+    # the warm jobs' CE minus the frontier, frontier.csv's d_hull
+    (fig,) = figs
+    apps = {j: float(r["layer_applications"]) for j, r in enumerate(jobs)}
+    drawn = curves(fig.axes[4])
+    np.testing.assert_allclose(drawn["fixed (frontier)"], [[apps[j], ev[j]["ce"] - cold[2]] for j in (0, 1)],
+                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(drawn["fixed (warm start)"], [[apps[j], ev[j]["ce"] - cold[2]] for j in (2, 3)],
+                               rtol=0, atol=1e-6)
+    np.testing.assert_allclose(curves(fig.axes[6])["fixed (warm start)"],
+                               [[float(front[j]["layer_applications"]), float(front[j]["d_hull"])] for j in (2, 3)])
+    assert png_shows(fig, out / "fig4_exits.png")

@@ -1,7 +1,7 @@
 """`recdepth report`'s calibration phase alone (recdepth/report.py, step 1): the 20 (rule,
 target) searches of conf/report.yaml in lockstep on the calibration split, timed; with
 `--no-memo` every ask is decoded anew (the split's memory of decoded settings off), the
-A/B of docs/results.md. Prints the wall time, the settings decoded and reused, and each
+A/B in docs/journal.md (2026-11-26, calibration decodes each setting once). Prints the wall time, the settings decoded and reused, and each
 search's answer (rule, target, calibrated value, patience, decodes, CE, cost).
 
     python docs/bench/calibration_phase.py <last.ckpt> <gate.pt> <calibration tokens> [--no-memo] [overrides ...]
@@ -16,9 +16,9 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth.core.exits import build
 from recdepth.core.gate import load_gate
 from recdepth.core.runtime import tune_cpu_allocator
+from recdepth.exits import build
 from recdepth.glue.calibrating import (
     CalibrationSplit,
     calibrate_many,

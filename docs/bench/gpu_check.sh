@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # docs/bench/gpu_check.sh: recdepth's GPU paths checked on one CUDA GPU in one run (CI has
-# no GPU; a session lent one runs this; docs/results.md "recdepth on one GPU").
+# no GPU; a session lent one runs this; docs/results/gpu.md).
 #
 #   1. The paper shape (experiment=paper: d = 768, groups [[4],[5,6],[7]], r = 12,
 #      truncated backprop 8) trains STEPS steps in bf16 on the shipped corpus, eagerly and

@@ -30,9 +30,9 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from recdepth.core.decoding import lean_steps
-from recdepth.core.exits import build
 from recdepth.core.generation import greedy
 from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.exits import build
 from recdepth.glue.hf import load_hf, save_hf
 
 REF = Path(sys.argv[1])

@@ -20,10 +20,10 @@ import torch
 
 from recdepth.bench_decode import GROUPS, filled, layer_seconds
 from recdepth.core.decoding import decode_step
-from recdepth.core.exits import build
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.runtime import tune_cpu_allocator
+from recdepth.exits import build
 
 spec = importlib.util.spec_from_file_location("lean_step_other", sys.argv[1])
 other = importlib.util.module_from_spec(spec)

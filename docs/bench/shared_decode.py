@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from recdepth.core.decoding import lean_steps
-from recdepth.core.exits import build
 from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.core.scoring import decode_settings
+from recdepth.exits import build
 from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
 
 

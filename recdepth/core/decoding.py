@@ -38,11 +38,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recdepth.core.exits import ExitPolicy
 from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import decode_mode, state_decoder
+from recdepth.exits.policy import ExitPolicy
 
 STEPS = ("module", "lean", "compiled")  # eval.step: how a token's layers are computed (`lean_steps`)
 
@@ -160,7 +160,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
     says (`state_decoder`: the head, or through the coda without writing its cache).
     Compiled at batch 1 without `limit` or `fixed_rows`, the loop is one graph
-    (`LeanSteps.loop`; `exit_step.observe_step` checks the rule there). `reps`: the rows' history
+    (`LeanSteps.loop`; `exits.observe_step` checks the rule there). `reps`: the rows' history
     is shared in blocks of that many (the oracle's, `decode_step`'s `shared`); the lean
     step then reads it once per block (`lean_step.attend_shared`), on the compacted rows from the
     first application."""
@@ -321,7 +321,7 @@ def span(block_size: int, bos: int | None = None) -> int:
 def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
     """Row b's cache entries at `pos` become row src[b]'s (every application slot). Only
     the position's entries are gathered (indexing the rows first would copy every row's
-    whole cache: 11% of the oracle's time, measured)."""
+    whole cache, a large part of the oracle's time, measured)."""
     for c in caches:
         c.k[..., pos, :] = c.k[..., pos, :].index_select(0, src)
         c.v[..., pos, :] = c.v[..., pos, :].index_select(0, src)

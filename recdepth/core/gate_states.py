@@ -1,5 +1,5 @@
 """The states the learned exit gate (SPEC §3c, recdepth/core/gate.py) is fitted on: those the
-decoding engine visits (GitHub issue 22, item 5).
+decoding engine visits.
 
 `recdepth.core.gate.collect_gate_data` takes its states from the parallel forward pass, where
 the token at application n attends to every earlier token at application n. Decoding does
@@ -25,9 +25,9 @@ import torch
 from torch import Tensor
 
 from recdepth.core.decoding import decode_windows
-from recdepth.core.exits import build
 from recdepth.core.gate import check_gate_setting
 from recdepth.core.model import LoopedGPT
+from recdepth.exits.policy import build
 
 
 @torch.no_grad()

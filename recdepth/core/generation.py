@@ -30,7 +30,7 @@ last entry at once (`ChunkStepKVCache.fill`, what `StepKVCache.finish` does afte
 token when decoding token by token), so positions still looping read it there, as they
 would token by token. What can still differ is floating-point rounding: a chunk's matmuls
 and attention are not the single-token ones, and a difference in the last bits can flip a
-threshold test or an argmax tie (measured: docs/spec.md §4d). A rule that decodes through
+threshold test or an argmax tie (measured: docs/results/speculative.md). A rule that decodes through
 the coda (`exit.decode=coda`) reads, in a chunk, earlier chunk positions at their current
 application where token by token it reads their final state: the two agree when those
 positions have exited, and may differ otherwise (docs/spec.md §4d). The entries the draft wrote
@@ -50,10 +50,10 @@ import torch
 from torch import Tensor
 
 from recdepth.core.decoding import RowNoise, decode_step, noise_seed
-from recdepth.core.exits import ExitPolicy, build
 from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import state_decoder
+from recdepth.exits.policy import ExitPolicy, build
 
 SOURCES = ("greedy", "draft", "verify")
 """Where a generated token comes from: ordinary decoding; a drafted token the verifier

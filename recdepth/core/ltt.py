@@ -86,7 +86,7 @@ def window_losses(nll, ref_nll, units, bound: float = DEFAULT_LOSS_BOUND) -> np.
       δ = 0.01 is certifiable with ~100 windows. 0.5 is too loose there (α = 0.02 at
       δ = 0.01 is below `min_alpha(96, 0.05)`: nothing certified); 0.05 certifies cheaper
       settings at δ <= 0.01 but clips 8% of the windows at a CE increase of 0.023
-      (docs/results.md, "Calibration with a guarantee"). Rule of thumb: the smallest bound
+      (docs/results/calibration.md). Rule of thumb: the smallest bound
       that no window exceeds near the target, about 5-10 δ.
     """
     if not (isinstance(bound, int | float) and math.isfinite(bound) and bound > 0):

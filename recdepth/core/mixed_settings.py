@@ -2,7 +2,7 @@
 gives each row its own setting (rule, τ per group, min/max steps, patience, gate) and
 `MixedMonitor` runs one exit monitor per setting over that setting's rows, so each row
 exits as it would alone (recdepth/core/scoring.py: `decode_settings`). The settings
-themselves are recdepth/core/exits.py.
+themselves are recdepth/exits/.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from recdepth.core.exits import ORACLE, ExitPolicy
+from recdepth.exits.policy import ORACLE, ExitPolicy
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class MixedMonitor:
     A decoding rule's logits are computed once per application and each setting reads its
     rows. Under exit.decode=head (the head decodes each row on its own) only the rows of
     the settings that decode are decoded: a kl setting beside fixed and stepnorm ones
-    costs the head on its own rows, not the batch's (the head was 37% of a frontier sweep's
-    shared decode, measured). The coda reads every row's cache, so it decodes the batch.
+    costs the head on its own rows, not the batch's (the head was the largest part of a
+    frontier sweep's shared decode, measured). The coda reads every row's cache, so it decodes the batch.
 
     `observe(x_new, active)`: a setting none of whose rows is still looping is not observed
     again (its rows' history is never read again), and under exit.decode=head its rows

@@ -19,8 +19,8 @@ def tune_cpu_allocator() -> bool:
     Training allocates and frees the same large activation buffers every step; glibc
     serves them with mmap/munmap and page-faults them in again each time. Disabling
     mmap for large blocks and raising the trim threshold (the runtime equivalent of
-    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...) made a CPU training step ~1.4x faster
-    here. Returns False (and changes nothing) where glibc's mallopt is not available.
+    MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=...) made a CPU training step faster
+    (docs/results/training-throughput.md). Returns False (and changes nothing) where glibc's mallopt is not available.
     """
     try:
         libc = ctypes.CDLL("libc.so.6")

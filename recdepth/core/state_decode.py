@@ -11,9 +11,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from recdepth.core.exits import ExitPolicy
 from recdepth.core.kv_cache import KVCache
 from recdepth.core.model import LoopedGPT
+from recdepth.exits.policy import ExitPolicy
 
 
 def has_coda(model: LoopedGPT) -> bool:

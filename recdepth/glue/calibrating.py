@@ -20,8 +20,8 @@ import torch
 
 from recdepth.core import calibration, ltt, stats
 from recdepth.core.decoding import lean_steps, span
-from recdepth.core.exits import ExitPolicy, build
 from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
+from recdepth.exits.policy import ExitPolicy, build
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.frontier_grid import Setting, exit_line
 from recdepth.glue.schema import CalibrateConfig, ReportConfig

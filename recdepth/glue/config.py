@@ -18,11 +18,11 @@ from urllib.parse import urlparse
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core import exits
+from recdepth import exits
 from recdepth.core.gate import load_gate
 from recdepth.core.model_config import GPTConfig
+from recdepth.data.datamodule import TokenDataModule
 from recdepth.glue import distributed
-from recdepth.glue.data import TokenDataModule
 from recdepth.glue.schema import TrainConfig, validated
 
 log = logging.getLogger("recdepth.glue.config")
@@ -66,7 +66,7 @@ def exit_policy(cfg) -> exits.ExitPolicy:
     kw = dataclasses.asdict(run.exit)
     path = kw.pop("gate")
     kw.pop("calibrated_on")  # checked by the evaluation against its test range (evaluation.check_calibration)
-    if run.exit.name == exits.GATE:
+    if exits.is_rule(run.exit.name) and exits.lookup(run.exit.name).gated:
         if not path:
             raise ValueError("exit.gate: required for exit=gate (the gate.pt written by python -m "
                              "recdepth.train_gate ckpt=<path>)")
@@ -79,9 +79,10 @@ def exit_policy(cfg) -> exits.ExitPolicy:
 
 
 def data_module(cfg: TrainConfig | DictConfig, block_size: int) -> TokenDataModule:
+    """The data module of the run's data config (`data`) at its batch size, steps and seed."""
     run = typed(cfg)
-    return TokenDataModule(block_size=block_size, batch_size=run.batch_size, max_steps=run.trainer.max_steps,
-                           seed=run.seed, **dataclasses.asdict(run.data))
+    return TokenDataModule(run.data, block_size=block_size, batch_size=run.batch_size,
+                           max_steps=run.trainer.max_steps, seed=run.seed)
 
 
 def loop_dynamics_callback(cfg: TrainConfig | DictConfig, run_dir: Path, dm: TokenDataModule, mcfg: GPTConfig):

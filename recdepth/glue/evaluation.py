@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core.exits import ORACLE, ExitPolicy
 from recdepth.core.scoring import evaluate_exit, evaluate_exits
 from recdepth.core.state_decode import has_coda
+from recdepth.exits.policy import ORACLE, ExitPolicy
 from recdepth.glue import token_files
 from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint, open_model, resolve_device
 from recdepth.glue.config import exit_policy

@@ -25,21 +25,34 @@ from typing import Any, ClassVar
 WARM = "eval.warm_start=true"
 
 
+def _rules_grid() -> dict[str, list[float]]:
+    """make frontier's τ grid: every registered rule's own (`ExitRule.frontier`)."""
+    from recdepth import exits
+
+    return exits.grid("frontier")
+
+
+def _oracle() -> list[float]:
+    from recdepth import exits
+
+    return [exits.ORACLE_EPSILON]
+
+
 @dataclass
 class FrontierGrid:
     """One exit frontier's grid (docs/spec.md §4b)."""
 
     fixed: list[int] = field(default_factory=lambda: [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
     """exit=fixed exit.max_steps=n at each n: the reference curve (at least two depths, each >= 1)."""
-    rules: dict[str, list[float]] = field(default_factory=lambda: {
-        "stepnorm": [1e-2, 3e-2, 1e-1, 3e-1], "kl": [1e-4, 1e-3, 1e-2, 3e-2], "accel": [1e-2, 3e-2, 1e-1, 3e-1]})
+    rules: dict[str, list[float]] = field(default_factory=_rules_grid)
     """Each threshold rule at each τ (drop one with `<grid>.rules.<rule>=[]`, add one with
-    `+<grid>.rules.<rule>=[...]`)."""
+    `+<grid>.rules.<rule>=[...]`). Default: each rule's own grid (`ExitRule.frontier`;
+    stepnorm, kl and accel)."""
     patience: list[int] = field(default_factory=list)
     """argmax_stability at each k (>= 1)."""
     gate_tau: list[float] = field(default_factory=list)
     """The learned gate at each probability τ in (0, 1) (it needs a gate file: exit.gate, report.gate)."""
-    oracle: list[float] = field(default_factory=lambda: [0.01])
+    oracle: list[float] = field(default_factory=_oracle)
     """The oracle at each ε (>= 0); the summary draws its curve at every ε from its NLLs."""
     warm_start: bool = False
     """The fixed grid again with eval.warm_start=true (continuous compute): its own family,
@@ -52,7 +65,7 @@ class FrontierGrid:
 
     def check(self) -> None:
         """Every value of the grid, with a one-line error naming the field."""
-        from recdepth.core import exits
+        from recdepth import exits
 
         w = self.where
         bad = [n for n in self.fixed if isinstance(n, bool) or not isinstance(n, int) or n < 1]
@@ -62,8 +75,8 @@ class FrontierGrid:
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"{w}.warm_start: expected true or false, got {self.warm_start!r}")
         for rule, taus in self.rules.items():
-            if exits.ALIASES.get(rule, rule) not in exits.RULES:
-                raise ValueError(f"{w}.rules: unknown exit rule {rule!r} (expected any of {', '.join(exits.RULES)})")
+            if not exits.is_rule(rule):
+                raise ValueError(f"{w}.rules: unknown exit rule {rule!r} (expected any of {', '.join(exits.names())})")
             for t in taus:
                 exits.validate(rule, t)
         for t in self.gate_tau:

@@ -45,10 +45,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
 from recdepth.core.decoding import decode_windows, lean_steps
-from recdepth.core.exits import build
 from recdepth.core.gate import load_gate
 from recdepth.core.generation import greedy
 from recdepth.core.scoring import evaluate_exit, model_cost
+from recdepth.exits.policy import build
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.evaluation import for_model
 from recdepth.glue.prompts import codec_of
