@@ -4,12 +4,13 @@ of the block, and the engine really takes it where it applies."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from recdepth.core import decoding as D
 from recdepth.core import scoring as S
-from recdepth.core.exits import build
 from recdepth.core.lean_step import LeanSteps
-from recdepth.core.model import Block, GPTConfig, LoopedGPT
+from recdepth.core.model import Block, GPTConfig, LoopedGPT, gated_silu, linear
+from recdepth.exits import build
 from recdepth.glue.schema import EvalConfig
 
 PLAIN = {}
@@ -218,7 +219,7 @@ def test_compiled_step_equals_eager():
     NLL within float rounding, applications identical here (a criterion within rounding
     of τ could flip one; bench decode counts those on real checkpoints). The third window
     runs alone: the batch-1 graph, whose matrix-vector products are a product and a sum
-    (`lean_step.linear`) and whose attention reads a span, is compiled and checked too."""
+    (`model.linear`) and whose attention reads a span, is compiled and checked too."""
     m = model(HUGINN, torch.float32, groups=((1, 2),))  # one group: two graphs to compile, not five
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
@@ -245,7 +246,7 @@ FUSED_SLOW = [("accel", (0.3, 0.1), (2, 0), {}), ("argmax_stability", None, (0, 
 
 def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
     """The compiled batch-1 loop as one graph (`LeanSteps.loop`: torch.while_loop, the rule's
-    check `exit_step.observe_step` inside) against the compiled step called per application with
+    check `exits.observe_step` inside) against the compiled step called per application with
     the eager `ExitMonitor`, and against the eager lean step: NLL within float32 rounding,
     applications identical; the fused loop really ran (for each group at every token)."""
     m = model(HUGINN, torch.float32, groups=((1,), (2,)), seed=2)  # two one-layer groups: a graph per rule
@@ -360,3 +361,30 @@ def test_bench_decode_on_a_missing_gpu_says_so():
 
     with pytest.raises(ValueError, match=r"--device: cuda asked for, but torch sees no CUDA GPU"):
         bench.main(["decode", "--device", "cuda", "--no-paper", "--batches", "1"])
+
+
+def _block_out_variant(x, y, w, eps, gated):
+    """`model.block_out` with one change a researcher might make: the MLP's residual
+    branch halved (what the recipe "change the block" in docs/contributing.md edits)."""
+    B, T, C = x.shape
+    x = F.rms_norm(linear(y.transpose(1, 2).reshape(B, T, C), w.proj) + x, (C,), w.norm2, eps)
+    h = linear(F.rms_norm(x, (C,), w.norm3, eps), w.fc)
+    h = gated_silu(h) if gated else F.silu(h)
+    return F.rms_norm(0.5 * linear(h, w.mlp_proj) + x, (C,), w.norm4, eps)
+
+
+@pytest.mark.parametrize("kw", [PLAIN, HUGINN], ids=["plain", "huginn"])
+def test_a_change_to_the_block_reaches_every_path(monkeypatch, kw):
+    """The block's math is written once (`model.qkv_of`, `model.block_out`): editing
+    `block_out` (its code replaced in place, as an edit of the source would) changes the
+    module path, and the lean step, which calls the same function, gives the module path's
+    records under the change too."""
+    import recdepth.core.model as M
+
+    m = model(kw, torch.float64)
+    policy = build("stepnorm", 0.3, max_steps=9)
+    before = score(m, "module", policy, 3)
+    monkeypatch.setattr(M.block_out, "__code__", _block_out_variant.__code__)
+    ref, lean = score(m, "module", policy, 3), score(m, "lean", policy, 3)
+    assert abs(ref["nll"] - before["nll"]).max() > 1e-3  # the change took effect
+    assert abs(lean["nll"] - ref["nll"]).max() <= 1e-12 and (lean["apps"] == ref["apps"]).all()

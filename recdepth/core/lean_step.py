@@ -1,5 +1,6 @@
 """The lean decode step: one token's layer applications in static shapes, optionally
-compiled (issue 23; `eval.compile`, docs/spec.md §4, recdepth note on the lean step).
+compiled (`eval.step`, docs/spec.md §4, recdepth note on the lean step; its speed:
+docs/results/decode-speed.md).
 
 `recdepth.core.decoding` decodes a token by calling `Block.forward` with the layer's K/V cache:
 about 60 operators per layer application (the profiler's count at d = 128), each a Python
@@ -17,7 +18,7 @@ from token to token, so `torch.compile` can fuse it into a few kernels once:
   layers, `group_token`) is one call;
 - compiled at batch 1, a group's whole loop for a token, its exit checks included, is one
   call (`loop`: a `torch.while_loop` whose body is the application and the rule's check,
-  `exit_step.observe_step`), so an application costs its kernels, not a call from Python, the
+  `exits.observe_step`), so an application costs its kernels, not a call from Python, the
   graph's guards and an eager check (`fuse_loops`; the engine falls back to a call per
   application for what the graph does not cover: a row limit or fixed rows, per_step
   caches, `exit.decode=coda`).
@@ -46,27 +47,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recdepth.core.exit_step import history0, observe_step
-from recdepth.core.exits import ExitPolicy
-from recdepth.core.model import LoopedGPT, add_qk_bias, apply_rope, attend_rows, gated_silu
-
-# Largest weight (elements) whose batch-1 product the compiled step fuses (`linear`): 1 MiB of
-# float32. Measured on the 2-core CPU: it pays at d = 128 (weights up to 512 x 128) and loses
-# to the BLAS call at d = 768 (768 x 768 and up: compiled 1.00-1.06 against 0.96-0.98 ms per
-# layer application); between the two it is a guess, at the size a core's L2 holds twice.
-FUSED_MATVEC_MAX = 1 << 18
-
-
-def linear(x: Tensor, w: Tensor) -> Tensor:
-    """`F.linear(x, w)` (no bias). Compiled at batch 1 with a small w, written as a product and
-    a sum over d: inductor then fuses the matrix-vector product into the layer's one C++
-    kernel, where an `mm` is an external call that first copies its [1, d] operand (inductor
-    gives the size-1 dimension stride 0, which BLAS refuses). A compiled two-layer group
-    application at d = 128 took 107 against 136 µs (measured; docs/results.md). Eager, at
-    batch > 1 and above `FUSED_MATVEC_MAX`, `F.linear`."""
-    if torch.compiler.is_compiling() and x.shape[0] == 1 and w.numel() <= FUSED_MATVEC_MAX:
-        return (x.unsqueeze(-2) * w).sum(-1)
-    return F.linear(x, w)
+from recdepth.core.model import BlockWeights, LoopedGPT, attend_rows, block_out, linear, qkv_of
+from recdepth.exits.monitor import history0, observe_step
+from recdepth.exits.policy import ExitPolicy
 
 
 def attend_shared(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, pos: int, rows: Tensor,
@@ -108,13 +91,6 @@ def _static(fn: types.FunctionType) -> types.FunctionType:
     return _STATIC[fn.__qualname__]
 
 
-def _block_weights(block) -> tuple:
-    """The tensors of one block that `block_token` reads, in its argument order."""
-    a = block.attn
-    return (block.norm1.weight, a.qkv.weight, a.qk_bias, a.proj.weight, block.norm2.weight, block.norm3.weight,
-            block.mlp.fc.weight, block.mlp.proj.weight, block.norm4.weight)
-
-
 class LeanSteps:
     """The lean single-token steps of one model (see the module docstring).
 
@@ -128,18 +104,16 @@ class LeanSteps:
         self.n_head, self.head_dim, self.eps = cfg.n_head, cfg.head_dim, cfg.norm_eps
         self.gated = cfg.mlp == "gated_silu"
         self.rotary = model.h[0].attn.rotary
-        self.blocks = [_block_weights(b) for b in model.h]
+        self.blocks = [b.weights() for b in model.h]
         self.group_blocks = [[self.blocks[layer] for layer in g] for g in cfg.groups]  # built once, read per application
         device = next(model.parameters()).device
         self.positions = torch.arange(cfg.block_size, device=device)
         self.pos = [self.positions[p : p + 1] for p in range(cfg.block_size)]  # no tensor made per token
         # Compiled at batch 1, the attention at position p reads the first span(p) entries, the power of two
         # from 16 up that holds p + 1 (at most the block), the later ones masked: a graph per
-        # span, and a token early in a long block does not read the whole block (Huginn's
-        # shape, block 512, 64 tokens: 357 -> 300 µs per 4-layer application, measured). At
-        # the default block of 256 the frontier's compiled latency passes took 8% longer
-        # (162.7 against 149.3 s, measured; why is not known: not dynamo's lookup among more
-        # graphs, which a copy of the function per span did not change).
+        # span, and a token early in a long block does not read the whole block (it pays at
+        # Huginn's block of 512 and costs a little at the default 256; why it costs is not
+        # known: docs/results/decode-speed.md).
         self.spans = [min(cfg.block_size, max(16, 1 << p.bit_length())) for p in range(cfg.block_size)]
         if self.rotary is not None:
             self.cos, self.sin = self.rotary(0, cfg.block_size, device)
@@ -156,8 +130,8 @@ class LeanSteps:
             # default 8 in a process that decodes several models (a test session), never one
             # per token.
             torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
-            # cpp_wrapper: the graph's launcher in C++, not Python (batch 1 at d = 128: 0.048
-            # against 0.063 ms per layer application of a two-layer group, measured)
+            # cpp_wrapper: the graph's launcher in C++, not Python (faster at batch 1:
+            # docs/results/decode-speed.md)
             opts = {"cpp_wrapper": True}
             self._block = torch.compile(self.block_token, fullgraph=True, options=opts)
             self._group = torch.compile(self.group_token, fullgraph=True, options=opts)
@@ -172,7 +146,7 @@ class LeanSteps:
         self._limits: dict[tuple, Tensor] = {}
 
     # ---------------------------------------------------------------- the math
-    def block_token(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, keep: Tensor | None, w: tuple,
+    def block_token(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, keep: Tensor | None, w: BlockWeights,
                     n_ctx: int, masked: bool = False) -> Tensor:
         """`Block.forward` for one token x [B, 1, d] at position `pos` ([1] long) with the
         layer's cache kc, vc [B, H, block_size, head_dim]: this token's k/v are written at
@@ -192,8 +166,8 @@ class LeanSteps:
         if masked:  # static shapes (compiled): a span of the block, positions after pos masked
             # Written out rather than F.scaled_dot_product_attention: for one query the CPU
             # flash-attention kernel is an opaque call with its own buffers and threads, while
-            # these few ops inductor fuses into its loops (a compiled layer 1.1-1.2x faster at
-            # d = 128, batch 1, measured; the same softmax(q k^T / sqrt(hd)) v, masked).
+            # these few ops inductor fuses into its loops (faster, measured; the same
+            # softmax(q k^T / sqrt(hd)) v, masked).
             scores = (q @ kc.transpose(-1, -2)) * self.head_dim**-0.5  # [B, H, 1, n_ctx]
             scores = scores.masked_fill(self.positions[:n_ctx] > pos, float("-inf"))
             y = torch.softmax(scores, -1) @ vc
@@ -201,32 +175,16 @@ class LeanSteps:
             y = F.scaled_dot_product_attention(q, kc, vc)
         return self._block_out(x, y, w)
 
-    def _qkv(self, x: Tensor, w: tuple, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """q, k, v [B, H, 1, hd] of one token x [B, 1, d] at position `pos` ([1] long):
-        norm1, the one projection, the q/k bias, the rotation."""
-        n1, qkv_w, qk_bias = w[:3]
-        B, _, C = x.shape
-        h = F.rms_norm(x, (C,), n1, self.eps)
-        q, k, v = linear(h, qkv_w).view(B, 1, 3, self.n_head, self.head_dim).unbind(2)  # each [B, 1, H, hd]
-        if qk_bias is not None:
-            q, k = add_qk_bias(q, k, qk_bias)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, H, 1, hd]
-        if self.cos is not None:
-            cos, sin = self.cos.index_select(0, pos), self.sin.index_select(0, pos)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return q, k, v
+    def _qkv(self, x: Tensor, w: BlockWeights, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v [B, H, 1, hd] of one token x [B, 1, d] at position `pos` ([1] long): the
+        block's own `qkv_of`, rotated by the table's row at `pos`."""
+        rope = None if self.cos is None else (self.cos.index_select(0, pos), self.sin.index_select(0, pos))
+        return qkv_of(x, w, self.n_head, self.eps, rope)
 
-    def _block_out(self, x: Tensor, y: Tensor, w: tuple) -> Tensor:
-        """The rest of the block from the attention's output y [B, H, 1, hd]: the output
-        projection, the residual and norm2, then the MLP sandwich (norm3, norm4)."""
-        proj_w, n2, n3, fc_w, mproj_w, n4 = w[3:]
-        B, _, C = x.shape
-        x = F.rms_norm(linear(y.transpose(1, 2).reshape(B, 1, C), proj_w) + x, (C,), n2, self.eps)
-        h = linear(F.rms_norm(x, (C,), n3, self.eps), fc_w)
-        h = gated_silu(h) if self.gated else F.silu(h)
-        return F.rms_norm(linear(h, mproj_w) + x, (C,), n4, self.eps)
+    def _block_out(self, x: Tensor, y: Tensor, w: BlockWeights) -> Tensor:
+        return block_out(x, y, w, self.eps, self.gated)
 
-    def block_looping(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, w: tuple) -> tuple[Tensor, Tensor, Tensor]:
+    def block_looping(self, x: Tensor, kc: Tensor, vc: Tensor, pos: Tensor, w: BlockWeights) -> tuple[Tensor, Tensor, Tensor]:
         """`block_token` at batch 1 inside a loop compiled whole (`loop_token`), where the cache
         may not be written: the attention reads the cached positions before `pos` and this
         token's own k/v, kept apart (the same softmax over positions 0 .. pos). Returns the
@@ -240,11 +198,11 @@ class LeanSteps:
         return self._block_out(x, y, w), k, v
 
     def loop_token(self, rule: ExitPolicy, s: Tensor, e_proj: Tensor, adapter_w: Tensor,
-                   kvs: list[tuple[Tensor, Tensor]], pos: Tensor, ws: list[tuple], limits: Tensor,
+                   kvs: list[tuple[Tensor, Tensor]], pos: Tensor, ws: list[BlockWeights], limits: Tensor,
                    gate: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
         """A group's loop for one token (batch 1) until its rule fires, as one
         `torch.while_loop`: each iteration is `group_token` (with `block_looping`) and the
-        rule's check (`exit_step.observe_step`); after it, the last application's k/v are
+        rule's check (`exits.observe_step`); after it, the last application's k/v are
         written at `pos`, as the step-by-step loop leaves them. `rule` holds the rule's
         name and kl direction (a graph each; a decoding rule decodes with the head); its
         numbers are in `limits`.
@@ -277,7 +235,7 @@ class LeanSteps:
             vc.index_copy_(2, pos, kv[2 * i + 1])
         return s, n
 
-    def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: tuple,
+    def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: BlockWeights,
                    reps: int | None = None) -> Tensor:
         """`block_token` for a compacted batch (eager): x [b, 1, d] holds the rows `rows` (an
         index into the cache's B rows) only. Their k/v are written at `pos` in those rows,
@@ -292,7 +250,7 @@ class LeanSteps:
         return self._block_out(x, attend_rows(q, kc[:, :, : pos + 1], vc[:, :, : pos + 1], rows), w)
 
     def group_token(self, s: Tensor, e_proj: Tensor, adapter_w: Tensor, kvs: list[tuple[Tensor, Tensor]],
-                    pos: Tensor, keep: Tensor | None, ws: list[tuple], n_ctx: int, masked: bool = False) -> Tensor:
+                    pos: Tensor, keep: Tensor | None, ws: list[BlockWeights], n_ctx: int, masked: bool = False) -> Tensor:
         """One application of a group for one token (`LoopedGPT.apply_group`): the adapter
         W_s s + e_proj, then the group's layers (`block_token`), each with its cache."""
         u = linear(s, adapter_w) + e_proj

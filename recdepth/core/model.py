@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -124,6 +125,10 @@ def add_qk_bias(q: Tensor, k: Tensor, qk_bias: Tensor) -> tuple[Tensor, Tensor]:
 
 
 class CausalSelfAttention(nn.Module):
+    """The attention's parameters (the q/k/v and output projections, Huginn's q/k bias) and
+    `attend`, the attention proper over a decoding cache or the parallel pass; the block's
+    math around it is `qkv_of` and `block_out`."""
+
     def __init__(self, cfg: GPTConfig, rotary: Rotary | None = None):
         super().__init__()
         self.n_head = cfg.n_head
@@ -132,42 +137,33 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.rotary = rotary  # shared by every layer (position=rope), else None
 
-    def forward(self, x: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
-        # cache: None (the parallel pass, positions pos .. pos + T − 1) or one layer's
-        # decoding cache (recdepth/core/decoding.py: KVCache), which this token's k/v (position
-        # `pos`, rotated there) are written to and the attended k/v read from
-        B, T, C = x.shape
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head) for t in self.qkv(x).split(C, dim=2))
-        if self.qk_bias is not None:
-            q, k = add_qk_bias(q, k, self.qk_bias)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        if self.rotary is not None:
-            cos, sin = self.rotary(pos, T, x.device)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+    @staticmethod
+    def attend(q: Tensor, k: Tensor, v: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
+        """softmax(q kᵀ / sqrt(hd)) v, causal, for q, k, v [B, H, T, hd] of positions pos ..
+        pos + T − 1. cache: None (the parallel pass) or one layer's decoding cache
+        (recdepth/core/kv_cache.py), which this chunk's k/v are written to and the attended
+        k/v read from (positions 0 .. each query's own)."""
         if cache is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        elif T > 1:  # a chunk: T new tokens at positions pos..pos+T-1, each attending to 0..its own
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        T = q.shape[2]
+        cache.write(pos, k, v, rows)
+        if T > 1:  # a chunk: T new tokens at positions pos..pos+T-1, each attending to 0..its own
             # position (recdepth/core/generation.py's verify pass; its chunk caches write all T entries)
-            cache.write(pos, k, v, rows)
             ck, cv = cache.read(pos + T - 1)
-            mask = torch.arange(pos + T, device=x.device) <= torch.arange(pos, pos + T, device=x.device)[:, None]
-            y = F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
-        else:  # one new token at position `pos`, attending to positions 0..pos
-            cache.write(pos, k, v, rows)
-            ck, cv = cache.read(pos)
-            if rows is None or rows.dtype == torch.bool:
-                y = F.scaled_dot_product_attention(q, ck, cv)
-            else:
-                y = attend_rows(q, ck, cv, rows)
-        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+            mask = torch.arange(pos + T, device=q.device) <= torch.arange(pos, pos + T, device=q.device)[:, None]
+            return F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
+        ck, cv = cache.read(pos)  # one new token at position `pos`, attending to positions 0..pos
+        if rows is None or rows.dtype == torch.bool:
+            return F.scaled_dot_product_attention(q, ck, cv)
+        return attend_rows(q, ck, cv, rows)
 
 
 def attend_rows(q: Tensor, ck: Tensor, cv: Tensor, rows: Tensor) -> Tensor:
     """One token's attention in a compacted batch: q [b, H, 1, hd] holds the cache rows
     `rows` (an index into ck, cv [B, H, n, hd]) only. Under half the rows: over a copy of
-    their entries (the oracle's attention 23.3 -> 16.0 s on 2048 tokens; a copy at every
-    fraction was slower, 46.4 against 42.8 s the whole oracle); else over the full cache
-    (no copy of it) with zero queries in the other rows, keeping the listed rows' output."""
+    their entries; else over the full cache (no copy of it) with zero queries in the other
+    rows, keeping the listed rows' output (the faster of the two at each fraction, measured
+    on the oracle: docs/journal.md)."""
     if 2 * rows.numel() < ck.shape[0]:
         return F.scaled_dot_product_attention(q, ck.index_select(0, rows), cv.index_select(0, rows))
     qf = q.new_zeros((ck.shape[0], *q.shape[1:]))
@@ -184,8 +180,8 @@ def gated_silu(h: Tensor) -> Tensor:
 
 
 class MLP(nn.Module):
-    """proj(SiLU(fc(x))) (SPEC §1), or with mlp=gated_silu proj(gated_silu(fc(x))), fc
-    then d -> 2I."""
+    """The MLP's parameters: proj(SiLU(fc(x))) (SPEC §1), or with mlp=gated_silu
+    proj(gated_silu(fc(x))), fc then d -> 2I (the math: `block_out`)."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -194,9 +190,65 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.n_embd, (2 if self.gated else 1) * hidden, bias=False)
         self.proj = nn.Linear(hidden, cfg.n_embd, bias=False)
 
-    def forward(self, x: Tensor) -> Tensor:
-        h = self.fc(x)
-        return self.proj(gated_silu(h) if self.gated else F.silu(h))
+
+# The block's math, once: `Block.forward` (every path through the model) and the lean
+# one-token step (recdepth/core/lean_step.py) both call `qkv_of` and `block_out` with a
+# block's `BlockWeights`; only the attention between them differs by path (a parallel pass,
+# a decoding cache, a loop compiled whole).
+class BlockWeights(NamedTuple):
+    """The tensors of one block (`Block.weights()`), by name."""
+
+    norm1: Tensor
+    qkv: Tensor
+    qk_bias: Tensor | None
+    proj: Tensor
+    norm2: Tensor
+    norm3: Tensor
+    fc: Tensor
+    mlp_proj: Tensor
+    norm4: Tensor
+
+
+# Largest weight (elements) whose one-row product `linear` writes out for the compiler: 1 MiB
+# of float32 (measured to pay at d = 128 and to lose at d = 768: docs/results/decode-speed.md).
+FUSED_MATVEC_MAX = 1 << 18
+
+
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """`F.linear(x, w)` (no bias). Compiled, for one row and a small w, written as a product
+    and a sum over d: inductor then fuses the matrix-vector product into the layer's one
+    kernel, where an `mm` is an external call that first copies its [1, d] operand (inductor
+    gives the size-1 dimension stride 0, which BLAS refuses). Eager, and for more rows or a
+    larger w, `F.linear`."""
+    if torch.compiler.is_compiling() and x.shape[:-1].numel() == 1 and w.numel() <= FUSED_MATVEC_MAX:
+        return (x.unsqueeze(-2) * w).sum(-1)
+    return F.linear(x, w)
+
+
+def qkv_of(x: Tensor, w: BlockWeights, n_head: int, eps: float,
+           rope: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The attention's inputs q, k, v [B, H, T, hd] of x [B, T, d]: norm1, the one q/k/v
+    projection, Huginn's q/k bias, then the rotation by `rope` = (cos, sin) [T, hd/2] of the
+    positions (position=rope; None: learned positions, added at the embedding)."""
+    B, T, C = x.shape
+    h = F.rms_norm(x, (C,), w.norm1, eps)
+    q, k, v = linear(h, w.qkv).view(B, T, 3, n_head, C // n_head).unbind(2)  # each [B, T, H, hd]
+    if w.qk_bias is not None:
+        q, k = add_qk_bias(q, k, w.qk_bias)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    if rope is not None:
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    return q, k, v
+
+
+def block_out(x: Tensor, y: Tensor, w: BlockWeights, eps: float, gated: bool) -> Tensor:
+    """The rest of the block from the attention's output y [B, H, T, hd] (SPEC §1's sandwich):
+    x = norm2(proj(y) + x);  x = norm4(mlp(norm3(x)) + x)."""
+    B, T, C = x.shape
+    x = F.rms_norm(linear(y.transpose(1, 2).reshape(B, T, C), w.proj) + x, (C,), w.norm2, eps)
+    h = linear(F.rms_norm(x, (C,), w.norm3, eps), w.fc)
+    h = gated_silu(h) if gated else F.silu(h)
+    return F.rms_norm(linear(h, w.mlp_proj) + x, (C,), w.norm4, eps)
 
 
 class Block(nn.Module):
@@ -210,10 +262,19 @@ class Block(nn.Module):
         self.norm3, self.norm4 = RMSNorm(d, eps), RMSNorm(d, eps)
         self.attn = CausalSelfAttention(cfg, rotary)
         self.mlp = MLP(cfg)
+        self.eps = eps
+
+    def weights(self) -> BlockWeights:
+        a = self.attn
+        return BlockWeights(self.norm1.weight, a.qkv.weight, a.qk_bias, a.proj.weight, self.norm2.weight,
+                            self.norm3.weight, self.mlp.fc.weight, self.mlp.proj.weight, self.norm4.weight)
 
     def forward(self, x: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
-        x = self.norm2(self.attn(self.norm1(x), cache, pos, rows) + x)
-        return self.norm4(self.mlp(self.norm3(x)) + x)
+        """x [B, T, d] at positions pos .. pos + T − 1; `cache`, `rows`: `CausalSelfAttention.attend`."""
+        w = self.weights()
+        rope = None if self.attn.rotary is None else self.attn.rotary(pos, x.shape[1], x.device)
+        q, k, v = qkv_of(x, w, self.attn.n_head, self.eps, rope)
+        return block_out(x, self.attn.attend(q, k, v, cache, pos, rows), w, self.eps, self.mlp.gated)
 
 
 class Adapter(nn.Module):
