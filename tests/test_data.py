@@ -1,6 +1,7 @@
-"""Tests for the data path: recdepth.glue.documents (sources), recdepth.glue.tokens (token caches),
-recdepth.glue.vocab, recdepth.glue.windows and the TokenDataModule (recdepth.glue.data), unigram
-baseline, errors.
+"""Tests for the data path: recdepth/data/sources/ (sources and their configs),
+recdepth.data.token_cache (token caches), recdepth.data.vocabulary, recdepth.data.windows and
+the TokenDataModule (recdepth.data.datamodule), unigram baseline, errors; a stored data
+config of the old flat form read back (recdepth.data.config).
 
 Every test writes its caches under tmp_path. Expected values come from independent
 computations (tiktoken's own encode/decode of the raw text, pure-Python loops, slicing the
@@ -15,6 +16,7 @@ import math
 import random
 from collections import Counter
 from importlib import resources
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -23,10 +25,11 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from recdepth.glue import tokens
-from recdepth.glue.data import TokenDataModule
-from recdepth.glue.tokenizer import EOT_ID, gpt2
-from recdepth.glue.windows import TrainOrder
+from recdepth.data import token_cache as tokens
+from recdepth.data.datamodule import TokenDataModule
+from recdepth.data.tokenizer import EOT_ID, gpt2
+from recdepth.data.windows import TrainOrder
+from recdepth.glue.schema import data_config
 
 WORDS = (
     "the king queen sword crown night day love death honour thou thee art hath doth "
@@ -50,6 +53,17 @@ def expected_stream(texts: list[str]) -> list[int]:
     return out
 
 
+WINDOWS = ("block_size", "batch_size", "max_steps", "seed")  # the data module's own arguments
+
+
+def make_dm(source: str, **kw) -> TokenDataModule:
+    """The data module of `source`: data.* keys from kw (validated, `schema.data_config`),
+    the windows' arguments (WINDOWS) beside them."""
+    win = {k: kw.pop(k) for k in WINDOWS if k in kw}
+    d = {"source": source, **{k: str(v) if isinstance(v, Path) else v for k, v in kw.items()}}
+    return TokenDataModule(data_config(d), **win)
+
+
 def full_stream(dm: TokenDataModule) -> np.ndarray:
     """train + val as GPT-2 ids."""
     return dm.vocab.to_gpt2(np.concatenate([dm.train_tokens, dm.val_tokens]))
@@ -60,7 +74,7 @@ def dm_files(tmp_path, paths, **kw) -> TokenDataModule:
         block_size=8, batch_size=4, max_steps=5, val_fraction=0.25, cache_dir=tmp_path / "cache"
     )
     args.update(kw)
-    dm = TokenDataModule("files", paths=paths, **args)
+    dm = make_dm("files", paths=paths, **args)
     dm.setup()
     return dm
 
@@ -90,7 +104,7 @@ def test_shakespeare_roundtrip_and_eot(tmp_path):
     docs = [json.loads(line)["text"] for line in raw.decode("utf-8").splitlines() if line.strip()]
     assert len(docs) == 42
 
-    dm = TokenDataModule(
+    dm = make_dm(
         "shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path, compact_vocab=False
     )
     dm.setup()
@@ -107,7 +121,7 @@ def test_shakespeare_roundtrip_and_eot(tmp_path):
         assert gpt2().decode(stream[s:e].tolist()) == doc
     # Compact vocab (the shakespeare default): exactly the distinct GPT-2 ids of the train
     # split, sorted, then the shared "other" entry; held-out ids unseen in train map to it.
-    cm = TokenDataModule("shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path)
+    cm = make_dm("shakespeare", block_size=128, batch_size=4, max_steps=2, cache_dir=tmp_path)
     cm.setup()
     train_ids = np.unique(stream[: len(dm.train_tokens)])
     assert np.array_equal(cm.id_map[:-1], train_ids) and cm.id_map[-1] == -1
@@ -279,10 +293,10 @@ def test_blockwise_map_equals_slow_reference(tmp_path, small_blocks, tokenized, 
 def test_second_prepare_is_a_cache_hit(tmp_path, tokenized):
     f = tmp_path / "doc.txt"
     f.write_text(make_text(60))
-    kw = dict(paths=[str(f)], cache_dir=tmp_path / "cache", progress=False)
-    first = tokens.prepare_tokens("files", **kw)
+    data = data_config({"source": "files", "paths": [str(f)], "cache_dir": str(tmp_path / "cache")})
+    first = data.prepare(8, progress=False)
     assert first.built and tokenized == [[make_text(60)]]
-    again = tokens.prepare_tokens("files", **kw)
+    again = data.prepare(8, progress=False)
     assert not again.built and again.path == first.path and len(tokenized) == 1  # not tokenized again
     assert np.array_equal(again.train, first.train) and np.array_equal(again.val, first.val)
 
@@ -503,17 +517,17 @@ def test_fineweb_local_parquet(tmp_path):
     write_fineweb_parquet(tmp_path / "fw" / "000.parquet", texts[:3])
     write_fineweb_parquet(tmp_path / "fw" / "001.parquet", texts[3:])
     ref = expected_stream(texts)
-    kw = dict(block_size=8, batch_size=2, max_steps=2, cache_dir=tmp_path / "cache")
+    kw = dict(block_size=8, batch_size=2, max_steps=2, cache_dir=tmp_path / "cache", val_fraction=0.05)
     for path in (tmp_path / "fw", str(tmp_path / "fw" / "*.parquet")):
-        dm = TokenDataModule("fineweb", path=path, **kw)
+        dm = make_dm("fineweb", path=path, **kw)
         dm.setup()
         assert dm.vocab_size == 50257
         assert len(dm.train_tokens) + len(dm.val_tokens) == len(ref)
         assert full_stream(dm).tolist() == ref
-    one = TokenDataModule("fineweb", path=tmp_path / "fw" / "000.parquet", **kw)
+    one = make_dm("fineweb", path=tmp_path / "fw" / "000.parquet", **kw)
     one.setup()
     assert full_stream(one).tolist() == expected_stream(texts[:3])
-    capped = TokenDataModule("fineweb", path=tmp_path / "fw", max_tokens=300, **kw)
+    capped = make_dm("fineweb", path=tmp_path / "fw", **{**kw, "max_tokens": 300})
     capped.setup()
     assert full_stream(capped).tolist() == ref[:300]
     assert capped.cache.meta["n_tokens"] == 300
@@ -547,8 +561,8 @@ def test_fineweb_hub_stops_at_max_tokens(tmp_path, monkeypatch):
         return stream
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    dm = TokenDataModule(
-        "fineweb", block_size=8, batch_size=2, max_steps=2, max_tokens=5000, cache_dir=tmp_path
+    dm = make_dm(
+        "fineweb", block_size=8, batch_size=2, max_steps=2, max_tokens=5000, cache_dir=tmp_path, val_fraction=0.05
     )
     dm.setup()
     assert seen["path"] == "HuggingFaceFW/fineweb" and seen["name"] == "sample-10BT"
@@ -561,9 +575,9 @@ def test_fineweb_hub_stops_at_max_tokens(tmp_path, monkeypatch):
         doc += 1
     assert full_stream(dm).tolist() == ref[:5000]
     assert stream.rows < 20000  # the endless stream was abandoned
-    with pytest.raises(ValueError, match="data.max_tokens: required for source=fineweb"):
-        TokenDataModule(
-            "fineweb", block_size=8, batch_size=2, max_steps=2, cache_dir=tmp_path
+    with pytest.raises(ValueError, match="data.max_tokens: required for data=fineweb"):
+        make_dm(
+            "fineweb", block_size=8, batch_size=2, max_steps=2, cache_dir=tmp_path, max_tokens=None
         ).setup()
 
 
@@ -661,14 +675,14 @@ def test_clear_errors(tmp_path):
 
     with pytest.raises(ValueError) as e:
         dm_files(tmp_path, None)
-    assert "data.paths: required for source=files" in one_line(e)
+    assert "data.paths: required for data=files" in one_line(e)
 
     with pytest.raises(ValueError) as e:
-        TokenDataModule("wikipedia", block_size=8, batch_size=2, max_steps=1, cache_dir=tmp_path)
+        make_dm("wikipedia", block_size=8, batch_size=2, max_steps=1, cache_dir=tmp_path)
     assert "data.source: unknown source 'wikipedia'" in one_line(e) and "shakespeare" in one_line(e)
 
     with pytest.raises(ValueError) as e:
-        TokenDataModule(
+        make_dm(
             "fineweb",
             path=str(tmp_path / "fw"),
             block_size=8,
@@ -723,3 +737,179 @@ def test_ddp_ranks_split_each_global_batch(tmp_path):
     assert len(got) == S - 3 and all(torch.equal(x, w) for x, w in zip(got, whole[3:]))
     with pytest.raises(ValueError, match="data order differs.*batch_size=4 -> 2"):
         two.train_dataloader().load_state_dict(state)
+
+
+# ---------------------------------------------------------------------------------------
+# One place per default; the old flat data config
+
+
+def test_each_default_lives_in_its_source_class(tmp_path):
+    """data.val_tokens and data.compact_vocab (once 65536 / None in the data module and
+    32768 / true in the schema) are written once, in the source's dataclass: the data module
+    takes the validated config and no default of its own, the default run's data module has
+    the class's values, and no YAML under conf/ restates a source's defaults."""
+    import dataclasses
+    import inspect
+
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.data import sources
+    from recdepth.glue.config import conf_dir, data_module
+
+    assert list(inspect.signature(TokenDataModule).parameters) == ["data", "block_size", "batch_size", "max_steps",
+                                                                    "seed"]
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=["run_dir=/tmp/unused"])
+    dm = data_module(cfg, block_size=32)
+    fields = {f.name: f.default for f in dataclasses.fields(sources.ShakespeareData)}
+    assert type(dm.data) is sources.ShakespeareData
+    assert (dm.val_token_cap, dm.data.compact_vocab) == (fields["val_tokens"], fields["compact_vocab"]) == (32768, True)
+    # every source: a config naming only its source is its class's defaults, nothing added on the way
+    for name in sources.names():
+        cls = sources.lookup(name)
+        extra = {"paths": ["a.txt"]} if name == "files" else {}
+        assert data_config({"source": name, **extra}) == cls(**extra), name
+    assert not (Path(conf_dir()) / "data").exists()  # the `data` options are the registered classes
+
+
+# The flat `data` of a run of `experiment=hops` before the per-source configs, as its
+# config.yaml held it: the flat DataConfig's defaults (git show 02e523d:recdepth/glue/schema_groups.py),
+# conf/data/task.yaml's, experiment=addition's and experiment=hops's values on top.
+FLAT_DEFAULTS = dict(source="shakespeare", path=None, paths=None, text_column="text", encoding="utf-8",
+                     max_tokens=None, dataset_name="HuggingFaceFW/fineweb", dataset_config="sample-10BT",
+                     val_fraction=0.05, val_tokens=32768, compact_vocab=True, cache_dir=None, num_workers=0,
+                     task="hops", size=[1, 4], extrapolation=[5, 8], chains=2, distractors=2, layout="shuffled",
+                     names=16, nines=0.25, modulus=10, train_records=20000, test_records=256,
+                     validation_records=256, extrapolation_records=256, instance_seed=0, loss="all")
+FLAT_TASK = {**FLAT_DEFAULTS, "source": "task", "loss": "answers", "val_tokens": None}  # conf/data/task.yaml
+FLAT_ADDITION = {**FLAT_TASK, "task": "addition", "size": [1, 6], "extrapolation": [7, 8], "nines": 0.5,
+                 "train_records": 40000, "test_records": 64, "validation_records": 64, "extrapolation_records": 64}
+FLAT_HOPS = {**FLAT_ADDITION, "task": "hops", "layout": "sorted", "names": 16, "size": [1, 4],
+             "extrapolation": [5, 8], "chains": 3, "distractors": 1}
+FLAT_MODSUM = {**FLAT_ADDITION, "task": "modsum", "size": [1, 6], "extrapolation": [7, 9], "modulus": 10}
+
+
+@pytest.mark.parametrize("flat, experiment", [(FLAT_HOPS, "hops"), (FLAT_MODSUM, "modsum"),
+                                              (FLAT_ADDITION, "addition")])
+def test_an_old_flat_task_config_reads_back_as_today_s(flat, experiment):
+    """A run's data config of the flat form (a checkpoint's data_config, a stored
+    config.yaml) is upgraded to the nested one (recdepth.data.config.upgrade): the task's
+    options move under data.task, other tasks' and the text sources' keys go; it is the
+    typed config experiment=<task> composes today, and `load_checkpoint` hands it on so."""
+    from dataclasses import asdict
+
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.data.config import is_flat, upgrade
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.schema import validated
+
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        now = validated(compose("config", overrides=[f"experiment={experiment}", "run_dir=/tmp/unused"])).data
+    up = upgrade(flat)
+    assert is_flat(flat) and not is_flat(up) and upgrade(up) == up  # once is enough
+    assert up["task"]["name"] == experiment and "chains" not in up and "paths" not in up
+    assert data_config(flat) == now and asdict(data_config(flat)) == {**up, "cache_dir": None, "num_workers": 0}
+    if experiment == "hops":
+        assert up["task"] == {"name": "hops", "size": [1, 4], "extrapolation": [5, 8], "chains": 3, "distractors": 1,
+                              "layout": "sorted", "names": 16}
+    assert flat["task"] == experiment  # a copy: the input is left as it was
+    # a whole stored config of the flat form validates too (a DDP rank's config.yaml)
+    stored = asdict(validated(compose_default()))
+    assert validated({**stored, "data": flat}).data == now
+
+
+def compose_default():
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.glue.config import conf_dir
+
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return compose("config", overrides=["run_dir=/tmp/unused"])
+
+
+@pytest.mark.parametrize("source, extra", [("shakespeare", {}), ("fineweb", {"max_tokens": 300_000_000,
+                                                                             "val_fraction": 0.005,
+                                                                             "val_tokens": 65536,
+                                                                             "compact_vocab": False}),
+                                           ("files", {"paths": ["a.txt"], "val_tokens": 65536,
+                                                      "compact_vocab": False})])
+def test_an_old_flat_text_config_keeps_its_training_identity(source, extra):
+    """A text source's flat data config drops the other sources' keys, and its training
+    identity's `data` is what the flat schema hashed (its source's keys, DATA_KEYS then):
+    the identity of a shakespeare, fineweb or files run does not change."""
+    from recdepth.glue.runs import what_trains
+
+    flat = {**FLAT_DEFAULTS, "source": source, **extra}
+    common = ("source", "max_tokens", "val_fraction", "val_tokens", "compact_vocab")  # DATA_COMMON, less cache_dir
+    read = {"shakespeare": common, "fineweb": (*common, "path", "dataset_name", "dataset_config", "text_column"),
+            "files": (*common, "paths", "text_column", "encoding")}[source]  # and num_workers
+    assert what_trains({"data": flat})["data"] == {k: flat[k] for k in read}
+    typed = data_config(flat)
+    assert what_trains({"data": asdict_of(typed)})["data"] == {k: flat[k] for k in read}
+    # a key of another source at a value the flat schema refused is no key of this source
+    with pytest.raises(ValueError) as e:
+        data_config({**flat, "modulus": 7})
+    assert one_line(e).startswith("data.modulus: no such key in data")
+
+
+def asdict_of(obj) -> dict:
+    from dataclasses import asdict
+
+    return asdict(obj)
+
+
+# ---------------------------------------------------------------------------------------
+# A source is one class (docs/contributing.md, "Add a data source")
+
+
+def test_a_source_is_one_class_selectable_by_its_name(monkeypatch, tmp_path):
+    """A text source defined here as one class (`TextSource` with its name, one option and
+    `documents`) is registered, `data=<name>` selects it through Hydra with its own key
+    (another source's key is refused), and the data module's token streams are its
+    documents' GPT-2 tokens, EOT after each, as tiktoken encodes them."""
+    from dataclasses import dataclass, field
+
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.data.sources import source as source_module
+    from recdepth.data.sources.source import TextSource
+    from recdepth.data.token_cache import SourceSpec
+    from recdepth.glue.config import conf_dir, data_module
+    from recdepth.glue.schema import config_error, register_configs, validated
+
+    monkeypatch.setattr(source_module, "_REGISTRY", dict(source_module._REGISTRY))
+
+    @dataclass
+    class Generated(TextSource):
+        source: str = "generated"
+        documents_n: int = 6
+        """How many generated documents (>= 1)."""
+        compact_vocab: bool = field(default=False)
+
+        def __post_init__(self):
+            super().__post_init__()
+            if isinstance(self.documents_n, bool) or not isinstance(self.documents_n, int) or self.documents_n < 1:
+                raise ValueError(f"data.documents_n: expected an integer >= 1, got {self.documents_n!r}")
+
+        def documents(self, hf_cache=None):
+            texts = [make_text(100 + i) for i in range(self.documents_n)]
+            return SourceSpec(self.source, {"documents_n": self.documents_n}, "generated-v1", lambda: iter(texts),
+                              self.max_tokens)
+
+    register_configs()  # what each command does before it composes (recdepth/glue/cli.py)
+    over = ["data=generated", "data.documents_n=4", f"data.cache_dir={tmp_path}", "run_dir=/tmp/unused"]
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        run = validated(compose("config", overrides=over))
+        with pytest.raises(Exception) as e:
+            compose("config", overrides=["data=generated", "data.modulus=7", "run_dir=/tmp/unused"])
+        bad = compose("config", overrides=["data=generated", "data.documents_n=0", "run_dir=/tmp/unused"])
+    assert type(run.data) is Generated and run.data.documents_n == 4
+    assert config_error(e.value).startswith("data.modulus: no such key in data")
+    with pytest.raises(ValueError, match=r"^data\.documents_n: expected an integer >= 1, got 0$"):
+        validated(bad)
+    dm = data_module(run, block_size=16)
+    dm.setup()
+    stream = np.concatenate([dm.train_tokens, dm.val_tokens]).tolist()
+    assert stream == expected_stream([make_text(100 + i) for i in range(4)])
+    assert 0 < len(dm.val_tokens) <= 0.06 * len(stream)  # the default val_fraction's tail

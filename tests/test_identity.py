@@ -1,5 +1,6 @@
 """The training identity hashes what changes the trained weights, and only that
-(recdepth/glue/runs.py: what_trains). Configs composed in-process with Hydra's compose API."""
+(recdepth/glue/runs.py: what_trains), and two jobs of one identity at once train it once (the
+identity lock, TrainingRun.locked). Configs composed in-process with Hydra's compose API."""
 
 import pytest
 from hydra import compose, initialize_config_dir
@@ -77,13 +78,87 @@ def test_a_config_from_before_the_schema_has_the_same_identity(source, extra):
     """Before the schema a run's `data` held only its group file's keys; now it holds every
     key, the unread ones at their defaults. The identity (and a resume's comparison) reads
     the keys the source reads, a missing one at its default: the same either way."""
-    from pathlib import Path
-
     cfg = compose_cfg(f"data={source}", *extra)
     old = OmegaConf.to_container(cfg)
-    listed = OmegaConf.load(Path(conf_dir()) / "data" / f"{source}.yaml")
-    old["data"] = {k: v for k, v in old["data"].items() if k in listed.keys()}  # `in` skips ???
+    listed = {"shakespeare": {"source"},  # the keys conf/data/<source>.yaml set before the schema
+              "fineweb": {"source", "max_tokens", "val_fraction", "val_tokens", "compact_vocab"},
+              "files": {"source", "paths", "val_tokens", "compact_vocab"}}[source]
+    old["data"] = {k: v for k, v in old["data"].items() if k in listed}
     assert set(old["data"]) < set(cfg.data)  # the old form really lacks keys
     assert training_identity(OmegaConf.create(old)) == training_identity(cfg)
-    cfg.data.text_column = "body"  # a key the source reads (fineweb, files) or must keep at its default
-    assert (training_identity(cfg)[0] != identity(f"data={source}", *extra)) == (source != "shakespeare")
+    if source == "shakespeare":  # a key shakespeare does not read is no key of it
+        with pytest.raises(Exception, match="text_column"):
+            cfg.data.text_column = "body"
+        return
+    cfg.data.text_column = "body"  # a key the source reads
+    assert training_identity(cfg)[0] != identity(f"data={source}", *extra)
+
+
+def test_two_jobs_of_one_identity_at_once_train_it_once(tmp_path, env, monkeypatch, caplog):
+    """The identity lock (TrainingRun.locked, a file lock on <runs_dir>/<identity>.lock): two
+    train(cfg) calls of one training identity at once, in two threads, into two job dirs.
+    Training is stubbed (it marks the run finished as `fit` does, after the second job has
+    come to the lock); the lock, the reuse check and the rest of train() are the real ones.
+    The second job waits for the first, says so in the log, and reuses its run."""
+    import json
+    import logging
+    import threading
+
+    import recdepth.train as T
+    from recdepth.glue.runs import TrainingRun
+
+    for k in ("RECDEPTH_CACHE", "WANDB_MODE"):
+        monkeypatch.setenv(k, env[k])
+    waiting, entered = threading.Event(), threading.Event()
+    fits = []
+
+    class Seen(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("identity lock: "):
+                waiting.set()
+
+    def fit(cfg, run, job_dir, resume_step, lg):
+        fits.append(job_dir.name)
+        entered.set()
+        if len(fits) > 1:  # a second training of the identity: the lock let it through
+            waiting.set()
+        waiting.wait(timeout=20)  # hold the lock until the other job has found it held
+        run.ckpt.parent.mkdir(parents=True, exist_ok=True)
+        run.ckpt.write_bytes(b"a checkpoint")
+        metrics = {"val_ce": 1.0, "val_ppl": 2.718, "unigram_ce": 2.0, "steps": 3, "identity": run.identity}
+        run.finish(metrics)
+        return metrics
+
+    monkeypatch.setattr(T, "fit", fit)
+    caplog.set_level(logging.INFO, logger="recdepth.glue.runs")
+    seen = Seen()
+    logging.getLogger("recdepth.glue.runs").addHandler(seen)
+    cfgs = {name: compose_cfg("debug=tiny", "eval.tokens=0", "callbacks=none", "logger=csv",
+                              f"runs_dir={tmp_path / 'runs'}", f"run_dir={tmp_path / name}") for name in ("a", "b")}
+    assert len({training_identity(c)[0] for c in cfgs.values()}) == 1
+    results, errors = {}, []
+
+    def job(name):
+        try:
+            results[name] = T.train(cfgs[name])
+        except BaseException as e:  # noqa: B036 (reported by the main thread)
+            errors.append(e)
+
+    try:
+        a = threading.Thread(target=job, args=("a",))
+        a.start()
+        assert entered.wait(timeout=20)  # a holds the lock, inside training
+        b = threading.Thread(target=job, args=("b",))
+        b.start()
+        a.join(timeout=30)
+        b.join(timeout=30)
+    finally:
+        logging.getLogger("recdepth.glue.runs").removeHandler(seen)
+    assert not errors and not a.is_alive() and not b.is_alive()
+    assert fits == ["a"]  # trained once
+    assert "reused" not in results["a"] and results["b"]["reused"] is True
+    run = TrainingRun(cfgs["a"])
+    assert results["a"]["train_dir"] == results["b"]["train_dir"] == str(run.dir)
+    waited = [r for r in caplog.records if r.getMessage().startswith("identity lock: ")]
+    assert len(waited) == 1 and f"{run.identity}.lock is held by another process" in waited[0].getMessage()
+    assert json.loads((tmp_path / "b" / "metrics.json").read_text())["reused"] is True

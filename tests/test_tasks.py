@@ -1,4 +1,4 @@
-"""data=task: generated algorithmic tasks (recdepth/core/tasks.py, docs/spec.md §6).
+"""data=<task>: generated algorithmic tasks (recdepth/data/tasks/, docs/spec.md §6).
 
 Each task's answers are checked by a solver written here from the task's statement (it
 parses the decoded text), never by the generator's own arithmetic; the labels are followed
@@ -13,26 +13,42 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth.core import stats, tasks
-from recdepth.glue.data import TokenDataModule
-from recdepth.glue.schema import DataConfig
-from recdepth.glue.tokenizer import EOT_ID, gpt2
-from recdepth.glue.vocab import Vocab
+from recdepth.core import stats
+from recdepth.data import tasks
+from recdepth.data.datamodule import TokenDataModule
+from recdepth.data.tasks import task as task_module
+from recdepth.data.tokenizer import EOT_ID, gpt2
+from recdepth.data.vocabulary import Vocab
+from recdepth.glue.schema import data_config
 from tests.test_cli import run
 
 COUNTS = dict(train_records=300, test_records=8, validation_records=8, extrapolation_records=8)
+BUILTIN = ("hops", "addition", "modsum")  # the shipped tasks (a test may register more)
+DATA_KEYS = ("loss", "val_tokens", "instance_seed", *COUNTS)  # data.*; every other option is data.task.*
 
 
 def small(task: str, **kw) -> dict:
     size = {"hops": ([1, 4], [5, 6]), "addition": ([1, 4], [5, 6]), "modsum": ([1, 6], [7, 9])}[task]
-    return dict(task=task, size=size[0], extrapolation=size[1], **kw)
+    return dict(name=task, size=size[0], extrapolation=size[1], **kw)
+
+
+def task_data(tmp_path, task: str, **kw) -> dict:
+    """The plain data config of `task` at test sizes: data.* keys of `kw` beside, the task's options under data.task."""
+    top = {k: v for k, v in kw.items() if k in DATA_KEYS}
+    opts = {k: v for k, v in kw.items() if k not in DATA_KEYS}
+    return {"source": "task", **COUNTS, "loss": "answers", "cache_dir": str(tmp_path / "cache"), **top,
+            "task": small(task, **opts)}
 
 
 def data_module(tmp_path, task, block_size=128, **kw) -> TokenDataModule:
-    args = {**COUNTS, **small(task), "loss": "answers", **kw}
-    dm = TokenDataModule("task", block_size, 4, 10, cache_dir=tmp_path / "cache", **args)
+    dm = TokenDataModule(data_config(task_data(tmp_path, task, **kw)), block_size, 4, 10)
     dm.setup()
     return dm
+
+
+def spec_of(name: str, **kw) -> tasks.Task:
+    """A task's config object (the old TaskSpec), sizes as tuples or lists."""
+    return tasks.lookup(name)(**kw)
 
 
 # ------------------------------------------------------------------ independent solvers
@@ -98,10 +114,14 @@ def instances_of(dm: TokenDataModule, tokens: np.ndarray, labels: np.ndarray):
 
 # hops in the sorted layout: 12 names hold one queried chain and one distractor of up to 6
 SORTED = dict(layout="sorted", names=12, chains=3, distractors=1)
-VARIANTS = [(t, {}) for t in tasks.TASKS] + [("hops", SORTED)]
+VARIANTS = [(t, {}) for t in BUILTIN] + [("hops", SORTED)]
 
 
-@pytest.mark.parametrize("task, kw", VARIANTS, ids=[*tasks.TASKS, "hops-sorted"])
+def test_the_builtin_tasks_are_registered():
+    assert set(BUILTIN) <= set(tasks.names())
+
+
+@pytest.mark.parametrize("task, kw", VARIANTS, ids=[*BUILTIN, "hops-sorted"])
 @pytest.mark.parametrize("split", ["train", "test", "validation", "extrapolation"])
 def test_answers_and_difficulties_agree_with_an_independent_solver(tmp_path, task, kw, split):
     dm = data_module(tmp_path, task, **kw)
@@ -115,16 +135,16 @@ def test_answers_and_difficulties_agree_with_an_independent_solver(tmp_path, tas
         assert ans == solve(task, text), text
         seen += len(ans)
     assert seen == int((labs > 0).sum()) >= 8  # 8 records, each with at least one instance and answer
-    lo, hi = (dm.task_spec.extrapolation if split == "extrapolation" else dm.task_spec.size)
+    lo, hi = (dm.data.task.extrapolation if split == "extrapolation" else dm.data.task.size)
     sizes = {d for _, d in (a for text, ans in instances_of(dm, toks, labs) for a in ans)}
     if task != "addition":  # hops and modsum: difficulty = the instance's size
         assert sizes <= set(range(lo, hi + 1)) and len(sizes) > 1
 
 
-@pytest.mark.parametrize("task, kw", [(t, {"chains": 2}) for t in tasks.TASKS]
-                         + [("hops", dict(SORTED, names=6))], ids=[*tasks.TASKS, "hops-sorted"])
+@pytest.mark.parametrize("task, kw", [("hops", {"chains": 2}), ("addition", {}), ("modsum", {})]
+                         + [("hops", dict(SORTED, names=6))], ids=[*BUILTIN, "hops-sorted"])
 def test_generators_are_deterministic_and_splits_share_no_instance(task, kw):
-    spec = tasks.TaskSpec(task, size=(1, 2), extrapolation=(3, 3), **kw)
+    spec = spec_of(task, size=(1, 2), extrapolation=(3, 3), **kw)
     ids = tasks.symbol_ids(gpt2().encode_ordinary)
     a = tasks.records(spec, "train", 0, 50, 64, ids, EOT_ID)
     b = tasks.records(spec, "train", 0, 50, 64, ids, EOT_ID)
@@ -220,25 +240,30 @@ def test_spearman_matches_pearson_of_ranks_by_hand():
 
 
 @pytest.mark.parametrize("kw, field", [
-    ({"task": "sorting"}, "data.task"),
-    ({"size": [3, 2]}, "data.size"),
-    ({"size": [0, 2]}, "data.size"),
-    ({"extrapolation": [2, 6]}, "data.extrapolation"),
-    ({"chains": 2, "distractors": 5, "extrapolation": [5, 8]}, "data.chains"),
+    ({"task": {"name": "sorting"}}, "data.task.name"),
+    ({"task": {"size": [3, 2]}}, "data.task.size"),
+    ({"task": {"size": [0, 2]}}, "data.task.size"),
+    ({"task": {"extrapolation": [2, 6]}}, "data.task.extrapolation"),
+    ({"task": {"chains": 2, "distractors": 5, "extrapolation": [5, 8]}}, "data.task.chains"),
     ({"train_records": 0}, "data.train_records"),
-    ({"layout": "random"}, "data.layout"),
-    ({"layout": "sorted", "names": 15, "distractors": 1, "extrapolation": [5, 8]}, "data.names"),
-    ({"layout": "sorted", "names": 60}, "data.names"),
+    ({"task": {"layout": "random"}}, "data.task.layout"),
+    ({"task": {"layout": "sorted", "names": 15, "distractors": 1, "extrapolation": [5, 8]}}, "data.task.names"),
+    ({"task": {"layout": "sorted", "names": 60}}, "data.task.names"),
+    ({"task": {"name": "modsum", "modulus": 11}}, "data.task.modulus"),
+    ({"task": {"name": "addition", "nines": 1.0}}, "data.task.nines"),
+    ({"task": {"name": "modsum", "chains": 2}}, "data.task.chains"),  # another task's option
 ])
 def test_bad_task_config_is_one_line_naming_the_field(kw, field):
-    with pytest.raises(ValueError, match=field.replace(".", r"\.")) as e:
-        DataConfig(source="task", **kw)
+    with pytest.raises(ValueError, match="^" + field.replace(".", r"\.") + ": ") as e:
+        data_config({"source": "task", **kw})
     assert "\n" not in str(e.value)
 
 
 def test_answer_scoring_needs_labels():
-    with pytest.raises(ValueError, match=r"data\.loss: answers needs per-token answer labels") as e:
-        DataConfig(source="shakespeare", loss="answers")
+    """Only a task's data has answer labels: data.loss is a key of data=<task> alone, refused
+    for a text source in one line naming it."""
+    with pytest.raises(ValueError, match=r"^data\.loss: no such key in data") as e:
+        data_config({"source": "shakespeare", "loss": "answers"})
     assert "\n" not in str(e.value)
     from recdepth.core.scoring import score_task
     with pytest.raises(ValueError, match=r"eval\.answers: true"):
@@ -262,7 +287,7 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env,
     """A debug-size task through the real CLI: train (answers-only loss), its evaluation,
     recdepth.evaluate on the checkpoint and the frontier sweep, all scoring answer tokens."""
     rd = tmp_path / "job"
-    args = ["debug=tiny", "data=task", "data.chains=1", "data.distractors=1", *[f"data.{k}={v}" for k, v in COUNTS.items()],
+    args = ["debug=tiny", "data=task", "data.task.chains=1", "data.task.distractors=1", *[f"data.{k}={v}" for k, v in COUNTS.items()],
             "eval.tokens=512", "eval.latency_tokens=4", "callbacks=none", f"run_dir={rd}"]
     run(args, cwd=tmp_path, env=env)
     m = json.loads((rd / "metrics.json").read_text())
@@ -310,7 +335,31 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env,
         for d in {x["difficulty"] for x in t}:
             want = np.mean([int(x["correct"]) for x in t if x["difficulty"] == d])
             assert float(diff[r["job"]][f"accuracy_d{d}"]) == pytest.approx(want)
-    assert (sweep / "fig_difficulty.png").is_file() and "| fixed n |" in (sweep / "difficulty.md").read_text()
+    assert "| fixed n |" in (sweep / "difficulty.md").read_text()
+    # fig_difficulty.png is the figure task_tables draws from these jobs (drawn again here,
+    # compared pixel for pixel), and it plots difficulty.csv: per difficulty d, a curve of the
+    # fixed jobs' (layer applications, accuracy at d), and the other jobs as points
+    from recdepth.glue import task_tables
+    from recdepth.glue.frontier import collect
+    from tests.drawn import curves, png_shows
+
+    fig = task_tables.figure(task_tables.tables(task_tables.answers_of(sweep, collect(sweep)))[0])
+    assert png_shows(fig, sweep / "fig_difficulty.png")
+    ds = sorted(int(k[len("accuracy_d"):]) for k in next(iter(diff.values())) if k.startswith("accuracy_d"))
+    drawn = curves(fig.axes[0])
+    assert len(ds) >= 2 and set(drawn) == {f"difficulty {d} (fixed n)" for d in ds}
+    fixed = sorted((r for r in diff.values() if r["exit"] == "fixed"), key=lambda r: int(r["max_steps"]))
+    for d in ds:
+        np.testing.assert_allclose(drawn[f"difficulty {d} (fixed n)"],
+                                   [(float(r["layer_applications"]), float(r[f"accuracy_d{d}"])) for r in fixed
+                                    if r[f"accuracy_d{d}"] != ""])
+    points = sorted(tuple(xy) for c in fig.axes[0].collections for xy in c.get_offsets())
+    np.testing.assert_allclose(points, sorted((float(r[f"layer_applications_d{d}"]), float(r[f"accuracy_d{d}"]))
+                                              for r in diff.values() if r["exit"] != "fixed" for d in ds
+                                              if r[f"accuracy_d{d}"] != ""))
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
     # calibrate on the task: it reads the validation split's answers, and the test split's
     # answers score the result; eval.tokens must be the test split's size
     test_size = COUNTS["test_records"] * 128
@@ -362,7 +411,7 @@ def test_bootstrap_units_are_windows_in_the_answers_block():
     assert a["windows"] == 20
 
 
-@pytest.mark.parametrize("name", tasks.TASKS)
+@pytest.mark.parametrize("name", BUILTIN)
 def test_each_task_has_an_experiment_whose_evaluation_is_its_test_split(name):
     """experiment=<task> composes and validates; eval.tokens is the whole test split, which
     is what recdepth.calibrate needs on a task (calibration starts at the validation split)."""
@@ -376,10 +425,10 @@ def test_each_task_has_an_experiment_whose_evaluation_is_its_test_split(name):
         cfg = compose("config", overrides=[f"experiment={name}", "run_dir=/tmp/unused"])
     run = validated(cfg)
     T = shape_of(run.model.size, block_size=run.model.block_size)["block_size"]
-    assert run.data.source == "task" and run.data.task == name and run.data.loss == "answers"
+    assert run.data.source == "task" and run.data.task.name == name and run.data.loss == "answers"
     assert cfg.eval.tokens == run.data.test_records * T
-    lo, hi = run.data.extrapolation
-    assert lo > run.data.size[1]
+    lo, hi = run.data.task.extrapolation
+    assert lo > run.data.task.size[1]
 
 
 def test_unigram_baseline_of_an_answers_loss_counts_answers_only(tmp_path):
@@ -416,9 +465,82 @@ def test_geometry_by_difficulty_averages_the_positions_of_each_difficulty():
 
 def test_a_split_without_any_instance_is_one_line_not_a_hang():
     # modsum of one term mod 2 has two instances, " 0 = 0" and " 1 = 1": neither hashes into test's buckets
-    spec = tasks.TaskSpec("modsum", size=(1, 1), extrapolation=(2, 2), modulus=2)
+    spec = spec_of("modsum", size=(1, 1), extrapolation=(2, 2), modulus=2)
     assert not {tasks.bucket([(str(d), 0), ("=", 0), (str(d), 1)]) for d in (0, 1)} & set(tasks.BUCKETS["test"])
     ids = tasks.symbol_ids(gpt2().encode_ordinary)
-    with pytest.raises(ValueError, match=r"data\.size: the test split finds no instance") as e:
+    with pytest.raises(ValueError, match=r"data\.task\.size: the test split finds no instance") as e:
         tasks.records(spec, "test", 0, 1, 64, ids, EOT_ID)
     assert "\n" not in str(e.value)
+
+
+# ------------------------------------------------------------------ a task of one's own
+@pytest.fixture
+def parity(monkeypatch):
+    """A task defined here and nowhere else, one class: k bits and their parity, ` 1 0 1 = 0`
+    (difficulty k), with one option of its own. Registered for this test only."""
+    monkeypatch.setattr(task_module, "_REGISTRY", dict(task_module._REGISTRY))
+    from dataclasses import dataclass
+
+    @dataclass
+    class Parity(tasks.Task):
+        name: str = "parity"
+        ones: float = 0.5
+        """The probability of a 1."""
+
+        def __post_init__(self):
+            super().__post_init__()
+            if not 0 <= self.ones <= 1:
+                raise ValueError(f"data.task.ones: expected a probability in [0, 1], got {self.ones!r}")
+
+        def generate(self, rng, sizes):
+            bits = [int(rng.random() < self.ones) for _ in range(rng.randint(*sizes))]
+            return [(str(b), 0) for b in bits] + [("=", 0), (str(sum(bits) % 2), len(bits))]
+
+    return Parity
+
+
+def test_a_task_is_one_class_selectable_by_its_name(parity, tmp_path):
+    """Adding a task is one class (recdepth/data/tasks/task.py): defined, it is registered,
+    `data=parity` selects it through Hydra with `data.task.*` its options (checked in one
+    line naming the field), and its records hold its instances with their difficulties."""
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.glue.config import conf_dir, data_module
+    from recdepth.glue.schema import register_configs, validated
+
+    assert "parity" in tasks.names() and tasks.lookup("parity") is parity
+    register_configs()  # what each command does before it composes (recdepth/glue/cli.py)
+    over = ["data=parity", "data.task.ones=0.25", "data.task.size=[2,5]", "data.task.extrapolation=[6,7]",
+            f"data.cache_dir={tmp_path}", *[f"data.{k}={v}" for k, v in COUNTS.items()], "run_dir=/tmp/unused"]
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        run = validated(compose("config", overrides=over))
+        bad = compose("config", overrides=["data=parity", "data.task.ones=2", "run_dir=/tmp/unused"])
+        with pytest.raises(Exception) as e:
+            compose("config", overrides=["data=parity", "data.task.chains=2", "run_dir=/tmp/unused"])
+    assert type(run.data.task) is parity and run.data.task.ones == 0.25 and run.data.source == "task"
+    with pytest.raises(ValueError, match=r"^data\.task\.ones: expected a probability in \[0, 1\], got 2") as v:
+        validated(bad)
+    assert "\n" not in str(v.value)
+    from recdepth.glue.schema import config_error
+
+    assert config_error(e.value).startswith("data.task.chains: no such key in data.task")
+    # the stored config (a checkpoint's data_config) reads back as the task
+    from dataclasses import asdict
+
+    assert data_config(asdict(run.data)) == run.data
+    # its records: every instance's answer is its bits' parity, labelled with the bit count
+    dm = data_module(run, block_size=32)
+    dm.setup()
+    for split in ("train", "extrapolation"):
+        if split == "train":
+            toks, labs = np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels)
+        else:
+            first, n = dm.region(split)
+            toks, labs = dm.heldout_tokens(n, first), dm.heldout_labels(n, first)
+        seen = set()
+        for text, ans in instances_of(dm, toks, labs):
+            bits = text.split()[:-2]
+            assert text.split()[-2] == "=" and ans == [(str(sum(map(int, bits)) % 2), len(bits))]
+            seen.add(len(bits))
+        lo, hi = run.data.task.sizes(split)
+        assert seen == set(range(lo, hi + 1))

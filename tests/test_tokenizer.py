@@ -7,7 +7,7 @@ from importlib import resources
 import pytest
 import tiktoken
 
-from recdepth.glue.tokenizer import GPT2_RANKS_SHA256, gpt2
+from recdepth.data.tokenizer import GPT2_RANKS_SHA256, gpt2
 
 
 def test_known_answers():
@@ -45,7 +45,7 @@ def test_identical_to_tiktoken_r50k_base(tmp_path, monkeypatch):
         "Hello world!", "  leading spaces\tand\ttabs\n\n\nnewlines ", "numbers 1234567 3.14159",
         "unicode: naïve café 東京 😀", "'s 't 're 've 'm 'll 'd contractions", "x" * 300,
     ]
-    from recdepth.glue.documents import iter_shakespeare
+    from recdepth.data.sources.shakespeare import iter_shakespeare
 
     texts.append(next(iter(iter_shakespeare()))[:20000])
     for t in texts:

@@ -1,4 +1,4 @@
-"""A quick probe of a task (docs/results.md, "Tasks"): the 4-layer looped model of
+"""A quick probe of a task (docs/results/tasks.md): the 4-layer looped model of
 experiment=hops trained by a bare loop, then accuracy by difficulty at fixed depths of the
 parallel forward. Faster to iterate on than the full run; not the shipped path.
 
@@ -7,7 +7,7 @@ parallel forward. Faster to iterate on than the full run; not the shipped path.
     CHAINS, DISTRACTORS (hops), T (block size), INIT (state init), CACHE (token cache dir)
 """
 import math, sys, time, torch, numpy as np
-from recdepth.glue.data import TokenDataModule
+from recdepth.data.datamodule import TokenDataModule
 from recdepth.core.model import LoopedGPT, GPTConfig
 from recdepth.core.sampler import lognormal_poisson
 torch.set_num_threads(2); torch.manual_seed(0)
@@ -18,7 +18,10 @@ kw = dict(size=(1, 4), extrapolation=(5, 8)) if task == "hops" else dict(size=(1
 import os
 kw.update(chains=int(os.environ.get("CHAINS", 2)), distractors=int(os.environ.get("DISTRACTORS", 2))) if task == "hops" else None
 T = int(os.environ.get("T", 128))
-dm = TokenDataModule("task", T, B, steps, cache_dir=os.environ.get("CACHE", "/tmp/recdepth-probe"), task=task, loss="answers", **kw)
+from recdepth.glue.schema import data_config
+data = data_config({"source": "task", "cache_dir": os.environ.get("CACHE", "/tmp/recdepth-probe"), "loss": "answers",
+                    "task": {"name": task, **{k: list(v) if isinstance(v, tuple) else v for k, v in kw.items()}}})
+dm = TokenDataModule(data, T, B, steps)
 dm.setup()
 groups = [[1, 2]] if nl == 4 else [[1, 2, 3]] if nl == 5 else [[1]]
 cfg = GPTConfig(n_layer=nl, n_head=4, n_embd=128, block_size=T, vocab_size=dm.vocab_size, n_other=dm.n_other, groups=groups, mean_recurrence=mean, logit_bias=False, position=os.environ.get("POS", "learned"), state_init=os.environ.get("INIT", "normal"))

@@ -20,7 +20,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recdepth.core import stats, tasks
+import recdepth.data.tasks as tasks
+from recdepth.core import stats
 from recdepth.core.decoding import (
     STEPS,
     check_settings,
@@ -32,16 +33,15 @@ from recdepth.core.decoding import (
     step_of,
     warm_up,
 )
-from recdepth.core.exits import ORACLE, ExitPolicy, build
 from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
 from recdepth.core.runtime import has_cpp_compiler
 from recdepth.core.state_decode import has_coda
+from recdepth.exits.policy import ORACLE, ExitPolicy, build
 
 AUTO = "auto"  # eval.latency_step: the compiled step where it is measured to pay (`latency_step_for`)
 # auto compiles the latency passes of at least this many settings in one process (a sweep's
-# shared pass): a compile costs about 5 s per rule and group length on the 2-core CPU and
-# saves about 4 ms a timed token (768 a setting at the defaults); docs/results.md
+# shared pass): where its compiles pay for themselves (docs/results/sweep-time.md)
 AUTO_COMPILE_SETTINGS = 8
 
 
@@ -54,8 +54,7 @@ def check_latency_step(step: str | None) -> None:
 def latency_step_for(model: LoopedGPT, step: str | None, settings: int) -> str | None:
     """The step the batch-1 latency passes of `settings` settings timed in this process take
     for `eval.latency_step` = `step` (`timed_with`'s argument; None: as the quality pass).
-    `auto`: "compiled" where it was measured to pay (`make frontier` 456 -> 404 s on the
-    2-core CPU with inductor's cache empty; docs/results.md): at least
+    `auto`: "compiled" where it was measured to pay (docs/results/sweep-time.md): at least
     `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a C++ compiler for torch.compile; else None. A GPU keeps its quality pass's step (the
     compiled loop is unmeasured there)."""
     if step != AUTO:

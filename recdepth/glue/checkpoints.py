@@ -19,10 +19,12 @@ from omegaconf import OmegaConf
 from torch import Tensor
 
 from recdepth.core.model import LoopedGPT
-from recdepth.glue.documents import resolve_source
+from recdepth.data import sources
+from recdepth.data.config import upgrade
+from recdepth.data.sources import DataConfig, ShakespeareData, TextSource
 from recdepth.glue.hf import HFTokenizer, load_hf
 from recdepth.glue.lit import LoopedLM
-from recdepth.glue.schema import DataConfig
+from recdepth.glue.schema import data_config
 
 
 def resolve_device(name: str) -> torch.device:
@@ -34,7 +36,8 @@ def resolve_device(name: str) -> torch.device:
 
 def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, dict]:
     """The LoopedLM of a training checkpoint (in eval mode, with `checkpoint_step`, the
-    global step it was saved at) and the data config it was trained on."""
+    global step it was saved at) and the data config it was trained on (a plain dict in
+    today's form: an older checkpoint's flat one upgraded, `recdepth.data.config.upgrade`)."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"ckpt: no checkpoint file at {path}")
@@ -56,6 +59,7 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
         if not cfg_file.is_file():
             raise ValueError(f"ckpt: {path} carries no data config and there is no {cfg_file} beside it")
         data = OmegaConf.to_container(OmegaConf.load(cfg_file).data, resolve=True)
+    data = upgrade(data)
     try:
         module = LoopedLM.load_from_checkpoint(path, map_location=device, weights_only=True)
     except RuntimeError as e:  # weights that do not fit the model their hyper_parameters describe
@@ -76,14 +80,12 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int =
 
 
 def checkpoint_data(module: LoopedLM, data: dict, seed: int):
-    """The set-up TokenDataModule of a checkpoint's data config (its train and val splits),
-    checked to have the checkpoint's vocabulary."""
-    from recdepth.glue.data import TokenDataModule
+    """The set-up TokenDataModule of a checkpoint's data config (a plain dict of any form:
+    `schema.data_config` types it), with its train and val splits, checked to have the
+    checkpoint's vocabulary."""
+    from recdepth.data.datamodule import TokenDataModule
 
-    d = dict(data)
-    if isinstance(d.get("paths"), str):
-        d["paths"] = [d["paths"]]
-    dm = TokenDataModule(block_size=module.config.block_size, batch_size=1, max_steps=1, seed=seed, **d)
+    dm = TokenDataModule(data_config(data), block_size=module.config.block_size, batch_size=1, max_steps=1, seed=seed)
     dm.prepare_data()
     dm.setup()
     ours = None if dm.id_map is None else torch.as_tensor(dm.id_map)
@@ -169,7 +171,7 @@ def open_model(job, device: torch.device) -> Opened:
         if tok is None:
             raise FileNotFoundError(f"hf: {job.hf} has no tokenizer.json to tokenize data with")
         if parts is None:
-            parts = split_stream(tok, job.data if job.data is not None else DataConfig())
+            parts = split_stream(tok, job.data if job.data is not None else ShakespeareData())
         return parts
 
     def heldout(n: int, start: int = 0) -> Tensor:
@@ -188,11 +190,12 @@ def split_stream(tok: HFTokenizer, data: DataConfig) -> tuple[np.ndarray, np.nda
     """The train and held-out splits of `data`'s documents under a checkpoint directory's
     tokenizer: the documents' token stream (each followed by the end-of-document id, when
     the tokenizer names one) cut before its last `data.val_fraction` — the same cut as a
-    training run's (recdepth/glue/tokens.py). Tokenized in memory; no token cache (the
-    tokenizer is not GPT-2's)."""
-    spec = resolve_source(data.source, path=data.path, paths=data.paths, text_column=data.text_column,
-                          max_tokens=data.max_tokens, dataset_name=data.dataset_name,
-                          dataset_config=data.dataset_config, encoding=data.encoding)
+    training run's (recdepth/data/token_cache.py). Tokenized in memory; no token cache (the
+    tokenizer is not GPT-2's). A source of documents only (`TextSource`)."""
+    if not isinstance(data, TextSource):
+        text = [n for n in sources.names() if issubclass(sources.lookup(n), TextSource)]
+        raise ValueError(f"data: hf= scores documents (data={' | '.join(text)}), not data={data.source}")
+    spec = data.documents()
     ids = tok.stream(spec.documents())
     if data.max_tokens is not None:
         ids = ids[: data.max_tokens]

@@ -16,11 +16,11 @@ import torch
 
 from recdepth.core.generation import TokenRecord
 from recdepth.core.model import LoopedGPT
+from recdepth.data.tokenizer import gpt2
+from recdepth.data.vocabulary import Vocab
 from recdepth.glue.checkpoints import open_model
 from recdepth.glue.hf import HFTokenizer
 from recdepth.glue.schema import GenerateConfig
-from recdepth.glue.tokenizer import gpt2
-from recdepth.glue.vocab import Vocab
 
 log = logging.getLogger("recdepth.generate")
 

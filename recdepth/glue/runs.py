@@ -35,9 +35,11 @@ from pathlib import Path
 import filelock
 import torch
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from recdepth.core.model_config import OPTION_DEFAULTS, SIZES, shape_of
-from recdepth.glue.schema import DATA_KEYS, DataConfig
+from recdepth.data.config import node as data_node
+from recdepth.data.config import upgrade as data_upgrade
 
 log = logging.getLogger("recdepth.glue.runs")
 
@@ -70,14 +72,19 @@ def what_trains(training: dict) -> dict:
     kept), so `model.n_embd=128` on the cpu preset is the cpu preset; the architecture
     options of docs/spec.md §1b dropped at their defaults (`model.rope_base` under
     learned positions), so a run from before them keeps its identity; `sampler.sigma`
-    dropped under `sampler=fixed`, which never reads it; and `data` reduced to the keys
-    its source reads (recdepth/glue/schema.py: DATA_KEYS), a key missing (a config from before
-    the schema) taking the schema's default. Also applied to the training config a
-    checkpoint was saved with."""
+    dropped under `sampler=fixed`, which never reads it; and `data` as its source's config
+    (recdepth/data/sources/), the keys its source has, a key missing (a config from before
+    the schema) taking its default; an old flat one upgraded first (`recdepth.data.config.
+    upgrade`, which says what that does to a task run's identity). Also applied to the
+    training config a checkpoint was saved with."""
     sub = json.loads(json.dumps(training, default=str))
     d = sub.get("data")
-    if isinstance(d, dict) and d.get("source") in DATA_KEYS:
-        sub["data"] = {k: d.get(k, DataConfig.defaults()[k]) for k in DATA_KEYS[d["source"]]}
+    if isinstance(d, dict):
+        try:
+            full = OmegaConf.merge(data_node(d), data_upgrade(d))
+            sub["data"] = OmegaConf.to_container(full, resolve=True, throw_on_missing=False)
+        except (ValueError, OmegaConfBaseException):  # not a data config this recdepth knows: hashed as it is
+            pass
     for group, keys in NOT_TRAINING.items():
         for k in keys:
             (sub.get(group) or {}).pop(k, None)

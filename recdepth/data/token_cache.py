@@ -1,7 +1,7 @@
 """Tokenizing a source into its token cache, nanoGPT style.
 
-The documents of a source (`recdepth.glue.documents`) are tokenized with GPT-2 BPE
-(`recdepth.glue.tokenizer.gpt2`) by `datasets`' `Dataset.map` (batched), an end-of-text token
+The documents of a source (recdepth/data/sources/: a `SourceSpec`) are tokenized with GPT-2 BPE
+(`recdepth.data.tokenizer.gpt2`) by `datasets`' `Dataset.map` (batched), an end-of-text token
 (EOT, 50256) after *each* document, and written once into one flat uint16 memmap, the way
 nanoGPT's prepare scripts do. The stream is then cut: the first `1 - val_fraction` of it
 is the train split, the tail is the val split. `max_tokens`, when set, cuts the token
@@ -21,13 +21,13 @@ Cache layout
       train.bin    uint16 token ids of the train split
       val.bin      uint16 token ids of the val split
       vocab.npy    int64, compact id -> GPT-2 id, -1 for the shared "other" entry
-                   (only with compact_vocab; `recdepth.glue.vocab` reads it)
+                   (only with compact_vocab; `recdepth.data.vocabulary` reads it)
       meta.json    source, parameters, tokenizer id, content hash, counts, vocab info
   <cache_dir>/hf-datasets/   `datasets`' lock files and the map cache of unfinished builds
 
 `cache_dir` defaults to $RECDEPTH_CACHE, else ~/.cache/recdepth. The key is the sha256 of:
 the cache format version, the source name, the source's parameters that change the
-tokens, the tokenizer id, the source's content hash (`documents.resolve_source`),
+tokens, the tokenizer id, the source's content hash (its `SourceSpec`),
 val_fraction and compact_vocab: editing a local file gives a new key.
 
 Crash safety: a build first deletes meta.json, writes every other file under a temporary
@@ -38,7 +38,10 @@ warning), never trusted.
 
 Compact vocabulary: with `compact_vocab` (the default for shakespeare) the .bin files hold
 compact ids 0..V_c: the sorted GPT-2 ids of the train split, then V_c = "other" for every
-other GPT-2 id; vocab.npy maps them back (`recdepth.glue.vocab` explains the scoring).
+other GPT-2 id; vocab.npy maps them back (`recdepth.data.vocabulary` explains the scoring).
+
+A generated task's cache (`prepare_task_tokens`) holds its records (recdepth/data/tasks/)
+and their per-token labels beside the tokens.
 """
 
 from __future__ import annotations
@@ -48,15 +51,14 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 
-from recdepth.core import tasks
-from recdepth.glue.documents import SourceSpec, resolve_source
-from recdepth.glue.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, gpt2, tokenizer_id
+from recdepth.data import tasks
+from recdepth.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, gpt2, tokenizer_id
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +77,18 @@ WRITE_ROWS = 4096  # tokenized documents copied into the memmap at a time
 
 def default_cache_dir() -> Path:
     return Path(os.environ.get("RECDEPTH_CACHE") or "~/.cache/recdepth").expanduser()
+
+
+@dataclass
+class SourceSpec:
+    """A resolved source (a text source's `documents`, recdepth/data/sources/): how to get
+    its documents, and everything its tokens depend on."""
+
+    source: str
+    params: dict  # parameters that change the tokens (go into the key and meta.json)
+    content_hash: str
+    documents: Callable[[], Iterator[str]]
+    max_tokens: int | None
 
 
 def key_fields(spec: SourceSpec, val_fraction: float, compact_vocab: bool) -> dict:
@@ -351,28 +365,24 @@ def build_cache(
 
 
 def prepare_tokens(
-    source: str,
+    resolve: Callable[[Path], SourceSpec],
     *,
     cache_dir: str | os.PathLike | None = None,
     val_fraction: float = 0.05,
-    compact_vocab: bool | None = None,
+    compact_vocab: bool = False,
     progress: bool = True,
-    **source_kw,
 ) -> TokenCache:
     """Open the token cache of a source, tokenizing it first if there is no valid one.
 
-    compact_vocab=None means: on for shakespeare, off for the other sources. `source_kw`
-    are `documents.resolve_source`'s (path, paths, text_column, max_tokens, dataset_name,
-    dataset_config, encoding).
+    `resolve(hf_cache)` is the source's `SourceSpec` (a text source's `documents`,
+    recdepth/data/sources/source.py; `hf_cache` is where `datasets` keeps its lock files).
     """
     if not 0.0 < float(val_fraction) < 1.0:
         raise ValueError(f"data.val_fraction: must be in (0, 1), got {val_fraction}")
-    if compact_vocab is None:
-        compact_vocab = source == "shakespeare"
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    spec = resolve_source(source, hf_cache=root / "hf-datasets", **source_kw)
+    spec = resolve(root / "hf-datasets")
     key = cache_key(spec, val_fraction, compact_vocab)
-    name = f"{source}-{key[:16]}"
+    name = f"{spec.source}-{key[:16]}"
     cache_path = root / "tokens" / name
     cache, why = open_cache(cache_path, key)
     if cache is not None:
@@ -389,19 +399,18 @@ def prepare_tokens(
 
 
 # ---------------------------------------------------------------------------------------
-# Task caches: generated records (recdepth.core.tasks) with their per-token labels.
+# Task caches: generated records (recdepth/data/tasks/) with their per-token labels.
 TASK_REGIONS = ("test", "validation", "extrapolation")
 
 
-def task_key_fields(spec: tasks.TaskSpec, length: int, counts: dict[str, int], seed: int) -> dict:
+def task_key_fields(task: tasks.Task, length: int, counts: dict[str, int], seed: int) -> dict:
     """What a task cache's content depends on: hashed into its key, recorded in meta.json."""
     return {"format": CACHE_FORMAT, "source": "task", "task_version": tasks.TASK_VERSION,
-            "tokenizer": tokenizer_id(), "task": {k: (list(v) if isinstance(v, tuple) else v)
-                                                  for k, v in vars(spec).items()},
+            "tokenizer": tokenizer_id(), "task": json.loads(json.dumps(asdict(task))),
             "length": int(length), "records": dict(counts), "instance_seed": int(seed), "compact_vocab": True}
 
 
-def prepare_task_tokens(spec: tasks.TaskSpec, length: int, counts: dict[str, int], seed: int = 0,
+def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], seed: int = 0,
                         cache_dir: str | os.PathLike | None = None) -> TokenCache:
     """Open the token cache of a generated task, building it first if there is no valid one.
 
@@ -415,11 +424,11 @@ def prepare_task_tokens(spec: tasks.TaskSpec, length: int, counts: dict[str, int
     split uses, EOT among them, plus "other"."""
     for split in ("train", *TASK_REGIONS):
         if int(counts.get(split, 0)) < 1:
-            raise ValueError(f"data.records.{split}: expected a number of records >= 1, got {counts.get(split)}")
+            raise ValueError(f"data.{split}_records: expected a number of records >= 1, got {counts.get(split)}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    fields = task_key_fields(spec, length, counts, seed)
+    fields = task_key_fields(task, length, counts, seed)
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
-    path = root / "tokens" / f"task-{spec.task}-{key[:16]}"
+    path = root / "tokens" / f"task-{task.name}-{key[:16]}"
     cache, why = open_cache(path, key)
     if cache is not None:
         return cache
@@ -430,11 +439,11 @@ def prepare_task_tokens(spec: tasks.TaskSpec, length: int, counts: dict[str, int
     eot = np.array([EOT_ID], dtype=np.uint16)
     zero = np.zeros(1, dtype=np.uint8)
     streams, regions = {}, {}
-    tr, tl = tasks.records(spec, "train", seed, int(counts["train"]), length, ids, EOT_ID)
+    tr, tl = tasks.records(task, "train", seed, int(counts["train"]), length, ids, EOT_ID)
     streams["train"] = (np.concatenate([tr, eot]), np.concatenate([tl, zero]))
     parts, start = [], 0
     for name in TASK_REGIONS:
-        t, lab = tasks.records(spec, name, seed, int(counts[name]), length, ids, EOT_ID)
+        t, lab = tasks.records(task, name, seed, int(counts[name]), length, ids, EOT_ID)
         regions[name] = [start, len(t)]
         parts.append((np.concatenate([t, eot]), np.concatenate([lab, zero])))
         start += len(t) + 1
@@ -469,7 +478,7 @@ def prepare_task_tokens(spec: tasks.TaskSpec, length: int, counts: dict[str, int
     finally:
         for f in path.glob(f"*{tag}"):
             f.unlink(missing_ok=True)
-    log.info("generated task %s: %d records of %d tokens in %.1fs -> %s", spec.task, sum(counts.values()), length,
+    log.info("generated task %s: %d records of %d tokens in %.1fs -> %s", task.name, sum(counts.values()), length,
              time.time() - t0, path)
     cache, why = open_cache(path, key)
     if cache is None:

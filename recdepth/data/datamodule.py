@@ -1,127 +1,64 @@
 """The LightningDataModule: random train windows and consecutive val windows over a token
-cache.
+cache, built from the validated data config (`data`: a source of recdepth/data/sources/).
 
-Where the rest lives: `recdepth.glue.documents` (the sources and their documents),
-`recdepth.glue.tokens` (tokenizing into the token cache), `recdepth.glue.vocab` (the model's
-vocabulary over GPT-2's, the unigram baseline), `recdepth.glue.windows` (window batches, the
-training order, the resumable loader).
+Where the rest lives: recdepth/data/sources/ (the sources, their configs and documents),
+recdepth/data/tasks/ (the generated tasks), `recdepth.data.token_cache` (tokenizing into
+the token cache), `recdepth.data.vocabulary` (the model's vocabulary over GPT-2's, the
+unigram baseline), `recdepth.data.windows` (window batches, the training order, the
+resumable loader).
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
 import numpy as np
 from torch.utils.data import DataLoader
 
-from recdepth.core.tasks import TaskSpec, check_loss
-from recdepth.glue.documents import FINEWEB_CONFIG, FINEWEB_REPO, SOURCES
-from recdepth.glue.tokens import TokenCache, prepare_task_tokens, prepare_tokens
-from recdepth.glue.vocab import Vocab
-from recdepth.glue.windows import ResumableLoader, TrainOrder, WindowBatches
+from recdepth.data.sources import DataConfig
+from recdepth.data.token_cache import TokenCache
+from recdepth.data.vocabulary import Vocab
+from recdepth.data.windows import ResumableLoader, TrainOrder, WindowBatches
 
 
 class TokenDataModule(L.LightningDataModule):
     """Random train windows and consecutive val windows over a token cache.
 
+    Its data are `data`, the validated data config (recdepth/data/sources/: a source with
+    its options; `recdepth.glue.schema.data_config` types a plain dict); the windows are
+    the run's: block_size, batch_size, max_steps and seed (the training order's).
+
     Train: max_steps batches of batch_size windows of block_size + 1 tokens at offsets
     `train_offsets` (`windows.TrainOrder`: batch k is a function of seed and k). Val: the
-    first `val_tokens` val tokens (all of them if None) cut into non-overlapping windows
-    with stride block_size, in order; the leftover tail shorter than a window is dropped.
+    first `data.val_tokens` val tokens (all of them if None) cut into non-overlapping
+    windows with stride block_size, in order; the leftover tail shorter than a window is
+    dropped. A task validates on its validation region, one record per window.
 
-    After setup, `vocab` maps model ids to GPT-2 ids and back (`recdepth.glue.vocab`);
+    After setup, `vocab` maps model ids to GPT-2 ids and back (`recdepth.data.vocabulary`);
     vocab_size, id_map, n_other, other_id and eot_id are its, for the model's config.
-
-    Note: the constructor argument `val_tokens` (the cap, kept as `val_token_cap`) and
-    the attribute `val_tokens` (the val split memmap, set by setup) are different things.
+    The attribute `val_tokens` is the val split memmap (set by setup), not the config's cap.
     """
 
-    def __init__(
-        self,
-        source: str,
-        block_size: int,
-        batch_size: int,
-        max_steps: int,
-        seed: int = 1337,
-        val_fraction: float = 0.05,
-        val_tokens: int | None = 65536,
-        compact_vocab: bool | None = None,
-        cache_dir: str | os.PathLike | None = None,
-        path: str | os.PathLike | None = None,
-        paths: Sequence[str | os.PathLike] | str | None = None,
-        text_column: str = "text",
-        max_tokens: int | None = None,
-        num_workers: int = 0,
-        dataset_name: str = FINEWEB_REPO,
-        dataset_config: str = FINEWEB_CONFIG,
-        encoding: str = "utf-8",
-        task: str = "hops",
-        size: Sequence[int] = (1, 4),
-        extrapolation: Sequence[int] = (5, 8),
-        chains: int = 2,
-        distractors: int = 2,
-        layout: str = "shuffled",
-        names: int = 16,
-        nines: float = 0.25,
-        modulus: int = 10,
-        train_records: int = 20000,
-        test_records: int = 256,
-        validation_records: int = 256,
-        extrapolation_records: int = 256,
-        instance_seed: int = 0,
-        loss: str = "all",
-    ):
+    def __init__(self, data: DataConfig, block_size: int, batch_size: int, max_steps: int, seed: int = 1337):
         super().__init__()
-        if source not in SOURCES:
-            raise ValueError(
-                f"data.source: unknown source {source!r} (expected one of {', '.join(SOURCES)})"
-            )
+        if not isinstance(data, DataConfig):
+            raise TypeError(f"data: expected a validated data config (a DataConfig), got {type(data).__name__} "
+                            "(recdepth.glue.schema.data_config types a plain dict)")
         for name, value, lo in (
             ("block_size", block_size, 1),
             ("batch_size", batch_size, 1),
             ("max_steps", max_steps, 0),
-            ("num_workers", num_workers, 0),
         ):
             if int(value) < lo:
                 raise ValueError(f"data.{name}: must be >= {lo}, got {value}")
-        if val_tokens is not None and int(val_tokens) < 1:
-            raise ValueError(f"data.val_tokens: must be positive or None, got {val_tokens}")
-        self.source = source
+        self.data = data
         self.block_size = int(block_size)
         self.batch_size = int(batch_size)
         self.max_steps = int(max_steps)
         self.seed = int(seed)
-        self.val_fraction = float(val_fraction)
-        self.val_token_cap = None if val_tokens is None else int(val_tokens)
-        self.compact_vocab = compact_vocab
-        self.cache_dir = cache_dir
-        self.path = path
-        # Hydra hands lists over as ListConfig; plain lists hash and pickle predictably.
-        self.paths = (
-            [paths]
-            if isinstance(paths, str | os.PathLike)
-            else (None if paths is None else [os.fspath(p) for p in paths])
-        )
-        self.text_column = text_column
-        self.max_tokens = max_tokens
-        self.num_workers = int(num_workers)
-        self.dataset_name = dataset_name
-        self.dataset_config = dataset_config
-        self.encoding = encoding
-        # source=task: the generated task (recdepth.core.tasks), its record counts per split and
-        # which targets the training loss counts (answers | all)
-        self.task_spec = (TaskSpec(task, tuple(int(v) for v in size), tuple(int(v) for v in extrapolation),
-                                   chains=int(chains), distractors=int(distractors), layout=str(layout),
-                                   names=int(names), nines=float(nines), modulus=int(modulus))
-                          if source == "task" else None)
-        self.records = {"train": int(train_records), "test": int(test_records),
-                        "validation": int(validation_records), "extrapolation": int(extrapolation_records)}
-        self.instance_seed = int(instance_seed)
-        check_loss(source, loss)
-        self.loss = loss
+        self.val_token_cap = data.val_tokens
+        self.num_workers = int(data.num_workers)
         # Batches to skip at the start of train_dataloader() (set before fit to resume).
         self.start_step = 0
 
@@ -141,22 +78,7 @@ class TokenDataModule(L.LightningDataModule):
     # -- building / opening -------------------------------------------------------------
 
     def _prepare(self) -> TokenCache:
-        if self.task_spec is not None:
-            return prepare_task_tokens(self.task_spec, self.block_size, self.records, self.instance_seed,
-                                       self.cache_dir)
-        return prepare_tokens(
-            self.source,
-            cache_dir=self.cache_dir,
-            val_fraction=self.val_fraction,
-            compact_vocab=self.compact_vocab,
-            path=self.path,
-            paths=self.paths,
-            text_column=self.text_column,
-            max_tokens=self.max_tokens,
-            dataset_name=self.dataset_name,
-            dataset_config=self.dataset_config,
-            encoding=self.encoding,
-        )
+        return self.data.prepare(self.block_size)
 
     def prepare_data(self) -> None:
         self._prepare()
@@ -237,7 +159,7 @@ class TokenDataModule(L.LightningDataModule):
 
     def _labels_file(self, split: str) -> Path | None:
         """The labels that mask the loss to answers (data.loss=answers), else None."""
-        return self.cache_path / f"{split}.labels.bin" if self.loss == "answers" else None
+        return self.cache_path / f"{split}.labels.bin" if self.data.answers_only() else None
 
     def train_dataloader(self, start_step: int | None = None) -> ResumableLoader:
         """Batches in a fixed order, from start_step (default self.start_step) on. The
@@ -277,7 +199,7 @@ class TokenDataModule(L.LightningDataModule):
         the unigram of the train split's answers on the val targets that are answers (what
         val/ce then scores)."""
         cache = self._require_setup()
-        if self.loss == "answers":
+        if self.data.answers_only():
             first = int(self.val_offsets[0]) if len(self.val_offsets) else 0
             n = len(self.val_offsets) * self.block_size
             answer = np.asarray(cache.val_labels[first + 1 : first + n + 1]) > 0
@@ -312,7 +234,8 @@ class TokenDataModule(L.LightningDataModule):
         """A task's val-split region (test, validation, extrapolation): (first token, tokens)."""
         regions = self._require_setup().regions
         if name not in regions:
-            raise ValueError(f"data: the {name!r} split exists for data=task only (this data is {self.source})")
+            raise ValueError(f"data: the {name!r} split exists for a task's data only (this data is "
+                             f"data={self.data.source})")
         first, n = regions[name]
         return int(first), int(n)
 

@@ -85,7 +85,7 @@ class TrainOrder:
     seed: int
     world_size: int = 1
     align: int = 1
-    """Offsets are multiples of this: a task's records (`recdepth.core.tasks.records`) are
+    """Offsets are multiples of this: a task's records (`recdepth.data.tasks.records.records`) are
     block_size tokens each, so align = block_size gives every window one whole record."""
 
     def draw(self, n: int) -> np.ndarray:

@@ -8,7 +8,7 @@ probability of "other" is spread evenly over those n_other ids, so a held-out to
 train split never saw is scored log p(other) − log n_other and CE stays a cross-entropy
 over all 50257 GPT-2 ids (`recdepth.core.model.token_nll`). Shakespeare's train split uses
 19,194 of GPT-2's 50257 tokens, so the embedding / unembedding shrink by 2.6x. The token
-cache's vocab.npy (`recdepth.glue.tokens`) is `id_map`: compact id -> GPT-2 id, -1 for
+cache's vocab.npy (`recdepth.data.token_cache`) is `id_map`: compact id -> GPT-2 id, -1 for
 "other". Without a compact vocabulary the model's ids are GPT-2's.
 """
 
@@ -19,7 +19,7 @@ import math
 import numpy as np
 import torch
 
-from recdepth.glue.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, gpt2
+from recdepth.data.tokenizer import EOT_ID, GPT2_VOCAB_SIZE, gpt2
 
 
 class Vocab:

@@ -1,0 +1,72 @@
+"""Scoring a task's answers (docs/spec.md §6): accuracy, NLL and layer applications on the
+answer tokens, overall and per difficulty, with bootstrap intervals over windows, and
+Spearman's correlation of applications with difficulty."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from recdepth.core import stats
+
+
+def average_ranks(x: np.ndarray) -> np.ndarray:
+    """Ranks 1..n of x, ties sharing their mean rank (Spearman's convention)."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(1, len(x) + 1)
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=ranks)
+    return sums[inv] / counts[inv]
+
+
+def spearman(x, y) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the average ranks (NaN when
+    either side is constant)."""
+    rx, ry = average_ranks(x), average_ranks(y)
+    rx, ry = rx - rx.mean(), ry - ry.mean()
+    den = np.sqrt((rx * rx).sum() * (ry * ry).sum())
+    return float((rx * ry).sum() / den) if den > 0 else float("nan")
+
+
+def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray, resamples: int = 1000,
+                  seed: int = 0) -> dict:
+    """The `answers` block of an evaluation on a task (docs/spec.md §6): over the scored
+    tokens that are answers (labels > 0; `labels` aligned with rec's targets), accuracy
+    (argmax = target), NLL and layer applications per answer token, overall and per
+    difficulty, each with a 95% bootstrap interval over windows (a window is one record of
+    whole instances drawn independently), and Spearman's correlation of applications with
+    difficulty (its interval from the same window resamples)."""
+    answer = np.asarray(labels) > 0
+    if not answer.any():
+        raise ValueError("answers: no answer tokens among the scored tokens (eval.tokens too small?)")
+    diff = np.asarray(labels)[answer]
+    ok = np.asarray(rec["correct"], dtype=float)[answer]
+    nll = np.asarray(rec["nll"], dtype=float)[answer]
+    cost = np.asarray(cost_per_token, dtype=float)[answer]
+    windows = np.asarray(rec["window"])[answer]
+    boot = stats.Bootstrap(windows, resamples, seed)
+
+    def ci(x):
+        m, lo, hi = stats.mean_ci(x, boot)
+        return [m, lo, hi]
+
+    out = {"tokens": int(answer.sum()), "windows": boot.n_units, "accuracy": ci(ok), "nll": ci(nll),
+           "layer_applications": ci(cost), "by_difficulty": {}}
+    for d in np.unique(diff).tolist():
+        sel = diff == d
+        b = stats.Bootstrap(windows[sel], resamples, seed)
+        out["by_difficulty"][str(int(d))] = {
+            "tokens": int(sel.sum()), "accuracy": [*stats.mean_ci(ok[sel], b)],
+            "nll": float(nll[sel].mean()), "layer_applications": float(cost[sel].mean())}
+    rho = spearman(cost, diff)
+    rs = []
+    if np.isfinite(rho):
+        rng_idx = stats.bootstrap_indices(boot.n_units, resamples, seed)
+        members = [np.flatnonzero(boot.inverse == u) for u in range(boot.n_units)]
+        for r in range(min(resamples, 200)):  # ranks per resample: 200 keep this to a second
+            idx = np.concatenate([members[u] for u in rng_idx[r]])
+            rs.append(spearman(cost[idx], diff[idx]))
+    lo, hi = stats.interval(np.asarray(rs)) if rs else (float("nan"), float("nan"))
+    out["spearman_applications_difficulty"] = [rho, lo, hi]
+    return out

@@ -1,0 +1,53 @@
+"""A task's instances as token records: each symbol's GPT-2 id, and records of `length`
+tokens (one training/evaluation window's inputs each) with their per-token labels."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+from recdepth.data.tasks.task import SYMBOLS, Task, instances
+
+
+def symbol_ids(encode: Callable[[str], list[int]]) -> dict[str, int]:
+    """Each symbol's GPT-2 id (" a", " 7", " =", ...; newline ends an instance), checked to be one token."""
+    ids = {}
+    for s in [*SYMBOLS, "\n"]:
+        t = encode(s if s == "\n" else " " + s)
+        if len(t) != 1:
+            raise AssertionError(f"task symbol {s!r} is {len(t)} GPT-2 tokens, expected 1")
+        ids[s] = t[0]
+    return ids
+
+
+def records(task: Task, split: str, seed: int, n_records: int, length: int, ids: dict[str, int],
+            eot: int) -> tuple[np.ndarray, np.ndarray]:
+    """n_records records of `length` tokens: EOT, then whole instances (each ending in a
+    newline) packed greedily (one a record where `task.one_per_record()`), the rest EOT.
+    Returns GPT-2 ids and labels (uint8), both [n_records * length]. A record is one
+    training/evaluation window's inputs: windows of block_size = length tokens at multiples
+    of length see one record each, from its EOT."""
+    one_each = task.one_per_record()
+    tokens = np.full((n_records, length), eot, dtype=np.uint16)
+    labels = np.zeros((n_records, length), dtype=np.uint8)
+    it = instances(task, split, seed)
+    pending = None
+    for r in range(n_records):
+        pos = 1
+        while True:
+            inst = pending if pending is not None else next(it)
+            pending = None
+            n = len(inst) + 1
+            if n > length - 1:
+                raise ValueError(f"data.block_size: a {task.name} instance of {n} tokens (size "
+                                 f"{list(task.sizes(split))}) does not fit a window of {length} tokens after its EOT")
+            if pos + n > length or (one_each and pos > 1):
+                pending = inst
+                break
+            for j, (s, lab) in enumerate(inst):
+                tokens[r, pos + j] = ids[s]
+                labels[r, pos + j] = min(lab, 255)
+            tokens[r, pos + n - 1] = ids["\n"]
+            pos += n
+    return tokens.reshape(-1), labels.reshape(-1)

@@ -1,0 +1,152 @@
+"""What a task is: `Task`, the one class a task is (its config and its generator), the
+registry of tasks, and the splits every task's instances are drawn into.
+
+A task is one dataclass subclass of `Task` in a file of its own (the built-in ones:
+hops.py, addition.py, modsum.py beside this one): its name, its options as fields (each
+with a docstring; `data.task.<field>`), their checks in `__post_init__` (one line naming
+the dotted field), and `generate`, which draws one instance with the difficulty of each
+answer token. Defining the subclass registers it: from then on `data=<name>` selects it
+(recdepth/glue/schema.py stores one `data` option per registered task), and a stored
+config naming it (`data.task.name`) reads back as it.
+
+Every task writes instances as runs of single GPT-2 tokens (" a", " 7", " =", ...), so the
+token pipeline (recdepth/data/: compact vocabulary, cache, windows) carries them like
+text, and labels each token: 0 = not an answer, d >= 1 = an answer of difficulty d.
+
+Splits: train, validation, test and extrapolation are drawn from disjoint seeds, and an
+instance belongs to exactly one of train / validation / test by a hash of its tokens
+(`bucket`), so no instance is in two splits, also where the instance space is small (all
+2-digit additions). The extrapolation split draws sizes from `extrapolation` (larger than
+`size`: more hops, digits, terms) and takes test's hash buckets.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+SPLITS = ("train", "validation", "test", "extrapolation")
+# Hash buckets (of 100) of each split: test 0-9, validation 10-19, train 20-99.
+BUCKETS = {"test": range(0, 10), "validation": range(10, 20), "train": range(20, 100),
+           "extrapolation": range(0, 10)}
+NAMES = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range(ord("A"), ord("Z") + 1)]
+DIGITS = [str(d) for d in range(10)]
+SYMBOLS = [*NAMES, *DIGITS, "=", "?", "+"]  # what an instance may write (each one GPT-2 token)
+# Bump when a generator changes what it writes: old task caches then stop matching.
+TASK_VERSION = 2  # 2: hops' unqueried distractor chains
+
+MAX_REDRAWS = 10_000
+Instance = list[tuple[str, int]]  # (symbol, label): label 0 = not an answer, d >= 1 = difficulty
+
+_REGISTRY: dict[str, type[Task]] = {}  # name -> the task's class
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class Task:
+    """One generated task: its options (the dataclass fields, `data.task.*`) and its
+    generator. Subclass it as a dataclass, give the field `name` your task's name as its
+    default, add your options (each with a docstring and a check in `__post_init__`, which
+    calls this one first) and write `generate`; the subclass registers itself under `name`."""
+
+    name: str = ""
+    """The task (set by `data=<task>`; a stored config names its task here)."""
+    size: list[int] = field(default_factory=lambda: [1, 4])
+    """Instance sizes of train/validation/test, [lo, hi] inclusive (a hops chain's length,
+    an addend's digits, a modsum's terms)."""
+    extrapolation: list[int] = field(default_factory=lambda: [5, 8])
+    """Instance sizes of the extrapolation split, [lo, hi], above `size`."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        name = cls.__dict__.get("name")
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"{cls.__qualname__}: a task needs a name, an identifier, as the default of its field "
+                            f"`name` (got {name!r})")
+        _REGISTRY[name] = cls
+
+    def __post_init__(self):
+        own = next((n for n, c in _REGISTRY.items() if c is type(self)), None)
+        if own is None:
+            raise TypeError(f"{type(self).__qualname__}: not a registered task (subclass Task with a name)")
+        if self.name != own:
+            raise ValueError(f"data.task.name: this is task {own}'s config, got {self.name!r} (select a task with "
+                             f"data=<task>: {', '.join(_REGISTRY)})")
+        for key in ("size", "extrapolation"):
+            v = getattr(self, key)
+            if not (isinstance(v, list | tuple) and len(v) == 2 and all(_is_int(x) for x in v)):
+                raise ValueError(f"data.task.{key}: expected [lo, hi] (two integers), got {v!r}")
+            lo, hi = v
+            if not 1 <= lo <= hi:
+                raise ValueError(f"data.task.{key}: expected [lo, hi] with 1 <= lo <= hi, got [{lo}, {hi}]")
+            setattr(self, key, [int(lo), int(hi)])
+        if self.extrapolation[0] <= self.size[1]:
+            raise ValueError(f"data.task.extrapolation: sizes must exceed the training range data.task.size="
+                             f"{list(self.size)}, got {list(self.extrapolation)}")
+
+    # ------------------------------------------------------------------ the task
+    def generate(self, rng: random.Random, sizes: tuple[int, int]) -> Instance:
+        """One instance with sizes in [lo, hi] (`sizes`), drawn from `rng` only: its symbols
+        (each in SYMBOLS) and each one's label (0, or the answer's difficulty >= 1)."""
+        raise NotImplementedError
+
+    def one_per_record(self) -> bool:
+        """Whether each record holds one instance, right after its EOT (a layout whose
+        lookups are by position needs a fixed place in the window). Default: records pack
+        whole instances greedily."""
+        return False
+
+    # ------------------------------------------------------------------ helpers
+    def largest(self) -> int:
+        """The largest instance size of any split."""
+        return max(self.size[1], self.extrapolation[1])
+
+    def sizes(self, split: str) -> tuple[int, int]:
+        lo, hi = self.extrapolation if split == "extrapolation" else self.size
+        return int(lo), int(hi)
+
+
+def names() -> tuple[str, ...]:
+    """Every registered task's name, in the order the tasks were defined."""
+    return tuple(_REGISTRY)
+
+
+def lookup(name: str) -> type[Task]:
+    """The task class registered under `name`; a one-line ValueError naming data.task.name otherwise."""
+    cls = _REGISTRY.get(name)
+    if cls is None:
+        raise ValueError(f"data.task.name: unknown task {name!r} (expected one of {', '.join(_REGISTRY)})")
+    return cls
+
+
+def bucket(inst: Instance) -> int:
+    """The instance's hash bucket 0..99 (over its symbols only): which split may hold it."""
+    h = hashlib.blake2b(" ".join(s for s, _ in inst).encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") % 100
+
+
+def instances(task: Task, split: str, seed: int) -> Iterator[Instance]:
+    """The split's instances, in order, forever: deterministic from (task, split, seed);
+    an instance outside the split's hash buckets is drawn again."""
+    if split not in SPLITS:
+        raise ValueError(f"split: expected one of {', '.join(SPLITS)}, got {split!r}")
+    rng = random.Random(f"recdepth-task/{task.name}/{split}/{seed}")
+    sizes, keep = task.sizes(split), BUCKETS[split]
+    misses = 0
+    while True:
+        inst = task.generate(rng, sizes)
+        if bucket(inst) in keep:
+            misses = 0
+            yield inst
+        else:
+            misses += 1
+            if misses > MAX_REDRAWS:  # ~10% of instances qualify: this many misses means none does
+                key = "extrapolation" if split == "extrapolation" else "size"
+                raise ValueError(f"data.task.{key}: the {split} split finds no instance at sizes {list(sizes)} "
+                                 f"({MAX_REDRAWS} draws in a row outside its hash buckets: too few distinct instances; "
+                                 "widen the range)")
