@@ -4,7 +4,6 @@ field; the schema's defaults are the YAML's. Configs composed in-process with Hy
 compose API, as the command line composes them."""
 
 import dataclasses
-import inspect
 import itertools
 import sys
 from pathlib import Path
@@ -15,9 +14,9 @@ from hydra import compose, initialize_config_dir
 from hydra.core.global_hydra import GlobalHydra
 from omegaconf import OmegaConf
 
+from recdepth.data import sources, tasks
 from recdepth.glue import schema
 from recdepth.glue.config import conf_dir, data_module, exit_policy, model_config, sampler_args
-from recdepth.glue.data import TokenDataModule
 
 CONF = Path(conf_dir())
 
@@ -28,7 +27,10 @@ def compose_cfg(*overrides: str, config: str = "config"):
 
 
 def choices(group: str) -> list[str]:
-    return sorted(p.stem for p in (CONF / group).glob("*.yaml"))
+    """A group's options as Hydra lists them: conf/<group>/*.yaml, and the options the schema
+    stores in the ConfigStore (the `exit` group: one per registered rule)."""
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        return sorted(GlobalHydra.instance().config_loader().get_group_options(group))
 
 
 GROUPS = {g: choices(g) for g in ("model", "sampler", "exit", "data", "trainer", "logger")}
@@ -71,7 +73,8 @@ def test_pairwise_covers_every_pair():
 def check_choices(run: schema.TrainConfig, row: dict) -> None:
     """The typed config is the one the choices name."""
     assert run.model.name == row["model"] and run.sampler.name == row["sampler"] and run.exit.name == row["exit"]
-    assert run.data.source == row["data"] and (run.logger.wandb is not None) == (row["logger"] == "wandb")
+    assert row["data"] in (run.data.source, getattr(getattr(run.data, "task", None), "name", None))
+    assert (run.logger.wandb is not None) == (row["logger"] == "wandb")
     assert (run.trainer.strategy, run.trainer.accelerator) == {
         "default": ("auto", "auto"), "gpu": ("auto", "gpu"), "ddp": ("ddp", "auto")}[row["trainer"]]
     assert (run.callbacks.loop_dynamics is None) == (row["model"] == "baseline")
@@ -139,11 +142,14 @@ def one_line(msg: str, field: str) -> None:
     (["exit=oracle", "exit.tau=[0.1,0.1,0.1]"], "exit.tau", "the oracle takes one value"),
     (["data.val_fraction=1.5"], "data.val_fraction", "(0, 1)"),
     (["data.val_tokens=0"], "data.val_tokens", ">= 1 or null"),
-    (["data.source=books"], "data.source", "shakespeare, fineweb, files"),
-    (["data.text_column=body"], "data.text_column", "data=shakespeare does not read it"),
+    (["data.source=books"], "data.source", "composed as data=shakespeare, got 'books'"),
     (["data=fineweb", "data.max_tokens=null"], "data.max_tokens", "required for data=fineweb from the hub"),
     (["data=files", "data.paths=[]"], "data.paths", "required for data=files"),
     (["data=files", "data.paths=x.txt", "data.encoding=klingon"], "data.encoding", "unknown text encoding"),
+    (["data=modsum", "data.task.modulus=11"], "data.task.modulus", "expected an integer in 2..10"),
+    (["data=hops", "data.task.layout=random"], "data.task.layout", "shuffled, sorted"),
+    (["data=modsum", "data.task.name=hops"], "data.task.name", "composed as data=modsum, got 'hops'"),
+    (["data=addition", "data.loss=some"], "data.loss", "all, answers"),
     (["trainer.log_every_n_steps=0"], "trainer.log_every_n_steps", ">= 1"),
     (["trainer.gradient_clip_val=-1"], "trainer.gradient_clip_val", ">= 0 or null"),
     (["trainer.accelerator=tpu"], "trainer.accelerator", "auto, cpu, gpu"),
@@ -200,7 +206,10 @@ def test_evaluate_config_is_checked(overrides, field, expected):
     ("model.groups=[[4],[x]]", "model.groups[1]", "int"),
     ("optim.betas=0.9", "optim.betas", "list"),
     ("trainer.max_step=3", "trainer.max_step", "no such key in trainer (did you mean max_steps?)"),
-    ("data.pathz=/x", "data.pathz", "no such key in data (did you mean path"),
+    ("data.val_tokenz=1", "data.val_tokenz", "no such key in data (did you mean val_tokens?)"),
+    # a key of another source (or another task) is no key of this one
+    ("data.text_column=body", "data.text_column", "no such key in data (its keys: source, val_tokens,"),
+    ("data.modulus=7", "data.modulus", "no such key in data"),
     ("foo=1", "foo", "no such key in the config"),
 ])
 def test_a_wrong_type_or_unknown_key_fails_composing_in_one_line(override, field, expected):
@@ -250,6 +259,25 @@ def test_the_command_line_prints_a_composition_error_in_one_line(monkeypatch, tm
     assert not (tmp_path / "run").exists()
 
 
+def test_the_hydra_internals_recdepth_reads_are_there():
+    """recdepth/glue/cli.py reaches into Hydra in one place (`one_line_errors`): the function
+    it wraps and the frame whose locals it reads. A Hydra release that moves either fails
+    here, by name, before any command's error turns into Hydra's multi-line report."""
+    import importlib
+
+    import hydra
+
+    from recdepth.glue import cli
+
+    module, name = cli.HYDRA_REPORT
+    assert callable(getattr(importlib.import_module(module), name, None)), \
+        f"hydra {hydra.__version__}: {module}.{name} is gone; update recdepth/glue/cli.py one_line_errors"
+    module, cls, method = cli.HYDRA_OVERRIDE_FRAME
+    fn = getattr(getattr(importlib.import_module(module), cls, None), method, None)
+    assert fn is not None and "key" in fn.__code__.co_varnames, \
+        f"hydra {hydra.__version__}: {module}.{cls}.{method} (with a local `key`) is gone; update _override_under_null"
+
+
 def test_a_ddp_ranks_config_file_is_validated_against_the_schema(tmp_path):
     """A DDP rank > 0 reads <run_dir>/config.yaml without Hydra (train.ddp_rank): the same
     schema applies to it."""
@@ -282,15 +310,35 @@ def yaml_of(path: Path) -> dict:
 
 # The default choice of each group (conf/config.yaml's defaults list) and its dataclass.
 DEFAULT_CHOICE = {"model": ("grouped", schema.ModelConfig), "sampler": ("lognormal_poisson", schema.SamplerConfig),
-                  "exit": ("fixed", schema.ExitConfig), "data": ("shakespeare", schema.DataConfig),
-                  "trainer": ("default", schema.TrainerConfig)}
+                  "trainer": ("default", schema.TrainerConfig)}  # exit: no files (test_the_exit_group_is_the_registry)
 # Keys whose schema default is not every group file's value, by design: the schema's is
 # the default choice's (or, for a key the default choice does not set, null).
-DIFFERS = {
-    ("data", "max_tokens"): "fineweb.yaml sets the paper's 300M-token budget; the schema's null (all tokens) is files'",
-    ("data", "paths"): "files.yaml marks it required (???); the schema's null is for the sources that do not read it",
-    ("data", "loss"): "task.yaml trains on the answers; the schema's all is every other source's (they have no labels)",
-}
+DIFFERS: dict = {}  # none (data has no files: test_the_data_group_is_the_registry)
+
+
+def yaml_defaults(name: str) -> list:
+    return OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))["defaults"]
+
+
+def test_the_exit_group_is_the_registry():
+    """`exit=<name>` options are the registered rules (recdepth/exits/rules.py), fixed's alias
+    none and the oracle, no file each: an option is the rule's name and its own default τ."""
+    from recdepth import exits
+
+    assert not (CONF / "exit").exists()
+    assert GROUPS["exit"] == sorted([*exits.names(), "none", "oracle"])
+    for name in GROUPS["exit"]:
+        e = schema.validated(compose_cfg(f"exit={name}")).exit
+        tau = exits.ORACLE_EPSILON if name == "oracle" else None if name == "none" else exits.lookup(name).default_tau
+        assert (e.name, e.tau) == (name, tau)
+        dflt = schema.ExitConfig()
+        assert dataclasses.replace(e, tau=dflt.tau, name=dflt.name) == dflt  # only those differ
+    # every command's default rule is one rule, the schema's (`exits.DEFAULT_RULE`), named in each defaults list
+    assert schema.ExitConfig().name == exits.DEFAULT_RULE
+    assert schema.ExitConfig().tau == exits.lookup(exits.DEFAULT_RULE).default_tau
+    for name in ("config", "evaluate", "calibrate", "generate"):
+        chosen = [d["exit"] for d in yaml_defaults(name) if isinstance(d, dict) and "exit" in d]
+        assert chosen == [exits.DEFAULT_RULE], name
 
 
 def test_the_default_choices_are_the_default_run():
@@ -320,15 +368,8 @@ def test_schema_defaults_equal_the_yaml_defaults(group):
         assert set(d) <= {f.name for f in dataclasses.fields(cls)}, (group, c)
 
 
-def test_root_and_optional_group_defaults_equal_the_yaml_defaults():
-    """conf/config.yaml's own keys and the optional groups (loop_dynamics, wandb) against
-    TrainConfig's; conf/evaluate.yaml's against EvaluateConfig's."""
-    top = yaml_of(CONF / "config.yaml")
-    top.pop("hydra")
-    ref = dataclasses.asdict(schema.TrainConfig())
-    for k, v in top.items():
-        assert v == ref[k], k
-    assert set(ref) - set(top) - set(DEFAULT_CHOICE) - {"logger", "callbacks"} == set()
+def test_optional_group_defaults_equal_the_yaml_defaults():
+    """The optional groups (loop_dynamics, wandb) against their dataclasses."""
     ld = yaml_of(CONF / "callbacks" / "loop_dynamics.yaml")["loop_dynamics"]
     assert ld.pop("every_n_steps") == "${trainer.checkpoint_every}"  # the schema's default is that key's default
     assert schema.LoopDynamicsConfig().every_n_steps == schema.TrainerConfig().checkpoint_every
@@ -336,46 +377,33 @@ def test_root_and_optional_group_defaults_equal_the_yaml_defaults():
     assert yaml_of(CONF / "logger" / "wandb.yaml")["wandb"] == dataclasses.asdict(schema.WandbConfig())
     assert yaml_of(CONF / "logger" / "csv.yaml") == dataclasses.asdict(schema.LoggerConfig())
     assert yaml_of(CONF / "callbacks" / "none.yaml") in ({}, None) and schema.CallbacksConfig().loop_dynamics is None
-    ev = yaml_of(CONF / "evaluate.yaml")
-    ev.pop("hydra")
-    assert ev.pop("ckpt") is None and ev.pop("hf") is None  # one of them is required (ModelJob)
-    eref = dataclasses.asdict(schema.EvaluateConfig(ckpt="x"))
-    for k, v in ev.items():
-        assert v == eref[k], k
 
 
-@pytest.mark.parametrize("name,root", [("calibrate", "CalibrateConfig"), ("report", "ReportConfig"),
-                                       ("train_gate", "TrainGateConfig"), ("diagnose", "DiagnoseConfig")])
-def test_the_other_entry_points_yaml_defaults_equal_their_schema(name, root):
-    """conf/calibrate.yaml, conf/report.yaml and conf/train_gate.yaml against their roots'
-    defaults, key by key (the exit group of calibrate.yaml is checked with the groups)."""
-    y = yaml_of(CONF / f"{name}.yaml")
-    y.pop("hydra")
-    root = getattr(schema, root)
-    if issubclass(root, schema.ModelJob):  # ckpt or hf (one of them required)
-        assert y.pop("ckpt") is None and y.pop("hf") is None
-    else:
-        assert y.pop("ckpt") == "???"
-    ref = dataclasses.asdict(root(ckpt="x"))
-    assert y, name
-    for k, v in y.items():
-        if isinstance(v, dict):
-            assert v == {kk: ref[k][kk] for kk in v}, k  # a block may leave keys at the schema's default
+@pytest.mark.parametrize("name", ["config", "evaluate", "calibrate", "report", "generate", "diagnose", "train_gate"])
+def test_a_command_yaml_holds_no_value_of_the_schema(name):
+    """Defaults live in the schema's dataclasses only: a command's conf/<name>.yaml holds its
+    defaults list (the schema root, the group choices), run_dir and Hydra's own settings."""
+    y = OmegaConf.to_container(OmegaConf.load(CONF / f"{name}.yaml"))
+    assert set(y) == {"defaults", "run_dir", "hydra"}, sorted(y)
+    assert y["run_dir"] == "${hydra:runtime.output_dir}"
+    assert y["defaults"][0] == f"{'train' if name == 'config' else name}_schema"
+
+
+def test_the_data_group_is_the_registry():
+    """`data=<name>` options are the registered sources (recdepth/data/sources/) and tasks
+    (recdepth/data/tasks/: the task source with that task), no file each: an option is its
+    class at its defaults, conf/config.yaml choosing shakespeare."""
+    assert not (CONF / "data").exists()
+    assert GROUPS["data"] == sorted([*sources.names(), *tasks.names()])
+    for name in GROUPS["data"]:
+        d = schema.validated(compose_cfg(f"data={name}", *NEEDS.get(f"data={name}", []))).data
+        if name in sources.names():
+            assert type(d) is sources.lookup(name) and d.source == name
         else:
-            assert v == ref[k], k
-    # the eval block is written once, in conf/config.yaml; the other roots take the schema's
-    assert set(ref) - set(y) - {"ckpt", "hf", "exit", "data", "eval"} == set(), name
-
-
-def test_unread_data_keys_default_to_what_the_data_module_does():
-    """A source ignores the keys it does not read; their schema defaults are the data
-    module's own, so passing them all (config.data_module) changes nothing."""
-    sig = inspect.signature(TokenDataModule).parameters
-    for k, v in schema.DataConfig.defaults().items():
-        if k not in schema.DATA_KEYS["shakespeare"]:
-            d = sig[k].default
-            assert (list(d) if isinstance(d, tuple) else d) == v, k  # a range: a tuple there, a list in the schema
-    assert set(schema.DATA_KEYS) == set(__import__("recdepth.glue.documents", fromlist=["SOURCES"]).SOURCES)
+            assert type(d) is sources.TaskData and type(d.task) is tasks.lookup(name)
+            assert dataclasses.replace(d, task=tasks.Hops()) == sources.TaskData()  # only the task differs
+            assert d.task == tasks.lookup(name)()
+    assert type(schema.validated(compose_cfg()).data) is sources.ShakespeareData
 
 
 # ------------------------------------------------------------ built objects
@@ -389,7 +417,7 @@ def test_objects_are_built_from_the_typed_config():
     p = exit_policy(run)
     assert (p.name, p.tau, p.max_steps) == ("kl", 0.01, 32)
     dm = data_module(run, block_size=32)
-    assert dm.paths == ["/data/a.txt"] and dm.source == "files" and dm.block_size == 32
+    assert dm.data.paths == ["/data/a.txt"] and dm.data.source == "files" and dm.block_size == 32
     # the composed DictConfig builds the same objects (validated on the way in)
     assert model_config(cfg, vocab_size=100) == m and sampler_args(cfg) == sampler_args(run)
 
@@ -417,7 +445,7 @@ def test_per_group_exit_values_build_one_policy_per_group():
 ROOT_YAML = {"train_schema": "config", "evaluate_schema": "evaluate", "calibrate_schema": "calibrate",
              "report_schema": "report", "train_gate_schema": "train_gate", "diagnose_schema": "diagnose",
              "generate_schema": "generate"}
-IDENTITY = {"exit": {"name"}, "model": {"name", "groups"}, "data": {"source"}, "sampler": {"name"},
+IDENTITY = {"model": {"name", "groups"}, "sampler": {"name"},
             "trainer": set()}  # what names an option, even when it is the default
 
 

@@ -24,6 +24,8 @@ dict`, that starts with `job_dir`, `refuse` and `start_job`, and is made a comma
 
 from __future__ import annotations
 
+import contextlib
+import importlib
 import logging
 import math
 import os
@@ -38,7 +40,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth.glue.config import conf_dir
-from recdepth.glue.schema import config_error
+from recdepth.glue.schema import config_error, register_configs
 
 log = logging.getLogger("recdepth.glue.cli")
 
@@ -86,6 +88,7 @@ def compose_job(config_name: str, overrides: list[str]) -> DictConfig:
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    register_configs()  # exit rules defined since the schema was imported
     if GlobalHydra.instance().is_initialized():
         return compose(config_name, overrides=list(overrides))
     with initialize_config_dir(conf_dir(), version_base="1.3"):
@@ -98,6 +101,7 @@ def hydra_main(task_fn: Callable[[DictConfig], float], config_name: str) -> Call
     decorated = hydra.main(config_path=conf_dir(), config_name=config_name, version_base="1.3")(task_fn)
 
     def main() -> None:
+        register_configs()  # exit rules defined since the schema was imported
         run_hydra_main(decorated)
 
     return main
@@ -156,6 +160,16 @@ def hoist_mode_flags(argv: list[str]) -> list[str]:
     return flags + [a for a in argv if a not in ("--multirun", "-m")]
 
 
+# Hydra's internals, in one place: Hydra has no public hook for how a composition error is
+# reported, so `one_line_errors` wraps `hydra._internal.utils.run_and_report` (where
+# `hydra.main` reports them) for the duration of a command, and `_override_under_null` reads
+# the key being overridden from the frame of `ConfigLoaderImpl._apply_overrides_to_config`.
+# tests/test_schema.py::test_the_hydra_internals_recdepth_reads_are_there fails when a Hydra
+# release moves either.
+HYDRA_REPORT = ("hydra._internal.utils", "run_and_report")
+HYDRA_OVERRIDE_FRAME = ("hydra._internal.config_loader_impl", "ConfigLoaderImpl", "_apply_overrides_to_config")
+
+
 def _override_under_null(e: BaseException) -> str | None:
     """One line for an override of a key under a node the config sets to null, e.g.
     `callbacks=none callbacks.loop_dynamics.loops=5`: OmegaConf asserts on it without
@@ -164,7 +178,7 @@ def _override_under_null(e: BaseException) -> str | None:
         return None
     tb, key = e.__traceback__, None
     while tb is not None:
-        if tb.tb_frame.f_code.co_name == "_apply_overrides_to_config":
+        if tb.tb_frame.f_code.co_name == HYDRA_OVERRIDE_FRAME[-1]:
             key = tb.tb_frame.f_locals.get("key")
         tb = tb.tb_next
     if not isinstance(key, str):
@@ -173,15 +187,14 @@ def _override_under_null(e: BaseException) -> str | None:
             "sets it so); pick an option that has it, or drop the override")
 
 
-def run_hydra_main(hydra_main) -> None:
-    """Call a @hydra.main function with the documented argv forms; exit 1 if a job failed.
-    A config Hydra cannot compose because OmegaConf refused a value (a wrong type, a key
-    the schema does not have) exits with one line naming the field (`schema.config_error`)
-    instead of Hydra's multi-line report (HYDRA_FULL_ERROR=1 keeps Hydra's)."""
-    sys.argv[1:] = hoist_mode_flags(sys.argv[1:])
-    import hydra._internal.utils as hydra_utils  # Hydra reports composition errors in run_and_report
-
-    report = hydra_utils.run_and_report
+@contextlib.contextmanager
+def one_line_errors():
+    """While inside: a config Hydra cannot compose because OmegaConf refused a value (a wrong
+    type, a key the schema does not have, a key under a null node) exits with one line
+    naming the field (`schema.config_error`, `_override_under_null`) instead of Hydra's
+    multi-line report (HYDRA_FULL_ERROR=1 keeps Hydra's). Hydra's function is put back after."""
+    module = importlib.import_module(HYDRA_REPORT[0])
+    report = getattr(module, HYDRA_REPORT[1])
 
     def one_line_report(func):
         def condensed():
@@ -194,11 +207,20 @@ def run_hydra_main(hydra_main) -> None:
                 raise SystemExit(f"error: {msg}") from None
         return report(condensed)
 
-    hydra_utils.run_and_report = one_line_report
+    setattr(module, HYDRA_REPORT[1], one_line_report)
     try:
-        hydra_main()
+        yield
     finally:
-        hydra_utils.run_and_report = report
+        setattr(module, HYDRA_REPORT[1], report)
+
+
+def run_hydra_main(hydra_main) -> None:
+    """Call a @hydra.main function with the documented argv forms (`hoist_mode_flags`) and
+    one-line composition errors (`one_line_errors`); exit 1 if a job failed."""
+    sys.argv[1:] = hoist_mode_flags(sys.argv[1:])
+    _FAILED.clear()  # this command's jobs only (a process may run several, e.g. the tests)
+    with one_line_errors():
+        hydra_main()
     if _FAILED:
         print(f"{len(_FAILED)} job(s) failed: " + ", ".join(_FAILED), file=sys.stderr)
         sys.exit(1)

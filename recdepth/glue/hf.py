@@ -12,8 +12,8 @@ The directory Hugging Face's `save_pretrained` writes for seal-rg/recurrent-pret
 `load_hf(dir)` returns the `LoopedGPT` with Huginn's options (rope, gated SiLU MLP, q/k
 bias, embedding scale, latent norm, no logit bias; groups [[p .. p + c − 1]] for p prelude
 and c core layers) and the weights mapped onto recdepth's names; `save_hf(model, dir)`
-writes the same format. The parameter names, the config keys and the numerics they pin are
-docs/spec.md §1b. No network and no `transformers`: JSON and `safetensors` only.
+writes the same format. The parameter names and the config keys: docs/huginn.md; the
+numerics they pin: docs/spec.md §1b. No network and no `transformers`: JSON and `safetensors` only.
 
 A key missing from config.json takes RavenConfig's default (recpre/raven_config_minimal.py),
 as `transformers` would; a value recdepth's model cannot reproduce (a bias, grouped-query

@@ -32,7 +32,7 @@ from typing import ClassVar
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import (
     ConfigAttributeError,
     ConfigKeyError,
@@ -41,18 +41,17 @@ from omegaconf.errors import (
     ValidationError,
 )
 
+from recdepth import exits
 from recdepth.core import (
     calibration,
-    exits,
     generation,
     ltt,
 )
+from recdepth.data import config as data_config_io
+from recdepth.data import sources, tasks
 from recdepth.glue.frontier_grid import FrontierGrid, FrontierSweeperConf
 from recdepth.glue.schema_groups import (  # noqa: F401  (re-exported: the schema's names)
     CALIBRATION_METHODS,
-    DATA_COMMON,
-    DATA_KEYS,
-    SOURCES,
     DataConfig,
     DecodeConfig,
     EvalConfig,
@@ -90,7 +89,9 @@ class TrainConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     exit: ExitConfig = field(default_factory=ExitConfig)
-    data: DataConfig = field(default_factory=DataConfig)
+    data: DataConfig = field(default=MISSING, metadata={"required": "select one with data=<source or task>"})
+    """The data: one source's config (recdepth/data/sources/), `data=<source>` or `data=<task>`
+    (conf/config.yaml: data=shakespeare)."""
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
@@ -149,7 +150,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 class ModelJob(JobKeys):
     """An entry point that works on a trained model given as a recdepth training checkpoint
     (`ckpt=`) or a Hugging Face recurrent-depth checkpoint directory (`hf=`, Huginn's
-    format: recdepth/glue/hf.py, docs/spec.md §1b): every command but train. An hf= model's
+    format: recdepth/glue/hf.py, docs/huginn.md): every command but train. An hf= model's
     splits come from `data` under its own tokenizer: the held-out tail (test, then
     calibration), the head the train split (train_gate)."""
 
@@ -308,11 +309,9 @@ class ReportSettings(FrontierGrid):
     fields of `FrontierGrid`, recdepth/glue/frontier_grid.py, with the report's own defaults:
     every threshold rule, argmax_stability and the gate), each rule calibrated to two targets."""
 
-    rules: dict[str, list[float]] = field(default_factory=lambda: {
-        "stepnorm": [0.03, 0.1, 0.3], "stepnorm_rel": [0.01, 0.03, 0.1], "kl": [1e-4, 1e-3, 1e-2],
-        "accel": [0.03, 0.1, 0.3], "accel_rel": [0.01, 0.03, 0.1], "entropy_diff": [1e-4, 1e-3, 1e-2],
-        "cosine": [1e-4, 1e-3, 1e-2]})
-    """Each threshold rule at each τ of its grid (drop one with report.rules.<rule>=[])."""
+    rules: dict[str, list[float]] = field(default_factory=lambda: exits.grid("report"))
+    """Each threshold rule at each τ of its grid (drop one with report.rules.<rule>=[]). Default:
+    each rule's own report grid (`ExitRule.report`: every threshold rule)."""
     patience: list[int] = field(default_factory=lambda: [1, 2, 5])
     """argmax_stability at each k."""
     gate_tau: list[float] = field(default_factory=lambda: [0.3, 0.5, 0.7])
@@ -324,10 +323,9 @@ class ReportSettings(FrontierGrid):
     settings × windows, this many rows a batch (`evaluation.decode_shared`; each setting's
     records are its own), as is each calibration search's round of independent settings
     (`calibrating.calibrate_policy`); 0: setting by setting."""
-    calibrate: list[str] = field(default_factory=lambda: [
-        "fixed", "stepnorm", "stepnorm_rel", "kl", "accel", "accel_rel", "entropy_diff", "cosine",
-        "argmax_stability", "gate"])
-    """The rules calibrated per group to each target (fixed: one max_steps per group)."""
+    calibrate: list[str] = field(default_factory=lambda: [n for n in exits.names() if exits.lookup(n).calibrated])
+    """The rules calibrated per group to each target (fixed: one max_steps per group). Default:
+    every rule (`ExitRule.calibrated`)."""
     max_ce_increase: float = 0.01
     """Target 1: CE at most this many nats above fixed at max_steps (>= 0)."""
     layer_applications: float = 24.0
@@ -343,8 +341,8 @@ class ReportSettings(FrontierGrid):
         _int("report.max_steps", self.max_steps, 1)
         _int("report.shared_rows", self.shared_rows, 0)
         for rule in self.calibrate:
-            if exits.ALIASES.get(rule, rule) not in exits.RULES:
-                raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.RULES)})")
+            if not exits.is_rule(rule):
+                raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.names())})")
         calibration.Target("max_ce_increase", self.max_ce_increase)
         calibration.Target("layer_applications", self.layer_applications)
 
@@ -427,10 +425,36 @@ class GenerateConfig(ModelJob):
 ROOTS = {"train_schema": TrainConfig, "evaluate_schema": EvaluateConfig, "calibrate_schema": CalibrateConfig,
          "report_schema": ReportConfig, "train_gate_schema": TrainGateConfig, "diagnose_schema": DiagnoseConfig,
          "generate_schema": GenerateConfig}
-for _name, _root in ROOTS.items():
-    ConfigStore.instance().store(name=_name, node=_root)
-# hydra/sweeper=frontier (`make frontier`): the grid's defaults are FrontierGrid's
-ConfigStore.instance().store(group="hydra/sweeper", name="frontier", node=FrontierSweeperConf)
+
+
+def register_configs() -> None:
+    """Store the schema in Hydra's ConfigStore: the roots, hydra/sweeper=frontier, the
+    `exit` group, one option per registered exit rule (`exit=<name>`: the rule with its
+    default τ), its alias `none` and the oracle, and the `data` group, one option per
+    registered source and per registered task. Called on import and again by each command
+    before it composes (`recdepth.glue.cli`), so a rule (a source, a task) defined after this
+    module was imported is an `exit=` (`data=`) option too, and a rule in the frontier's and
+    the report's default grids."""
+    cs = ConfigStore.instance()
+    for name, root in ROOTS.items():
+        cs.store(name=name, node=root)
+    # hydra/sweeper=frontier (`make frontier`): the grid's defaults are FrontierGrid's
+    cs.store(group="hydra/sweeper", name="frontier", node=FrontierSweeperConf)
+    options = {n: exits.lookup(n).default_tau for n in exits.names()}
+    options |= {a: None for a in exits.ALIASES} | {exits.ORACLE: exits.ORACLE_EPSILON}
+    for name, tau in options.items():
+        cs.store(group="exit", name=name, node=ExitConfig(name=name, tau=tau))
+    # `data`: one option per registered source (`data=<source>`, recdepth/data/sources/) and
+    # per registered task (`data=<task>`: the task source with that task, recdepth/data/tasks/)
+    for name in sources.names():
+        cs.store(group="data", name=name, node=sources.lookup(name))
+    for name in tasks.names():
+        if name in sources.names():
+            raise ValueError(f"data.task.name: task {name!r} has a data source's name (data={name} selects the source)")
+        cs.store(group="data", name=name, node=data_config_io.node({"source": "task", "task": {"name": name}}))
+
+
+register_configs()
 
 
 # ---------------------------------------------------------------- validation
@@ -442,14 +466,40 @@ def validated(cfg: DictConfig | dict):
     if root not in ROOTS.values():
         root = TrainConfig
     if isinstance(cfg, DictConfig):  # as plain data: a key added with `+key=...` is refused too
+        if isinstance(cfg.get("data"), DictConfig):
+            data_config_io.check_choice(cfg.data)
         cfg = OmegaConf.to_container(cfg)
     try:
-        run = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(root), cfg))
+        base = OmegaConf.structured(root)
+        if isinstance(cfg.get("data"), dict):  # typed by the source (and task) it names; an old flat one upgraded
+            cfg = {**cfg, "data": data_config_io.upgrade(cfg["data"])}
+            base.data = data_config_io.node(cfg["data"])
+        run = OmegaConf.to_object(OmegaConf.merge(base, cfg))
     except OmegaConfBaseException as e:
         raise ValueError(config_error(e)) from None
     if isinstance(run, TrainConfig):
         check_machine(run.trainer)
     return run
+
+
+@dataclass
+class _Data:
+    data: DataConfig = MISSING
+
+
+def data_config(d: dict | DictConfig) -> DataConfig:
+    """The typed, checked data config of a plain one (a checkpoint's `data_config`, a
+    stored config.yaml's `data`; the flat form of older runs upgraded,
+    `recdepth.data.config.upgrade`), with the one-line errors of `validated`."""
+    if isinstance(d, DictConfig):
+        d = OmegaConf.to_container(d, resolve=True)
+    d = data_config_io.upgrade(d)
+    try:
+        base = OmegaConf.structured(_Data)
+        base.data = data_config_io.node(d)
+        return OmegaConf.to_object(OmegaConf.merge(base, {"data": d})).data
+    except OmegaConfBaseException as e:
+        raise ValueError(config_error(e)) from None
 
 
 def check_machine(t: TrainerConfig) -> None:

@@ -1,5 +1,6 @@
 """The config groups of what a run computes: one dataclass per group of `conf/` (model,
-sampler, exit, data, eval), every key typed, documented with its default and range-checked
+sampler, exit, eval; data: one per source, each beside its source in recdepth/data/sources/,
+re-exported here), every key typed, documented with its default and range-checked
 in `__post_init__` with the core classes' own checks. How a training run runs and what it
 logs (trainer, optim, logger, callbacks) is recdepth/glue/schema_training.py; the roots
 that compose them, one per command, and `validated` are recdepth/glue/schema.py, which
@@ -9,28 +10,22 @@ re-exports these names.
 
 from __future__ import annotations
 
-import codecs
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from recdepth import exits
 from recdepth.core import (
     decoding,
-    exits,
     sampler,
     scoring,
-    tasks,
 )
 from recdepth.core.kv_cache import check_cache
 from recdepth.core.model_config import OPTION_DEFAULTS, check_architecture, shape_of
+from recdepth.data.sources import DataConfig  # noqa: F401  (the `data` group: one class per source)
 
 CALIBRATION_METHODS = ("empirical", "ltt")
 
-
-# The values data.source takes, named here (the schema imports the core only); the glue
-# that acts on them imports them from here.
-SOURCES = ("shakespeare", "fineweb", "files", "task")  # task: generated (recdepth.core.tasks, tokens.prepare_task_tokens)
 
 
 # ------------------------------------------------------------------ checks
@@ -135,16 +130,16 @@ class SamplerConfig:
 
 @dataclass
 class ExitConfig:
-    """`exit`: the exit rule of the evaluation (recdepth/core/exits.py, SPEC §3, §3b). conf/exit/.
+    """`exit`: the exit rule of the evaluation (recdepth/exits/, SPEC §3, §3b); `exit=<rule>` selects a registered rule.
     `tau`, `min_steps` and `max_steps` take one value or a list of one per recurrence group
     (`exit.tau=[1e-3,1e-2,1e-3]`), which OmegaConf cannot type (a union of a number and a
     list): they are `Any` here and checked by `exits.build`, their length against the
     model's groups by `TrainConfig` (and, for a checkpoint, by the evaluation)."""
 
-    name: str = "fixed"
-    """fixed | none | stepnorm | stepnorm_rel | kl | accel | accel_rel | entropy_diff | cosine |
-    argmax_stability | gate | oracle (evaluation only)."""
-    tau: Any = None
+    name: str = exits.DEFAULT_RULE
+    """A registered rule (the built-in ones: recdepth/exits/rules.py; or one of your own), none
+    (fixed) or oracle (evaluation only). `exit=<name>` sets it with the rule's own default τ."""
+    tau: Any = exits.lookup(exits.DEFAULT_RULE).default_tau
     """Threshold τ (finite, > 0; gate: a probability in (0, 1); the oracle's ε >= 0), one or
     one per group; fixed, none and argmax_stability ignore it."""
     min_steps: Any = 0
@@ -181,134 +176,6 @@ class ExitConfig:
                              f"got {list(c)}")
 
 
-# Which data keys each source reads (recdepth/glue/documents.py: resolve_source); the others must
-# keep their defaults, so a key set for another source is refused instead of ignored.
-DATA_COMMON = ("source", "max_tokens", "val_fraction", "val_tokens", "compact_vocab", "cache_dir", "num_workers")
-DATA_KEYS = {
-    "shakespeare": DATA_COMMON,
-    "fineweb": (*DATA_COMMON, "path", "dataset_name", "dataset_config", "text_column"),
-    "files": (*DATA_COMMON, "paths", "text_column", "encoding"),
-    "task": ("source", "val_tokens", "cache_dir", "num_workers", "task", "size", "extrapolation", "chains",
-             "distractors", "layout", "names", "nines", "modulus", "train_records", "test_records", "validation_records", "extrapolation_records",
-             "instance_seed", "loss"),
-}
-
-
-@dataclass
-class DataConfig:
-    """`data`: the token source (recdepth/glue/data.py). conf/data/: shakespeare, fineweb, files.
-    One dataclass for every source; each source reads some keys (`DATA_KEYS`). The
-    defaults are data=shakespeare's (the default run); the other sources' files set theirs."""
-
-    source: str = "shakespeare"
-    """shakespeare (shipped, ~1.57M GPT-2 tokens) | fineweb | files."""
-    path: str | None = None
-    """fineweb only: local parquet files with FineWeb's columns (a file, directory or glob);
-    null streams HuggingFaceFW/fineweb from the hub."""
-    paths: Any = None
-    """files only, required there: a file, directory or glob, or a list of them (.txt = one
-    document per file; .jsonl/.json/.parquet = one document per row)."""
-    text_column: str = "text"
-    """fineweb and files: the column holding a row's text."""
-    encoding: str = "utf-8"
-    """files only: the encoding of .txt/.json/.jsonl files (parquet is always UTF-8)."""
-    max_tokens: int | None = None
-    """Cut the token stream at this many tokens (>= 1); null = all. Required for fineweb from the hub."""
-    dataset_name: str = "HuggingFaceFW/fineweb"
-    """fineweb from the hub: the dataset repository."""
-    dataset_config: str = "sample-10BT"
-    """fineweb from the hub: its config."""
-    val_fraction: float = 0.05
-    """The tail of the token stream held out for validation and evaluation, in (0, 1)."""
-    val_tokens: int | None = 32768
-    """Cap on the val tokens scored at each validation (>= 1); null = all."""
-    compact_vocab: bool | None = True
-    """Vocabulary = the GPT-2 tokens the corpus uses (mapped back to GPT-2 ids); null = on for shakespeare only."""
-    cache_dir: str | None = None
-    """Token caches; null = $RECDEPTH_CACHE or ~/.cache/recdepth."""
-    num_workers: int = 0
-    """DataLoader worker processes (>= 0)."""
-    # -- data=task only (recdepth/core/tasks.py; conf/data/task.yaml) --
-    task: str = "hops"
-    """task: hops | addition | modsum."""
-    size: list[int] = field(default_factory=lambda: [1, 4])
-    """task: instance sizes [lo, hi] of train/validation/test (hops per chain, digits per addend, terms)."""
-    extrapolation: list[int] = field(default_factory=lambda: [5, 8])
-    """task: instance sizes [lo, hi] of the extrapolation split, above `size`."""
-    chains: int = 2
-    """task=hops: queried chains per instance, each queried at its head."""
-    distractors: int = 2
-    """task=hops: chains per instance that are never queried (no answer by elimination)."""
-    layout: str = "shuffled"
-    """task=hops: shuffled (statements in random order, lookup by content) | sorted (one
-    statement per name in alphabetical order, lookup by position; experiment=hops)."""
-    names: int = 16
-    """task=hops, sorted layout: names per instance, all assigned."""
-    nines: float = 0.25
-    """task=addition: probability that a column's digits sum to 9 (carry chains)."""
-    modulus: int = 10
-    """task=modsum: the modulus (2..10)."""
-    train_records: int = 20000
-    """task: train records of block_size tokens (whole instances each)."""
-    test_records: int = 256
-    """task: test records (the evaluations' split: eval.tokens <= test_records * block_size)."""
-    validation_records: int = 256
-    """task: validation records (training's val/ce; recdepth.calibrate's split)."""
-    extrapolation_records: int = 256
-    """task: extrapolation records (harder instances, never trained on)."""
-    instance_seed: int = 0
-    """task: seed of the instances (the training order has its own, `seed`)."""
-    loss: str = "all"
-    """all (every next token) | answers (a task's answer tokens only; data=task sets it)."""
-
-    def __post_init__(self):
-        _one_of("data.source", self.source, SOURCES)
-        tasks.check_loss(self.source, self.loss)
-        reads = DATA_KEYS[self.source]
-        defaults = DataConfig.defaults()
-        for k in defaults:
-            if k not in reads and getattr(self, k) != defaults[k]:
-                raise ValueError(f"data.{k}: data={self.source} does not read it (it reads {', '.join(reads[1:])})")
-        _int("data.max_tokens", self.max_tokens, 1, null=True)
-        if not (isinstance(self.val_fraction, float | int) and 0 < self.val_fraction < 1):
-            raise ValueError(f"data.val_fraction: expected a number in (0, 1), got {self.val_fraction!r}")
-        _int("data.val_tokens", self.val_tokens, 1, null=True)
-        _int("data.num_workers", self.num_workers, 0)
-        if self.source == "task":
-            for key in ("size", "extrapolation"):
-                v = getattr(self, key)
-                if not (isinstance(v, list | tuple) and len(v) == 2
-                        and all(isinstance(x, int) and not isinstance(x, bool) for x in v)):
-                    raise ValueError(f"data.{key}: expected [lo, hi] (two integers), got {v!r}")
-            tasks.TaskSpec(self.task, tuple(self.size), tuple(self.extrapolation), chains=self.chains,
-                           distractors=self.distractors, layout=self.layout, names=self.names, nines=self.nines,
-                           modulus=self.modulus)
-            for key in ("train_records", "test_records", "validation_records", "extrapolation_records"):
-                _int(f"data.{key}", getattr(self, key), 1)
-            _int("data.instance_seed", self.instance_seed, 0)
-        if self.source == "files":
-            p = self.paths
-            if isinstance(p, str):
-                p = [p]
-            if not p or not isinstance(p, list | tuple) or not all(isinstance(x, str) and x for x in p):
-                raise ValueError(f"data.paths: required for data=files (a file, directory or glob, or a list of "
-                                 f"them), got {self.paths!r}")
-            self.paths = list(p)
-        if self.source == "fineweb" and self.path is None and self.max_tokens is None:
-            raise ValueError("data.max_tokens: required for data=fineweb from the hub (a token cap, e.g. "
-                             "100000000; or set data.path to local parquet files)")
-        try:
-            codecs.lookup(self.encoding)
-        except LookupError:
-            raise ValueError(f"data.encoding: unknown text encoding {self.encoding!r} "
-                             "(expected e.g. utf-8, latin-1, cp1252)") from None
-
-    @staticmethod
-    def defaults() -> dict:
-        return {f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
-                for f in dataclasses.fields(DataConfig)}
-
-
 @dataclass
 class DecodeConfig:
     """How tokens are decoded, the same knobs under the same names in every command:
@@ -322,10 +189,9 @@ class DecodeConfig:
     ended with for the previous token of the window (the first token: the usual initial state)."""
     step: str = "lean"
     """How a token's layers are computed (recdepth/core/lean_step.py): lean (fewer operators,
-    eager; 1.45x module at batch 1 on the default model, bench decode) | module
-    (Block.forward, the reference) | compiled (lean under torch.compile: 1.95x module at
-    batch 1 on the default model, slower at d = 768 on CPU; ~10-30 s to compile). Equal up
-    to float rounding."""
+    eager) | module (Block.forward, the reference) | compiled (lean under torch.compile;
+    seconds to compile). Equal up to float rounding; their speed by model size:
+    docs/results/decode-speed.md (`recdepth bench decode`)."""
 
     def __post_init__(self):
         _one_of("eval.step", self.step, decoding.STEPS)
@@ -354,10 +220,8 @@ class EvalConfig(DecodeConfig):
     else as eval.step: a process timing at least 8 settings (a sweep's shared pass: `make
     frontier`, the report) on a CPU with a C++ compiler (`scoring.latency_step_for`). The
     quality pass keeps eval.step; the two are equal up to float rounding, and each job's
-    `batch_check` counts timed tokens whose applications differ. `compiled` made the default
-    model's `make frontier` 456 -> 404 s with inductor's cache empty (about 54 s of it
-    compiling; 356 s warm) on the 2-core CPU (docs/results.md); its first calls (the compile) run in the
-    untimed warm-up."""
+    `batch_check` counts timed tokens whose applications differ. Its first calls (the compile)
+    run in the untimed warm-up; what it saves: docs/results/sweep-time.md."""
     warmup_tokens: int = 8
     """Untimed decode steps before timing starts (>= 0)."""
     answers: bool | None = None
