@@ -7,9 +7,8 @@ the end of the sweep the whole summary (`summarize`): those tables, frontier.csv
 task's tables and fig4_exits.{png,pdf} into the sweep directory (what each holds:
 recdepth/glue/frontier.py; the figure: recdepth/glue/plots.py's `fig4`), and a W&B table with
 the same rows when the sweep's config has `logger.wandb`. The frontier's bootstrap and the
-figure read every job's records, so redoing them after every job made a sweep's summary
-work grow with the square of its jobs (`make frontier` on the default checkpoint: 140.7 s
-after its 33 jobs, against 5.6 s for the tables alone; docs/results.md); `summarize(dir)`
+figure read every job's records, so redoing them after every job would make a sweep's summary
+work grow with the square of its jobs (measured: docs/journal.md, 2026-11-26); `summarize(dir)`
 writes the whole summary of a sweep stopped before its end. A job that raised is recorded
 as `failed` (its error in `<job>/error.txt`); the others are still aggregated, and the
 command exits non-zero after the sweep (`recdepth.glue.cli`).
@@ -27,7 +26,6 @@ from recdepth.glue import plots, task_tables
 from recdepth.glue.frontier import (
     COLUMNS,
     FRONTIER_COLUMNS,
-    _fmt,
     _write_csv,
     bootstrap,
     collect,
@@ -107,7 +105,9 @@ def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:
 
     try:  # the run is finished whatever happens while logging
         cols = [c for c in COLUMNS if c != "applications_per_token"]
-        cell = lambda v: _fmt(v) if v in ("", None) else str(v) if isinstance(v, list) else v  # noqa: E731
+        # a failed job's empty cells are None, W&B's missing value: a "—" string in a number
+        # column makes wandb.Table refuse the row (and Hydra would turn that into a warning)
+        cell = lambda v: None if v in ("", None) else str(v) if isinstance(v, list) else v  # noqa: E731
         table = wandb.Table(columns=cols + ["applications_per_token"],
                             data=[[cell(r[c]) for c in cols]
                                   + [" / ".join(map(str, r["applications_per_token"] or []))] for r in rows])

@@ -47,8 +47,8 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     assert (job_dir / "eval_tokens.csv").is_file()
     assert (run_dir / "csv" / "metrics.csv").is_file()
     # The checkpoint loads back, with the map from the compact vocabulary to GPT-2 ids.
+    from recdepth.data.tokenizer import gpt2
     from recdepth.glue.lit import LoopedLM
-    from recdepth.glue.tokenizer import gpt2
 
     mod = LoopedLM.load_from_checkpoint(run_dir / "checkpoints" / "last.ckpt", map_location="cpu",
                                         weights_only=True)  # plain data only: loads without unpickling code
@@ -103,7 +103,7 @@ def test_multirun_sweep_gives_each_job_its_own_tau(tmp_path, env):
     assert "reused" not in a and b["reused"] is True
 
 
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_sweep_trains_once_and_aggregates_with_a_failed_job(tmp_path, env, cli_here):
     """exit settings are not part of a training run's identity: a sweep over them trains
     once; a job that fails (τ = −1) is recorded as failed and the others are aggregated."""
@@ -320,7 +320,7 @@ def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     assert [0, "4→5-6", d0["dlr"][0]["mean"]] in t["data"] and {r[0] for r in t["data"]} == {0, 3}
 
 
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_sweep_summary_goes_to_a_wandb_table_offline(tmp_path, env):
     sweep = tmp_path / "sweep"
     run(["logger=wandb", "callbacks=none", "eval.tokens=4", f"hydra.sweep.dir={sweep}", *TINY, "--multirun",
@@ -340,7 +340,8 @@ def test_wheel_ships_the_configs(tmp_path):
     (whl,) = tmp_path.glob("recdepth-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
     for f in ("recdepth/conf/config.yaml", "recdepth/conf/model/grouped.yaml",
-              "recdepth/conf/exit/accel.yaml", "recdepth/conf/callbacks/loop_dynamics.yaml",
+              "recdepth/conf/callbacks/loop_dynamics.yaml", "recdepth/exits/rules.py",
+              "recdepth/data/tasks/hops.py", "recdepth/data/sources/shakespeare.py",
               "recdepth/conf/evaluate.yaml",
               "recdepth/assets/gpt2.tiktoken.xz",
               "recdepth/assets/shakespeare.jsonl.xz", "recdepth/train.py"):
@@ -434,7 +435,52 @@ def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle
     by_n = np.load(sweep / "5" / "oracle_nll.npy")
     nll4 = [float(r["nll"]) for r in csv.DictReader(open(sweep / "2" / "eval_tokens.csv"))]
     assert by_n.shape == (40, 4) and np.allclose(by_n[:, 3], nll4, atol=1e-5)
-    assert (sweep / "frontier.md").is_file() and (sweep / "fig4_exits.png").is_file()
+    assert (sweep / "frontier.md").is_file()
+    fig4_draws_the_sweep(sweep, jobs, front)
+
+
+def fig4_draws_the_sweep(sweep, jobs, front):
+    """fig4_exits.png is Fig. 4 as `recdepth.sweep.summarize` draws it from this sweep's job
+    files (drawn again here, on a copy, and compared pixel for pixel), and that figure plots
+    the CSVs' numbers: each rule's CE and layer applications at its τ, the fixed frontier and
+    each rule at (layer applications, CE − CE of the deepest fixed job), and each rule's CE
+    minus the frontier at its cost (frontier.csv's d_hull)."""
+    import shutil
+
+    import numpy as np
+
+    from recdepth import sweep as summary
+    from recdepth.glue import plots
+    from tests.drawn import capture, curves, png_shows
+
+    copy = sweep.parent / (sweep.name + "_redrawn")
+    shutil.copytree(sweep, copy)
+    with pytest.MonkeyPatch.context() as mp:
+        figs = capture(mp, plots, "fig4")
+        summary.summarize(copy)
+    (fig,) = figs
+    assert png_shows(fig, sweep / "fig4_exits.png")
+    ok = [r for r in jobs if r["status"] == "ok"]
+    fixed = sorted((r for r in ok if r["exit"] == "fixed"), key=lambda r: int(r["max_steps"]))
+    deepest = float(fixed[-1]["ce"])
+    rules = [r for r in ok if r["exit"] != "fixed"]  # one τ each here
+    for ax, key in zip(fig.axes[:4], ("ms_per_token", "ppl", "ce", "layer_applications")):
+        drawn = curves(ax)
+        want = {r["exit"]: [[float(r["tau"]), float(r[key])]] for r in rules if r[key] != ""}  # the oracle is untimed
+        assert set(drawn) == set(want), key
+        for rule, xy in want.items():
+            np.testing.assert_allclose(drawn[rule], xy, rtol=1e-12)
+    drawn = curves(fig.axes[4])
+    np.testing.assert_allclose(drawn["fixed (frontier)"],
+                               [[float(r["layer_applications"]), float(r["ce"]) - deepest] for r in fixed], atol=1e-6)
+    for r in rules:
+        if r["exit"] != "oracle":
+            np.testing.assert_allclose(drawn[r["exit"]], [[float(r["layer_applications"]), float(r["ce"]) - deepest]],
+                                       atol=1e-6)
+    hull = curves(fig.axes[6])
+    for f in front:
+        if f["exit"] != "oracle":
+            np.testing.assert_allclose(hull[f["family"]], [[float(f["layer_applications"]), float(f["d_hull"])]])
 
 
 @pytest.mark.slow  # default-suite time (33 s): the sweeper's shared path runs in the default suite through

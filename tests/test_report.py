@@ -28,12 +28,21 @@ def compose_report(*overrides):
         return compose("report", overrides=list(overrides))
 
 
+DRAWN: dict = {}  # the figures `done`'s report drew: "report" (report.png), "fig4" (jobs/fig4_exits.png)
+
+
 @pytest.fixture(scope="module")
 def done(tiny_ckpt, ckpt_env, tmp_path_factory):
-    from recdepth.report import report
+    import recdepth.report as module
+    from recdepth.glue import plots
+    from tests.drawn import capture
 
     out = tmp_path_factory.mktemp("report") / "r"
-    return out, report(compose_report(f"ckpt={tiny_ckpt}", f"run_dir={out}", *SMALL))
+    with pytest.MonkeyPatch.context() as mp:
+        figs = {"report": capture(mp, module, "figure"), "fig4": capture(mp, plots, "fig4")}
+        res = module.report(compose_report(f"ckpt={tiny_ckpt}", f"run_dir={out}", *SMALL))
+    DRAWN.update({k: v[0] for k, v in figs.items() if len(v) == 1})
+    return out, res
 
 
 def test_every_family_is_scored_and_summarised(done):
@@ -80,6 +89,45 @@ def test_auto_latency_step_compiles_the_reports_timings_and_changes_no_record(do
         a, b = read_tokens(p / "eval_tokens.csv"), read_tokens(out0 / "jobs" / p.name / "eval_tokens.csv")
         assert (a["nll"] == b["nll"]).all() and (a["apps"] == b["apps"]).all(), p.name
     assert seen == [timed] * 6 + [None] + [timed] * 6  # the oracle (job 6) decodes alone, untimed
+
+
+def test_report_png_draws_every_scored_job_at_its_cost_and_ce(done):
+    """report.png is the figure `report.figure` returned, and it plots the jobs' numbers
+    (jobs/sweep_results.csv): against layer applications and against ms/token, the fixed
+    depths as one curve, each rule's τ grid as one curve, each calibrated job as one marker,
+    every y the job's CE minus the CE of fixed at report.max_steps. jobs/fig4_exits.png is
+    Fig. 4 with the fixed frontier at the numbers of every job at one fixed depth (the
+    calibrated `fixed` answers at a uniform depth among them)."""
+    import csv
+
+    from tests.drawn import curves, png_shows
+
+    out, _ = done
+    fig = DRAWN["report"]
+    assert png_shows(fig, out / "report.png")
+    rows = list(csv.DictReader(open(out / "jobs" / "sweep_results.csv")))
+    fam = {r["job"]: json.loads((out / "jobs" / r["job"] / "metrics.json").read_text())["family"] for r in rows}
+    ref = next(float(r["ce"]) for r in rows if fam[r["job"]] == "fixed" and r["max_steps"] == "4")
+    for ax, key in zip(fig.axes, ("layer_applications", "ms_per_token")):
+        def pts(rs, key=key):
+            return sorted((float(r[key]), float(r["ce"]) - ref) for r in rs)
+
+        drawn = curves(ax)
+        np.testing.assert_allclose(drawn["fixed depth"], pts(r for r in rows if fam[r["job"]] == "fixed"), atol=1e-9)
+        grid = {r["exit"] for r in rows if fam[r["job"]] == "grid"}
+        assert grid == {"accel", "kl", "argmax_stability", "gate"}
+        for rule in grid:
+            np.testing.assert_allclose(drawn[f"{rule} (τ grid)"],
+                                       pts(r for r in rows if fam[r["job"]] == "grid" and r["exit"] == rule), atol=1e-9)
+        markers = sorted(tuple(line.get_xydata()[0]) for line in ax.get_lines()
+                         if line.get_label().startswith("_") and len(line.get_xydata()) == 1)
+        np.testing.assert_allclose(markers, pts(r for r in rows if fam[r["job"]] == "calibrated"), atol=1e-9)
+    fig4 = DRAWN["fig4"]
+    assert png_shows(fig4, out / "jobs" / "fig4_exits.png")
+    uniform = [r for r in rows if r["exit"] == "fixed" and r["max_steps"].isdigit()]
+    assert len(uniform) > 2  # the two fixed jobs and calibrated ones
+    np.testing.assert_allclose(sorted(map(tuple, curves(fig4.axes[4])["fixed (frontier)"])),
+                               pts(uniform, "layer_applications"), atol=1e-6)
 
 
 def test_the_winner_follows_its_rule(done):

@@ -122,7 +122,7 @@ def test_the_same_command_resumes_a_killed_run_exactly(tmp_path, env, straight):
     assert json.loads((tmp_path / "again" / "metrics.json").read_text())["reused"] is True
 
 
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_a_kill_in_the_middle_of_a_checkpoint_write_loses_nothing(tmp_path, env, straight):
     ref, _ = straight
     args = [*ARGS, f"run_dir={tmp_path / 'run'}"]
@@ -138,7 +138,7 @@ def test_a_kill_in_the_middle_of_a_checkpoint_write_loses_nothing(tmp_path, env,
     assert steps_of(train_dir) == [0, 4, 8, 12, 16]
 
 
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_a_run_killed_before_its_first_and_after_its_last_checkpoint_reruns_in_place(tmp_path, env, straight):
     """A requeued job reruns: killed before any checkpoint (only step 0's diagnostics
     written), then after the final checkpoint but before validation and metrics.json."""
@@ -181,3 +181,54 @@ def test_a_checkpoint_that_does_not_belong_in_a_training_dir_is_refused(tmp_path
     with pytest.raises(ValueError, match=r"was saved under a different training config \(model.n_embd: 64 -> 128\)"):
         train(cfg)
     assert not (tmp_path / "job" / "metrics.json").exists()
+
+
+class _Killed(BaseException):
+    """The process 'dies' here: not an Exception, so no handler of recdepth's takes it for an error."""
+
+
+def test_a_checkpoint_write_cut_halfway_leaves_the_last_whole_checkpoint(tmp_path, env, monkeypatch):
+    """The default-run form of the kill mid-write (make test-slow's kills the process), in
+    this process: a 4-step run, checkpoints every 2, whose second write of last.ckpt stops
+    halfway through its bytes (the writer writes half, then raises). The file on disk is
+    still the whole step-2 checkpoint: torch and the evaluation's loader read it, the
+    resume's check (TrainingRun.resume_step) accepts it for this config, and the same
+    command resumes from it and finishes."""
+    import fsspec.implementations.local as local
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.glue.checkpoints import load_checkpoint
+    from recdepth.glue.config import conf_dir
+    from recdepth.glue.runs import TrainingRun
+    from recdepth.train import train
+
+    for k in ("RECDEPTH_CACHE", "WANDB_MODE"):
+        monkeypatch.setenv(k, env[k])
+    monkeypatch.setenv("TMPDIR", str(tmp_path))  # where a half-written temporary file may be left
+    args = ["debug=tiny", "trainer.max_steps=4", "trainer.checkpoint_every=2", "trainer.val_check_interval=4",
+            "callbacks=none", "eval.tokens=0", f"runs_dir={tmp_path / 'runs'}"]
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("config", overrides=[*args, f"run_dir={tmp_path / 'killed'}"])
+        again = compose("config", overrides=[*args, f"run_dir={tmp_path / 'again'}"])
+    run = TrainingRun(cfg)
+    real_write, cut = local.LocalFileOpener.write, []
+
+    def write(self, data):
+        if str(self.path) == str(run.ckpt) and len(cut) == 0 and run.ckpt.is_file():  # the second last.ckpt
+            cut.append((len(data) // 2, len(data)))
+            real_write(self, bytes(data)[: len(data) // 2])
+            self.f.flush()
+            raise _Killed
+        return real_write(self, data)
+
+    with monkeypatch.context() as m:
+        m.setattr(local.LocalFileOpener, "write", write)
+        with pytest.raises(_Killed):
+            train(cfg)
+    assert len(cut) == 1 and 0 < cut[0][0] < cut[0][1]  # the cut write was last.ckpt's second
+    assert ckpt_step(run.dir) == 2 and run.resume_step(4) == 2
+    module, _ = load_checkpoint(run.ckpt, torch.device("cpu"))
+    assert module.checkpoint_step == 2 and not (run.dir / "trained.json").exists()
+    res = train(again)
+    assert res["resumed_from"] == {"checkpoint": str(run.ckpt), "step": 2} and res["steps"] == 4
+    assert ckpt_step(run.dir) == 4

@@ -39,7 +39,7 @@ def test_ddp_on_two_cpu_processes_trains_as_one_process_with_the_whole_batch(tmp
 
 
 
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_ddp_jobs_of_a_sequential_sweep_each_launch_their_ranks(tmp_path, env):
     """Job 1 of a basic-launcher multirun must not find job 0's process group or env."""
     run(["--multirun", "trainer=ddp", "trainer.accelerator=cpu", "trainer.devices=2", *TINY, "callbacks=none",
@@ -51,7 +51,7 @@ def test_ddp_jobs_of_a_sequential_sweep_each_launch_their_ranks(tmp_path, env):
     assert a["tokens_seen"] == b["tokens_seen"] == 3 * 2 * 2 * 128 and a["val_ce"] != b["val_ce"]
 
 
-@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results.md, the test suite's time
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_parallel_sweep_jobs_of_one_identity_train_once(tmp_path, env):
     """submitit's local launcher runs both jobs at once; the identity lock makes the
     second wait for the first and reuse its checkpoint instead of training it again."""

@@ -801,7 +801,7 @@ def test_sweep_frontier_csv_from_synthetic_token_files_matches_the_slow_referenc
     assert front[5]["verdict"] == "worse than the fixed frontier"  # accel: 0.2 nats worse at ~5
 
 
-def test_sweep_summary_with_per_group_values(tmp_path, caplog):
+def test_sweep_summary_with_per_group_values(tmp_path, caplog, monkeypatch):
     """Jobs with one τ (or max_steps) per group and argmax_stability's k: the summary shows
     them, the frontier compares them like any rule (by mean applications; a fixed job with
     one max_steps per group is not a point of the fixed frontier), and Fig. 4 leaves the
@@ -820,6 +820,10 @@ def test_sweep_summary_with_per_group_values(tmp_path, caplog):
     jobs.append(("argmax_stability", None, 8, {"patience": 3}, base + 0.06, rng.integers(4, 8, (n_tok, G))))
     for j, (rule, tau, n, kw, nll, apps) in enumerate(jobs):
         _write_job(tmp_path / str(j), rule, tau, n, nll, apps, patience=kw.get("patience", 5))
+    from recdepth.glue import plots
+    from tests.drawn import capture, curves, png_shows
+
+    figs = capture(monkeypatch, plots, "fig4")
     with caplog.at_level(logging.INFO, logger="recdepth.plots"):
         sweep.summarize(tmp_path)
     assert "job(s) 4 have one τ per group" in caplog.text
@@ -833,7 +837,23 @@ def test_sweep_summary_with_per_group_values(tmp_path, caplog):
     assert float(front[5]["mean_applications"]) == pytest.approx(14 / 3)
     assert front[4]["tau"] == "[0.001, 0.01, 0.001]" and front[6]["patience"] == "3"
     assert "k = 3" in (tmp_path / "frontier.md").read_text()
-    assert (tmp_path / "fig4_exits.png").is_file()
+    # Fig. 4: against τ only argmax_stability's level (the per-group τ job is left out; the fixed
+    # grids are the frontier panels'); against layer applications every job, each rule at its
+    # cost and CE − CE(fixed 8), the fixed frontier through the four uniform depths
+    (fig,) = figs
+    assert png_shows(fig, tmp_path / "fig4_exits.png")
+    for ax, key in zip(fig.axes[:4], ("ms_per_token", "ppl", "ce", "layer_applications")):
+        drawn = curves(ax)
+        assert set(drawn) == {"argmax_stability (k = 3)"}
+        assert (drawn["argmax_stability (k = 3)"][:, 1] == float(rows[6][key])).all()
+    drawn, ref = curves(fig.axes[4]), float(rows[3]["ce"])
+
+    def at(*jobs):
+        return [[float(rows[j]["layer_applications"]), float(rows[j]["ce"]) - ref] for j in jobs]
+
+    np.testing.assert_allclose(drawn["fixed (frontier)"], at(0, 1, 2, 3), atol=1e-12)
+    for j, fam in ((4, "cosine"), (5, "fixed (per group)"), (6, "argmax_stability")):
+        np.testing.assert_allclose(drawn[fam], at(j), atol=1e-12)
 
 
 def WINDOWS(n_tok):
@@ -892,4 +912,6 @@ def test_sweep_callback_writes_the_table_after_each_job_and_the_frontier_at_the_
     sweep.summarize(alone)
     for f in ("sweep_results.csv", "frontier.csv", "frontier.md"):
         assert filecmp.cmp(tmp_path / "sweep" / f, alone / f, shallow=False), f
-    assert (tmp_path / "sweep" / "fig4_exits.png").is_file()
+    import matplotlib.image as mpimg  # the same Fig. 4, pixel for pixel (what it draws: the test above)
+
+    assert (mpimg.imread(tmp_path / "sweep" / "fig4_exits.png") == mpimg.imread(alone / "fig4_exits.png")).all()
