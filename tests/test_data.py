@@ -10,6 +10,7 @@ memmaps by hand), never from the package's output.
 
 from __future__ import annotations
 
+import copy
 import json
 import lzma
 import math
@@ -878,7 +879,7 @@ def test_a_source_is_one_class_selectable_by_its_name(monkeypatch, tmp_path):
     from recdepth.glue.config import conf_dir, data_module
     from recdepth.glue.schema import config_error, register_configs, validated
 
-    monkeypatch.setattr(source_module, "_REGISTRY", dict(source_module._REGISTRY))
+    monkeypatch.setattr(source_module, "_REGISTRY", copy.copy(source_module._REGISTRY))
 
     @dataclass
     class Generated(TextSource):

@@ -3,6 +3,7 @@ and nowhere else, is an `exit=<name>` option, checks its τ with its own one-lin
 decides in the eager monitor as in the loop compiled whole (records identical), and joins
 the frontier's default grid and the report's calibrated rules."""
 
+import copy
 import math
 
 import pytest
@@ -20,7 +21,7 @@ from recdepth.exits import rule as rule_module
 def step_ratio(monkeypatch):
     """A rule with a history: exit once a step is below τ times the loop's first step,
     ‖Δ^(n−1)‖ < τ ‖Δ^(0)‖ (earliest n = 2). Registered for this test only."""
-    monkeypatch.setattr(rule_module, "_REGISTRY", dict(rule_module._REGISTRY))
+    monkeypatch.setattr(rule_module, "_REGISTRY", copy.copy(rule_module._REGISTRY))
 
     class StepRatio(exits.ExitRule):
         name = "step_ratio"

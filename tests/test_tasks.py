@@ -4,6 +4,7 @@ Each task's answers are checked by a solver written here from the task's stateme
 parses the decoded text), never by the generator's own arithmetic; the labels are followed
 from the generator through the cache, the training windows and eval_tokens.csv."""
 
+import copy
 import csv
 import json
 import subprocess
@@ -478,7 +479,7 @@ def test_a_split_without_any_instance_is_one_line_not_a_hang():
 def parity(monkeypatch):
     """A task defined here and nowhere else, one class: k bits and their parity, ` 1 0 1 = 0`
     (difficulty k), with one option of its own. Registered for this test only."""
-    monkeypatch.setattr(task_module, "_REGISTRY", dict(task_module._REGISTRY))
+    monkeypatch.setattr(task_module, "_REGISTRY", copy.copy(task_module._REGISTRY))
     from dataclasses import dataclass
 
     @dataclass

@@ -24,7 +24,9 @@ from typing import Any, ClassVar, NamedTuple
 
 from torch import Tensor
 
-_REGISTRY: dict[str, ExitRule] = {}  # name -> the rule (one instance: rules are stateless)
+from recdepth.core.registry import Registry
+
+_REGISTRY: Registry[ExitRule] = Registry("exit.name", "exit rule")  # name -> the rule (one instance: stateless)
 
 
 class Step(NamedTuple):
@@ -80,11 +82,9 @@ class ExitRule:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         name = cls.__dict__.get("name")
-        if not isinstance(name, str) or not name.isidentifier():
-            raise TypeError(f"{cls.__qualname__}: an exit rule needs a name, an identifier (got {name!r})")
         if name in RESERVED:
             raise TypeError(f"{cls.__qualname__}: {name!r} is reserved ({RESERVED[name]})")
-        _REGISTRY[name] = cls()
+        _REGISTRY.register(name, cls(), cls)
 
     # ------------------------------------------------------------------ the check
     def history0(self, x0: Tensor, vocab: int) -> tuple[Tensor, ...]:
@@ -123,7 +123,7 @@ def _is_number(v) -> bool:
 
 def names() -> tuple[str, ...]:
     """Every registered rule's name, in the order the rules were defined."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def canonical(name: str) -> str:
@@ -139,11 +139,10 @@ def is_rule(name: str) -> bool:
 def lookup(name: str) -> ExitRule:
     """The rule registered under `name` (or its alias); a one-line ValueError naming
     exit.name otherwise."""
-    r = _REGISTRY.get(canonical(name))
-    if r is None:
+    if canonical(name) not in _REGISTRY:
         raise ValueError(f"exit.name: unknown exit rule {name!r} (expected one of: none, {', '.join(_REGISTRY)}, "
                          "oracle)")
-    return r
+    return _REGISTRY[canonical(name)]
 
 
 def grid(which: str) -> dict[str, list[float]]:

@@ -21,9 +21,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.core.registry import Registry
 from recdepth.data.token_cache import SourceSpec, TokenCache, prepare_tokens
 
-_REGISTRY: dict[str, type[DataConfig]] = {}  # name -> the source's class
+_REGISTRY: Registry[type[DataConfig]] = Registry("data.source", "source")  # name -> the source's class
 
 
 def check_int(name: str, v, lo: int, null: bool = False) -> None:
@@ -53,13 +54,10 @@ class DataConfig:
         name = cls.__dict__.get("source")
         if name is None:  # an intermediate class (TextSource): no source of its own
             return
-        if not isinstance(name, str) or not name.isidentifier():
-            raise TypeError(f"{cls.__qualname__}: a data source needs a name, an identifier, as the default of its "
-                            f"field `source` (got {name!r})")
-        _REGISTRY[name] = cls
+        _REGISTRY.register(name, cls, cls)  # the default of its field `source`
 
     def __post_init__(self):
-        own = next((n for n, c in _REGISTRY.items() if c is type(self)), None)
+        own = _REGISTRY.name_of(type(self))
         if own is None:
             raise TypeError(f"{type(self).__qualname__}: not a registered data source (subclass DataConfig with a "
                             "source)")
@@ -129,12 +127,9 @@ def check_encoding(encoding) -> str:
 
 def names() -> tuple[str, ...]:
     """Every registered source's name, in the order the sources were defined."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def lookup(name: str) -> type[DataConfig]:
     """The source class registered under `name`; a one-line ValueError naming data.source otherwise."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"data.source: unknown source {name!r} (expected one of {', '.join(_REGISTRY)})")
-    return cls
+    return _REGISTRY.lookup(name)

@@ -27,6 +27,8 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from recdepth.core.registry import Registry
+
 SPLITS = ("train", "validation", "test", "extrapolation")
 # Hash buckets (of 100) of each split: test 0-9, validation 10-19, train 20-99.
 BUCKETS = {"test": range(0, 10), "validation": range(10, 20), "train": range(20, 100),
@@ -40,7 +42,7 @@ TASK_VERSION = 2  # 2: hops' unqueried distractor chains
 MAX_REDRAWS = 10_000
 Instance = list[tuple[str, int]]  # (symbol, label): label 0 = not an answer, d >= 1 = difficulty
 
-_REGISTRY: dict[str, type[Task]] = {}  # name -> the task's class
+_REGISTRY: Registry[type[Task]] = Registry("data.task.name", "task")  # name -> the task's class
 
 
 def _is_int(v) -> bool:
@@ -64,14 +66,10 @@ class Task:
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        name = cls.__dict__.get("name")
-        if not isinstance(name, str) or not name.isidentifier():
-            raise TypeError(f"{cls.__qualname__}: a task needs a name, an identifier, as the default of its field "
-                            f"`name` (got {name!r})")
-        _REGISTRY[name] = cls
+        _REGISTRY.register(cls.__dict__.get("name"), cls, cls)  # the default of its field `name`
 
     def __post_init__(self):
-        own = next((n for n, c in _REGISTRY.items() if c is type(self)), None)
+        own = _REGISTRY.name_of(type(self))
         if own is None:
             raise TypeError(f"{type(self).__qualname__}: not a registered task (subclass Task with a name)")
         if self.name != own:
@@ -113,15 +111,12 @@ class Task:
 
 def names() -> tuple[str, ...]:
     """Every registered task's name, in the order the tasks were defined."""
-    return tuple(_REGISTRY)
+    return _REGISTRY.names()
 
 
 def lookup(name: str) -> type[Task]:
     """The task class registered under `name`; a one-line ValueError naming data.task.name otherwise."""
-    cls = _REGISTRY.get(name)
-    if cls is None:
-        raise ValueError(f"data.task.name: unknown task {name!r} (expected one of {', '.join(_REGISTRY)})")
-    return cls
+    return _REGISTRY.lookup(name)
 
 
 def bucket(inst: Instance) -> int:

@@ -1,0 +1,47 @@
+"""A registry of named extension points: the exit rules (recdepth/exits/rule.py), the tasks
+(recdepth/data/tasks/task.py) and the data sources (recdepth/data/sources/source.py). Each
+base class registers its subclasses as they are defined (`__init_subclass__`), so adding
+one is writing its class; commands list and look them up here by name.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(dict[str, T], Generic[T]):
+    """name -> entry, in the order of registration. `field` is the config key that names an
+    entry (e.g. "exit.name") and `what` what an entry is ("exit rule"): the one-line errors
+    name both."""
+
+    def __init__(self, field: str, what: str):
+        super().__init__()
+        self.field, self.what = field, what
+
+    def register(self, name, entry: T, owner: type) -> None:
+        """Add `entry` under `name` (an identifier), `owner` the class that names it (for the
+        error); a later class of the same name replaces the earlier one."""
+        if not isinstance(name, str) or not name.isidentifier():
+            raise TypeError(f"{owner.__qualname__}: a {self.what} needs a name, an identifier (got {name!r})")
+        self[name] = entry
+
+    def names(self) -> tuple[str, ...]:
+        """Every registered name, in the order of registration."""
+        return tuple(self)
+
+    def lookup(self, name: str) -> T:
+        """The entry registered under `name`; a one-line ValueError naming `field` otherwise."""
+        if name not in self:
+            raise ValueError(f"{self.field}: unknown {self.what} {name!r} (expected one of {', '.join(self)})")
+        return self[name]
+
+    def name_of(self, entry) -> str | None:
+        """The name `entry` is registered under (None if it is not)."""
+        return next((n for n, e in self.items() if e is entry), None)
+
+    def __copy__(self) -> Registry[T]:  # a test's scoped copy (monkeypatch) keeps the methods
+        new = Registry(self.field, self.what)
+        new.update(self)
+        return new
