@@ -258,7 +258,7 @@ def bench_intervals(args) -> dict:
     out = []
     for a, b in zip(old, new):
         changed = "" if a["verdict"] == b["verdict"] else "  <- changed"
-        print(f"{a['job']} | {a['family']} | {frontier._tau(a)} | {a['mean_applications']:.2f} | "
+        print(f"{a['job']} | {a['family']} | {frontier.tau_label(a)} | {a['mean_applications']:.2f} | "
               f"{b['layer_applications']:.2f} | {fmt(a)} {a['verdict']} | {fmt(b)} {b['verdict']} | "
               f"{b.get('verdict_holm', '')} | {fmt(a, 'd_ms')} | {fmt(b, 'd_ms')}{changed}")
         keep = ("d_hull", "d_hull_lo", "d_hull_hi", "verdict", "d_ms", "d_ms_lo", "d_ms_hi")

@@ -235,7 +235,7 @@ def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamp
                         "layer_applications": cmp["cost"], "layer_applications_lo": cmp["cost_lo"],
                         "layer_applications_hi": cmp["cost_hi"], "ms_per_token": j["eval"]["ms_per_token"],
                         "hull_ce": cmp["hull_ce"], "d_hull": cmp["d_hull"], "d_hull_lo": cmp["d_hull_lo"],
-                        "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": frontier._verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])})
+                        "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": frontier.verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])})
         if not order or not by_job[order[0]]["calibration"]["met"]:
             winners[t.kind] = None
             continue

@@ -2,7 +2,7 @@
 
 import pytest
 
-from recdepth.glue.frontier import _holm_verdict, _verdict
+from recdepth.glue.frontier import holm_verdict, verdict
 
 
 @pytest.mark.parametrize("lo, hi, want", [
@@ -14,10 +14,10 @@ from recdepth.glue.frontier import _holm_verdict, _verdict
     (float("nan"), 1.0, "not resolved"),
 ])
 def test_a_verdict_needs_an_interval_beyond_float_rounding(lo, hi, want):
-    assert _verdict(lo, hi) == want
+    assert verdict(lo, hi) == want
 
 
 @pytest.mark.parametrize("d, p, want", [(-3.0e-8, 0.001, "not resolved"), (-5.0e-4, 0.001, "beats the fixed frontier"),
                                         (5.0e-4, 0.001, "worse than the fixed frontier"), (-5.0e-4, 0.2, "not resolved")])
 def test_holm_verdict_needs_the_adjusted_p_and_more_than_rounding(d, p, want):
-    assert _holm_verdict(d, p) == want
+    assert holm_verdict(d, p) == want

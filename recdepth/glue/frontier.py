@@ -132,14 +132,14 @@ def _fmt(v, digits=4) -> str:
     return str(v)
 
 
-def _num(v) -> bool:
+def is_number(v) -> bool:
     return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _uniform_fixed(r: dict) -> bool:
     """A fixed-depth job: exit=fixed with one max_steps for every group (a fixed job with
     one max_steps per group is compared against the frontier like a rule)."""
-    return r["exit"] == "fixed" and _num(r["max_steps"])
+    return r["exit"] == "fixed" and is_number(r["max_steps"])
 
 
 def _reference_warm(rows: list[dict]) -> bool:
@@ -175,14 +175,14 @@ def _ci(v, lo, hi, digits=4) -> str:
     return f"{_fmt(v, digits)} [{_fmt(lo, digits)}, {_fmt(hi, digits)}]"
 
 
-def _tau(r: dict) -> str:
+def tau_label(r: dict) -> str:
     """τ as the tables show it: one number, one per group in brackets, or argmax_stability's k."""
     t = r["tau"]
     if r.get("patience") not in ("", None):
         return f"k = {r['patience']}"
-    if isinstance(t, list) and t and all(_num(x) for x in t):
+    if isinstance(t, list) and t and all(is_number(x) for x in t):
         return "[" + ", ".join(f"{x:g}" for x in t) + "]"
-    return f"{t:g}" if _num(t) else "—"
+    return f"{t:g}" if is_number(t) else "—"
 
 
 def markdown(rows: list[dict]) -> str:
@@ -191,7 +191,7 @@ def markdown(rows: list[dict]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         status = r["status"] + (f": {r['error']}" if r["error"] else "") + (" (reused checkpoint)" if r["reused"] is True else "")
-        out.append("| " + " | ".join([str(r["job"]), _exit_label(r), _tau(r), _fmt(r["max_steps"]),
+        out.append("| " + " | ".join([str(r["job"]), _exit_label(r), tau_label(r), _fmt(r["max_steps"]),
                                       _ci(r["ce"], r["ce_lo"], r["ce_hi"]), _fmt(r["ppl"], 2),
                                       _ci(r["ms_per_token"], r["ms_min"], r["ms_max"], 2),
                                       _fmt(r["applications_per_token"]), _fmt(r["mean_applications"], 2),
@@ -217,7 +217,7 @@ ORACLE = "oracle (best uniform depth within ε; reads the target)"  # its verdic
 ROUNDING = 1e-6
 
 
-def _verdict(lo: float, hi: float) -> str:
+def verdict(lo: float, hi: float) -> str:
     """From the 95% CI of CE − (fixed frontier at the rule's own layer applications); an
     interval inside ±`ROUNDING` is not resolved."""
     if not (math.isfinite(lo) and math.isfinite(hi)) or max(abs(lo), abs(hi)) < ROUNDING:
@@ -225,10 +225,10 @@ def _verdict(lo: float, hi: float) -> str:
     return "beats the fixed frontier" if hi < 0 else ("worse than the fixed frontier" if lo > 0 else "not resolved")
 
 
-def _holm_verdict(d: float, p_adj: float) -> str:
+def holm_verdict(d: float, p_adj: float) -> str:
     """The verdict at family-wise level 5% (Holm): resolved only if the adjusted p < 0.05
     (and the difference exceeds float rounding, `ROUNDING`)."""
-    if not (_num(p_adj) and _num(d)) or p_adj >= 1 - stats.LEVEL or abs(d) < ROUNDING:
+    if not (is_number(p_adj) and is_number(d)) or p_adj >= 1 - stats.LEVEL or abs(d) < ROUNDING:
         return "not resolved"
     return "beats the fixed frontier" if d < 0 else "worse than the fixed frontier"
 
@@ -238,7 +238,7 @@ def sweep_cost(rows: list[dict]) -> stats.Cost | None:
     (group_layers, outside_layers); None for records that do not carry them (older jobs:
     the cost is then the mean applications over groups)."""
     for r in rows:
-        if r["status"] == "ok" and isinstance(r.get("group_layers"), list) and _num(r.get("outside_layers")):
+        if r["status"] == "ok" and isinstance(r.get("group_layers"), list) and is_number(r.get("outside_layers")):
             return stats.Cost(r["group_layers"], r["outside_layers"]) if r["group_layers"] else None
     return None
 
@@ -298,7 +298,7 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
     fixed_rows = {int(r["max_steps"]): r for r in rows if r["frontier"] and r["ce"] != ""}
     fixed_ms = {n: r["ms_per_token"] for n, r in fixed_rows.items()}
-    timed = [n for n in fixed if _num(fixed_ms.get(n))]
+    timed = [n for n in fixed if is_number(fixed_ms.get(n))]
     fixed_by_ms = {fixed_ms[n]: fixed[n]["nll"] for n in timed}
     spreads = {fixed_ms[n]: fixed_rows[n]["ms_repeats"] for n in timed}
     spread_ok = all(isinstance(v, list) and v for v in spreads.values())
@@ -314,8 +314,8 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
                    layer_applications=c["cost"], layer_applications_lo=c["cost_lo"], layer_applications_hi=c["cost_hi"],
                    mean_applications=float(np.asarray(t["apps"], float).mean()),
                    fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""),
-                   verdict=ORACLE if r["exit"] == "oracle" else _verdict(c["d_hull_lo"], c["d_hull_hi"]))
-        if _num(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
+                   verdict=ORACLE if r["exit"] == "oracle" else verdict(c["d_hull_lo"], c["d_hull_hi"]))
+        if is_number(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
             own = r["ms_repeats"] if isinstance(r.get("ms_repeats"), list) and r["ms_repeats"] else None
             v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, boot,
                                      own if spread_ok else None, spreads if (spread_ok and own) else None)
@@ -329,7 +329,7 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
     adj = stats.holm([r["p_hull"] for r in family_rows])
     for r, p in zip(family_rows, adj):
         r["p_holm"] = float(p)
-        r["verdict_holm"] = _holm_verdict(r["d_hull"], p)
+        r["verdict_holm"] = holm_verdict(r["d_hull"], p)
     return out
 
 
@@ -351,7 +351,7 @@ def frontier_markdown(rows: list[dict], what: str = "CE") -> str:
         osav = "—" if r["oracle_saving"] == "" else (f"{pct(r['oracle_saving'])} [{pct(r['oracle_saving_lo'])}, "
                                                     f"{pct(r['oracle_saving_hi'])}]")
         ms = f"{_fmt(r['ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
-        out.append("| " + " | ".join([str(r["job"]), r.get("family") or r["exit"], _tau(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
+        out.append("| " + " | ".join([str(r["job"]), r.get("family") or r["exit"], tau_label(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
                                       _ci(r["layer_applications"], r["layer_applications_lo"], r["layer_applications_hi"], 2),
                                       _fmt(r["mean_applications"], 2), fr,
                                       _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), _fmt(r["hull_ce"]),

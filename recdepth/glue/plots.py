@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from matplotlib.collections import LineCollection  # noqa: E402
 
 from recdepth.core.diagnostics import FLOOR_FACTOR, load_diagnostics  # noqa: E402
-from recdepth.glue.frontier import _num, family  # noqa: E402
+from recdepth.glue.frontier import family, is_number  # noqa: E402
 
 log = logging.getLogger("recdepth.plots")
 
@@ -243,15 +243,15 @@ def fig4(rows: list[dict], oracle: list[tuple[float, float, float]] | None = Non
         log.info("fig4: job(s) %s have one τ per group; left out of the panels against τ (the frontier panels "
                  "show them, by layer applications)", ", ".join(map(str, per_group)))
     on_tau = [r for r in ok if not isinstance(r["tau"], list)]
-    taus = sorted({r["tau"] for r in on_tau if _num(r["tau"])})
+    taus = sorted({r["tau"] for r in on_tau if is_number(r["tau"])})
     for ax, (key, label) in zip(axes[0], panels):
         for rule in rules:
-            pts = sorted((r["tau"], r[key]) for r in on_tau if family(r) == rule and _num(r["tau"]) and _num(r[key]))
+            pts = sorted((r["tau"], r[key]) for r in on_tau if family(r) == rule and is_number(r["tau"]) and is_number(r[key]))
             if pts:
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=colors[rule], label=rule)
             flat: dict[str, list] = {}  # one level across τ (fixed at one depth; argmax_stability per k)
             for r in on_tau:
-                if family(r) == rule and not _num(r["tau"]) and _num(r[key]):
+                if family(r) == rule and not is_number(r["tau"]) and is_number(r[key]):
                     flat.setdefault(f"{rule} (k = {r['patience']})" if r.get("patience", "") != "" else f"{rule} (no τ)",
                                     []).append(r[key])
             for i, (name, vs) in enumerate(sorted(flat.items()) if not (rule.startswith("fixed") and frontier) else []):
@@ -294,12 +294,12 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
     for ax, xkey, xlabel in ((axes[0], "layer_applications", "layer applications per token"),
                              (axes[1], "ms_per_token", "ms / token (batch 1, median of repeats)")):
         for label, rs, color, style in groups:
-            rs = [r for r in rs if _num(r[xkey]) and r["job"] in paired]
+            rs = [r for r in rs if is_number(r[xkey]) and r["job"] in paired]
             if not rs:
                 continue
             ys = [paired[r["job"]][0] for r in rs]
             # the y-range leaves out the shallow fixed depths (n < 3, both fixed families), far above the rest
-            shown += [y for r, y in zip(rs, ys) if not (label.startswith("fixed") and _num(r["max_steps"])
+            shown += [y for r, y in zip(rs, ys) if not (label.startswith("fixed") and is_number(r["max_steps"])
                                                         and r["max_steps"] < 3)]
             ax.errorbar([r[xkey] for r in rs], ys, yerr=yerr(rs), fmt=style, color=color, ms=4, capsize=2, lw=1.2,
                         label=label)
@@ -313,7 +313,7 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
         ax.axhline(0, color="grey", lw=0.8)
         if xkey == "layer_applications":  # fixed depths 1 .. 32: log, labelled at the fixed jobs' costs
             ax.set_xscale("log")
-            ticks = sorted({round(r["layer_applications"]) for r in fixed if _num(r["layer_applications"])})
+            ticks = sorted({round(r["layer_applications"]) for r in fixed if is_number(r["layer_applications"])})
             ax.set_xticks([t for i, t in enumerate(ticks) if i % 2 == 0 or t == ticks[-1]])
             ax.xaxis.set_major_formatter(ScalarFormatter())
             ax.xaxis.set_minor_formatter(NullFormatter())
@@ -328,7 +328,7 @@ def _frontier_panels(axes, ok: list[dict], fixed: list[dict], colors: dict, orac
             ax.set_ylim(lo - pad, hi + pad)
     ax = axes[2]
     for fam in sorted({r["family"] for r in front} - {"oracle", "oracle (warm start)"}):
-        rs = sorted((r for r in front if r["family"] == fam and _num(r["d_hull"]) and _num(r["d_hull_lo"])),
+        rs = sorted((r for r in front if r["family"] == fam and is_number(r["d_hull"]) and is_number(r["d_hull_lo"])),
                     key=lambda r: r["layer_applications"])
         if rs:
             d = np.array([r["d_hull"] for r in rs])

@@ -58,9 +58,9 @@ from recdepth.glue.schema_groups import (  # noqa: F401  (re-exported: the schem
     ExitConfig,
     ModelConfig,
     SamplerConfig,
-    _int,
-    _number,
-    _one_of,
+    check_int,
+    check_number,
+    check_one_of,
 )
 from recdepth.glue.schema_training import (  # noqa: F401  (re-exported: the schema's names)
     ACCELERATORS,
@@ -104,8 +104,8 @@ class TrainConfig:
     (recdepth/glue/runs.py): a finished one is reused, an interrupted one resumed."""
 
     def __post_init__(self):
-        _int("seed", self.seed, 0)
-        _int("batch_size", self.batch_size, 1)
+        check_int("seed", self.seed, 0)
+        check_int("batch_size", self.batch_size, 1)
         e = self.exit  # per-group values: one per recurrence group of the model
         exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups),
                        decode=e.decode, kl_direction=e.kl_direction)
@@ -137,7 +137,7 @@ class JobKeys:
     """Where the job writes (Hydra's output dir)."""
 
     def __post_init__(self):
-        _int("seed", self.seed, 0)
+        check_int("seed", self.seed, 0)
         _device(self.device)
         if isinstance(getattr(self, "eval", None), EvalConfig) and self.eval.tokens < 1:
             raise ValueError(f"eval.tokens: expected an integer >= 1 (tokens to score), got {self.eval.tokens}")
@@ -171,7 +171,7 @@ class ModelJob(JobKeys):
                              f"checkpoint directory>, got {'both' if self.ckpt else 'neither'}")
         if self.ckpt is not None and self.data is not None:
             raise ValueError("data: a training checkpoint carries its own data config; data= is read with hf=<dir> only")
-        _one_of("dtype", self.dtype, DTYPES)
+        check_one_of("dtype", self.dtype, DTYPES)
         super().__post_init__()
 
 
@@ -222,9 +222,9 @@ class GateConfig:
 
     def __post_init__(self):
         for k, lo in (("tokens", 1), ("max_steps", 2), ("steps", 1), ("batch_size", 1)):
-            _int(f"gate.{k}", getattr(self, k), lo)
-        _number("gate.margin", self.margin)
-        _number("gate.weight_decay", self.weight_decay)
+            check_int(f"gate.{k}", getattr(self, k), lo)
+        check_number("gate.margin", self.margin)
+        check_number("gate.weight_decay", self.weight_decay)
         if self.states not in GATE_STATES:
             raise ValueError(f"gate.states: expected one of {', '.join(GATE_STATES)}, got {self.states!r}")
 
@@ -281,15 +281,15 @@ class CalibrationConfig:
     bisection, a round of per-group moves); 0: one by one (>= 0)."""
 
     def __post_init__(self):
-        _int("calibration.tokens", self.tokens, 1)
-        _int("calibration.shared_rows", self.shared_rows, 0)
-        _int("calibration.max_evals", self.max_evals, 2)
-        _int("calibration.batch_size", self.batch_size, 1)
-        _one_of("calibration.method", self.method, CALIBRATION_METHODS)
+        check_int("calibration.tokens", self.tokens, 1)
+        check_int("calibration.shared_rows", self.shared_rows, 0)
+        check_int("calibration.max_evals", self.max_evals, 2)
+        check_int("calibration.batch_size", self.batch_size, 1)
+        check_one_of("calibration.method", self.method, CALIBRATION_METHODS)
         e = self.epsilon
         if isinstance(e, bool) or not isinstance(e, int | float) or not 0 < e < 1:
             raise ValueError(f"calibration.epsilon: expected a number in (0, 1), got {e!r}")
-        _number("calibration.loss_bound", self.loss_bound, strict=True)
+        check_number("calibration.loss_bound", self.loss_bound, strict=True)
 
 
 @dataclass
@@ -338,8 +338,8 @@ class ReportSettings(FrontierGrid):
 
     def check(self) -> None:
         super().check()
-        _int("report.max_steps", self.max_steps, 1)
-        _int("report.shared_rows", self.shared_rows, 0)
+        check_int("report.max_steps", self.max_steps, 1)
+        check_int("report.shared_rows", self.shared_rows, 0)
         for rule in self.calibrate:
             if not exits.is_rule(rule):
                 raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.names())})")
@@ -376,8 +376,8 @@ class SpeculativeConfig:
     tokens are the same and time both."""
 
     def __post_init__(self):
-        _int("speculative.draft_steps", self.draft_steps, 1, null=True)
-        _int("speculative.lookahead", self.lookahead, 1)
+        check_int("speculative.draft_steps", self.draft_steps, 1, null=True)
+        check_int("speculative.lookahead", self.lookahead, 1)
 
 
 @dataclass
@@ -414,8 +414,8 @@ class GenerateConfig(ModelJob):
             if not self.prompt_ids:
                 raise ValueError("prompt_ids: empty (generation needs at least one prompt token)")
             for i in self.prompt_ids:
-                _int("prompt_ids[]", i, 0)
-        _int("max_new_tokens", self.max_new_tokens, 1)
+                check_int("prompt_ids[]", i, 0)
+        check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.speculative.draft_steps is not None:
             generation.check_speculative(self.eval.cache, self.speculative.draft_steps, self.speculative.lookahead)
 

@@ -29,14 +29,14 @@ CALIBRATION_METHODS = ("empirical", "ltt")
 
 
 # ------------------------------------------------------------------ checks
-def _int(name: str, v, lo: int, null: bool = False) -> None:
+def check_int(name: str, v, lo: int, null: bool = False) -> None:
     if v is None and null:
         return
     if isinstance(v, bool) or not isinstance(v, int) or v < lo:
         raise ValueError(f"{name}: expected an integer >= {lo}{' or null' if null else ''}, got {v!r}")
 
 
-def _number(name: str, v, lo: float = 0.0, strict: bool = False, null: bool = False) -> None:
+def check_number(name: str, v, lo: float = 0.0, strict: bool = False, null: bool = False) -> None:
     """A finite number >= lo (> lo if strict), or null if allowed."""
     if v is None and null:
         return
@@ -46,7 +46,7 @@ def _number(name: str, v, lo: float = 0.0, strict: bool = False, null: bool = Fa
                          f"{' or null' if null else ''}, got {v!r}")
 
 
-def _one_of(name: str, v, choices) -> None:
+def check_one_of(name: str, v, choices) -> None:
     if v not in choices:
         raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {v!r}")
 
@@ -194,7 +194,7 @@ class DecodeConfig:
     docs/results/decode-speed.md (`recdepth bench decode`)."""
 
     def __post_init__(self):
-        _one_of("eval.step", self.step, decoding.STEPS)
+        check_one_of("eval.step", self.step, decoding.STEPS)
         check_cache(self.cache)
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"eval.warm_start: expected true or false, got {self.warm_start!r}")
@@ -237,7 +237,7 @@ class EvalConfig(DecodeConfig):
 
     def __post_init__(self):
         super().__post_init__()
-        _one_of("eval.split", self.split, ("test", "extrapolation"))
+        check_one_of("eval.split", self.split, ("test", "extrapolation"))
         scoring.check_latency_step(self.latency_step)
         if self.context_steps is not None and self.context_steps < 1:
             raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recdepth.core import diagnostics
-from recdepth.glue.schema_groups import _int, _number, _one_of
+from recdepth.glue.schema_groups import check_int, check_number, check_one_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")
@@ -52,19 +52,19 @@ class TrainerConfig:
 
     def __post_init__(self):
         for k in ("max_steps", "val_check_interval", "checkpoint_every", "log_every_n_steps"):
-            _int(f"trainer.{k}", getattr(self, k), 1)
-        _number("trainer.gradient_clip_val", self.gradient_clip_val, null=True)
-        _one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
-        _one_of("trainer.precision", self.precision, PRECISIONS)
-        _one_of("trainer.strategy", self.strategy, STRATEGIES)
+            check_int(f"trainer.{k}", getattr(self, k), 1)
+        check_number("trainer.gradient_clip_val", self.gradient_clip_val, null=True)
+        check_one_of("trainer.accelerator", self.accelerator, ACCELERATORS)
+        check_one_of("trainer.precision", self.precision, PRECISIONS)
+        check_one_of("trainer.strategy", self.strategy, STRATEGIES)
         if self.devices != "auto":
-            _int("trainer.devices", self.devices, 1)
+            check_int("trainer.devices", self.devices, 1)
         if self.num_nodes != 1:
             raise ValueError(f"trainer.num_nodes: recdepth runs on one node (got {self.num_nodes}); "
                              "use trainer=ddp with trainer.devices=<GPUs of the node>")
         if self.strategy == "auto" and self.devices not in (1, "auto"):
             raise ValueError(f"trainer.devices: {self.devices} processes need trainer.strategy=ddp (trainer=ddp)")
-        _number("trainer.peak_flops", self.peak_flops, strict=True, null=True)
+        check_number("trainer.peak_flops", self.peak_flops, strict=True, null=True)
 
 
 @dataclass
@@ -85,12 +85,12 @@ class OptimConfig:
     """The cosine decays to lr * min_lr_ratio at trainer.max_steps (in [0, 1])."""
 
     def __post_init__(self):
-        _number("optim.lr", self.lr, strict=True)
-        _number("optim.weight_decay", self.weight_decay)
-        _number("optim.eps", self.eps)
+        check_number("optim.lr", self.lr, strict=True)
+        check_number("optim.weight_decay", self.weight_decay)
+        check_number("optim.eps", self.eps)
         if not (len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas)):
             raise ValueError(f"optim.betas: expected two numbers in [0, 1), got {list(self.betas)!r}")
-        _int("optim.warmup_steps", self.warmup_steps, 0)
+        check_int("optim.warmup_steps", self.warmup_steps, 0)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"optim.min_lr_ratio: expected a number in [0, 1], got {self.min_lr_ratio!r}")
 
@@ -112,8 +112,8 @@ class WandbConfig:
     """Tags of the W&B run."""
 
     def __post_init__(self):
-        _one_of("logger.wandb.mode", self.mode, WANDB_MODES)
-        _number("logger.wandb.init_timeout", self.init_timeout, strict=True)
+        check_one_of("logger.wandb.mode", self.mode, WANDB_MODES)
+        check_number("logger.wandb.init_timeout", self.init_timeout, strict=True)
 
 
 @dataclass
@@ -148,7 +148,7 @@ class LoopGeometryConfig:
 
     def __post_init__(self):
         prefix = "callbacks.loop_dynamics" if isinstance(self, LoopDynamicsConfig) else "loop_dynamics"
-        _int(f"{prefix}.sequences", self.sequences, 1)
+        check_int(f"{prefix}.sequences", self.sequences, 1)
         diagnostics.check_loop_dynamics(getattr(self, "every_n_steps", 1), self.loops, self.pca_sequence, self.sequences,
                              self.pca_tokens, self.max_state_bytes, prefix)
 
