@@ -223,7 +223,7 @@ def bench_exits(args) -> dict:
     print(f"\n{'rule':16s} {'tau':>7s} {'CE':>7s} {'ms/token':>9s} {'tok/s b1':>9s} "
           f"{'tok/s b' + str(args.batch_large):>10s} {'ratio':>6s} {'mean apps':>10s}  per group")
     for name in args.rules:
-        for tau in (args.taus if exits.lookup(exits.canonical(name)).takes_tau else [None]):  # τ-free: once
+        for tau in (args.taus if exits.lookup(name).takes_tau else [None]):  # τ-free: once
             policy = exits.build(name, tau, max_steps=args.max_steps)
             ev, _ = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
             tps = throughput(policy)

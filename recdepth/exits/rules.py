@@ -232,7 +232,7 @@ class ArgmaxStability(ExitRule):
     def advance(self, s: Step) -> tuple[Tensor, ...]:
         tok_prev, run_prev = s.old
         tok = s.logits.argmax(-1)
-        return tok, torch.where(tok == tok_prev, run_prev + 1, 1)  # argmax_run
+        return tok, argmax_run(tok, tok_prev, run_prev)  # tok_prev = −1 at n = 1: r^(1) = 1
 
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return new[1] > s.patience  # r^(n) >= k + 1: equal for j = n−k … n
