@@ -35,7 +35,7 @@ the current ones (whole windows, layer applications, Holm), side by side; it dec
 
 `python -m recdepth.bench settings --ckpt PATH` decodes a frontier grid (fixed depths, stepnorm,
 kl and accel at four τ each) on the test split twice in one run: setting by setting at
-`--batch` windows a batch, and as one batch of settings × windows (`scoring.decode_settings`,
+`--batch` windows a batch, and as one batch of settings × windows (`scoring.decode_policies`,
 `--rows` rows a batch); prints the wall times, their ratio and how far the records differ.
 
 `python -m recdepth.bench decode [--ckpt PATH]` times one layer application of token-by-token
@@ -186,6 +186,7 @@ def bench_exits(args) -> dict:
     from recdepth.core.decoding import decode_step
     from recdepth.core.kv_cache import new_caches
     from recdepth.core.scoring import evaluate_exit
+    from recdepth.decode.settings import DecodeSettings
 
     tune_cpu_allocator()
     torch.manual_seed(0)
@@ -213,10 +214,10 @@ def bench_exits(args) -> dict:
         rows = tokens[: B * (T + 1)].view(B, T + 1)
         caches = new_caches(model, B, T, "latest", policy.max_steps_bound)
         gen = torch.Generator().manual_seed(0)
-        decode_step(model, rows[:, 0], 0, caches, policy, gen)  # warm-up token
+        decode_step(model, rows[:, 0], 0, caches, policy, generator=gen)  # warm-up token
         t = time.perf_counter()
         for pos in range(1, n + 1):
-            decode_step(model, rows[:, pos], pos, caches, policy, gen)
+            decode_step(model, rows[:, pos], pos, caches, policy, generator=gen)
         return B * n / (time.perf_counter() - t)
 
     results = {"rules": []}
@@ -225,7 +226,7 @@ def bench_exits(args) -> dict:
     for name in args.rules:
         for tau in (args.taus if exits.lookup(name).takes_tau else [None]):  # τ-free: once
             policy = exits.build(name, tau, max_steps=args.max_steps)
-            ev, _ = evaluate_exit(model, tokens, policy, args.tokens, warmup_tokens=8, seed=0)
+            ev, _ = evaluate_exit(model, tokens, policy, args.tokens, DecodeSettings(warmup_tokens=8, seed=0))
             tps = throughput(policy)
             b1 = 1000 / ev["ms_per_token"]
             apps = ev["applications_per_token"]

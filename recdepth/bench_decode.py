@@ -30,11 +30,12 @@ import time
 import numpy as np
 import torch
 
-from recdepth.core.decoding import STEPS, decode_step, lean_steps
+from recdepth.core.decoding import decode_step
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
 from recdepth.core.scoring import evaluate_exit
+from recdepth.decode.settings import STEPS, DecodeSettings
 from recdepth.exits.policy import build
 
 GROUPS = [[4], [5, 6], [7]]  # the default model's recurrence groups (conf/model/grouped.yaml)
@@ -116,38 +117,42 @@ def filled(model: LoopedGPT, batch: int, context: int, gen: torch.Generator) -> 
     return caches, tokens
 
 
+def step_settings(model: LoopedGPT, step: str) -> DecodeSettings:
+    """The settings `layer_seconds` decodes with for `step` (an `eval.step`): that step."""
+    return DecodeSettings(step=step)
+
+
 @torch.no_grad()
 def layer_seconds(model: LoopedGPT, batch: int, context: int, n1: int, n2: int, reps: int, rounds: int,
-                  steps: tuple[str, ...], use=lean_steps) -> dict[str, float]:
+                  steps: tuple[str, ...], use=step_settings) -> dict[str, float]:
     """Median seconds of one layer application per step (the slope above), the steps
     timed in `rounds` interleaved rounds of `reps` decode steps at each n. `use(model, s)`
-    readies the model to decode with step s (`lean_steps`; docs/bench/lean_step_ab.py
-    passes other versions of the lean step). On a GPU each timing waits for the step's
-    kernels (`sync`)."""
+    returns the `DecodeSettings` the decodes of step s run with (`step_settings`:
+    `DecodeSettings(step=s)`; docs/bench/lean_step_ab.py passes other versions of the lean
+    step). On a GPU each timing waits for the step's kernels (`sync`)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     caches, tokens = filled(model, batch, context, gen)
     fixed = {n: build("fixed", None, max_steps=n) for n in (n1, n2)}
     per: dict[str, list[float]] = {s: [] for s in steps}
     for s in steps:  # compile (and first-call) costs out of the timings
-        use(model, s)
+        settings = use(model, s)
         for n in (n1, n2):
-            decode_step(model, tokens[:, context], context, caches, fixed[n])
+            decode_step(model, tokens[:, context], context, caches, fixed[n], settings)
     for _ in range(rounds):
         for s in steps:
-            use(model, s)
+            settings = use(model, s)
             t = {}
             for n in (n1, n2):
                 times = []
                 for _ in range(reps):
                     sync(device)
                     t0 = time.perf_counter()
-                    decode_step(model, tokens[:, context], context, caches, fixed[n])
+                    decode_step(model, tokens[:, context], context, caches, fixed[n], settings)
                     sync(device)
                     times.append(time.perf_counter() - t0)
                 t[n] = statistics.median(times)
             per[s].append((t[n2] - t[n1]) / ((n2 - n1) * looped_layers(model)))
-    lean_steps(model, "module")
     return {s: statistics.median(v) for s, v in per.items()}
 
 
@@ -180,13 +185,12 @@ def records(module, data, rule: str, tau: float | None, n_tokens: int, steps: tu
     out, ref = {}, None
     for s in steps:
         t0 = time.perf_counter()
-        _, rec = evaluate_exit(module.model, tokens, policy, n_tokens, batch_size=16, latency_tokens=0,
-                               warmup_tokens=0, step=s)
+        _, rec = evaluate_exit(module.model, tokens, policy, n_tokens,
+                               DecodeSettings(batch_size=16, latency_tokens=0, warmup_tokens=0, step=s))
         secs = time.perf_counter() - t0
         ref = rec if ref is None else ref
         out[s] = {"s": secs, "max_dnll": float(np.abs(rec["nll"] - ref["nll"]).max()),
                   "apps_differ": int((rec["apps"] != ref["apps"]).any(axis=1).sum()), "tokens": n_tokens}
-    lean_steps(module.model, "module")
     return out
 
 

@@ -75,6 +75,7 @@ def bench_speculative(args) -> dict:
 
     from recdepth.core import stats
     from recdepth.core.generation import greedy, speculative
+    from recdepth.decode.settings import DecodeSettings
     from recdepth.exits.policy import build
     from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
@@ -100,17 +101,18 @@ def bench_speculative(args) -> dict:
     for rname, policy in rules.items():
         for cache in ("latest", "per_step"):
             configs.append((f"{rname}/greedy/{cache}", rname, f"greedy, cache={cache}",
-                            lambda pr, i, pol=policy, c=cache: greedy(model, pr, pol, N, cache=c, seed=0, sequences=[i])))
+                            lambda pr, i, pol=policy, c=cache: greedy(model, pr, pol, N, DecodeSettings(cache=c, seed=0),
+                                                                      sequences=[i])))
         for ds in args.draft_steps:
             for la in args.lookaheads:
                 configs.append((f"{rname}/speculative/{ds}/{la}", rname, f"speculative, draft {ds}, lookahead {la}",
-                                lambda pr, i, pol=policy, ds=ds, la=la: speculative(model, pr, pol, N, ds, la,
-                                                                                     cache="per_step", seed=0,
-                                                                                     sequence=i)))
+                                lambda pr, i, pol=policy, ds=ds, la=la: speculative(
+                                    model, pr, pol, N, ds, la, DecodeSettings(cache="per_step", seed=0), sequence=i)))
     if args.shallow:
         shallow = build("fixed", None, max_steps=args.shallow)
         configs.append(("shallow/greedy/latest", "fixed", f"greedy fixed {args.shallow}, cache=latest",
-                        lambda pr, i: greedy(model, pr, shallow, N, cache="latest", seed=0, sequences=[i])))
+                        lambda pr, i: greedy(model, pr, shallow, N, DecodeSettings(cache="latest", seed=0),
+                                             sequences=[i])))
     print(f"# recdepth bench speculative: checkpoint {args.ckpt}; {n} prompts of {P} tokens (test split, one per "
           f"window), {N} new tokens each, timed after the first; {len(configs)} configurations interleaved per "
           f"prompt; threads={torch.get_num_threads()}", flush=True)

@@ -41,6 +41,7 @@ def bench_ltt(args) -> dict:
 
     from recdepth.core import ltt
     from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
+    from recdepth.decode.settings import DecodeSettings
     from recdepth.exits.policy import build
     from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
@@ -63,10 +64,11 @@ def bench_ltt(args) -> dict:
         v = vals[0] if len(set(vals)) == 1 else vals
         return build("fixed", None, max_steps=v) if rule == "fixed" else build(rule, v, max_steps=N)
 
+    settings = DecodeSettings(warmup_tokens=0, seed=args.seed, latency_tokens=0)
+
     def decode(p):
         t = time.perf_counter()
-        _, rec = evaluate_exit(model, tokens, p, W * T, warmup_tokens=0, seed=args.seed, batch_size=args.ltt_batch,
-                               latency_tokens=0)
+        _, rec = evaluate_exit(model, tokens, p, W * T, settings.replace(batch_size=args.ltt_batch))
         _, _, cnt = ltt.window_means(rec["nll"], rec["window"])
         return rec, cnt, time.perf_counter() - t
 
@@ -109,8 +111,8 @@ def bench_ltt(args) -> dict:
                 yield part[0], *decode(policy(part[0]))[::2]
                 continue
             t = time.perf_counter()
-            out = evaluate_exits(model, tokens, [policy(s) for s in part], W * T, warmup_tokens=0, seed=args.seed,
-                                 max_rows=args.ltt_shared_rows, latency_tokens=0)
+            out = evaluate_exits(model, tokens, [policy(s) for s in part], W * T,
+                                 settings.replace(batch_size=args.ltt_shared_rows))
             secs = (time.perf_counter() - t) / len(part)
             for s, (_, rec) in zip(part, out, strict=True):
                 yield s, rec, secs
@@ -273,7 +275,8 @@ def bench_settings(args) -> dict:
     import numpy as np
 
     from recdepth import exits
-    from recdepth.core.scoring import decode_settings, evaluate_exit
+    from recdepth.core.scoring import decode_policies, evaluate_exit
+    from recdepth.decode.settings import DecodeSettings
     from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
 
     if args.ckpt is None:
@@ -287,16 +290,17 @@ def bench_settings(args) -> dict:
     grid += [exits.build(r, t, max_steps=32) for r, ts in (("stepnorm", (0.01, 0.03, 0.1, 0.3)),
                                                             ("kl", (1e-4, 1e-3, 1e-2, 3e-2)),
                                                             ("accel", (0.01, 0.03, 0.1, 0.3))) for t in ts]
-    kw = dict(seed=0, labels=labels, context_steps=args.context_steps)
+    settings = DecodeSettings(seed=0, context_steps=args.context_steps)
     t0 = time.perf_counter()
-    alone = [evaluate_exit(module.model, tokens, p, n, batch_size=args.batch, latency_tokens=0, answers=False,
-                           **kw)[1] for p in grid]
+    alone = [evaluate_exit(module.model, tokens, p, n, settings.replace(batch_size=args.batch, latency_tokens=0,
+                                                                         answers=False), labels=labels)[1]
+             for p in grid]
     t_alone = time.perf_counter() - t0
     print(f"{args.ckpt}: {len(grid)} settings x {n} tokens (context_steps={args.context_steps}), "
           f"{torch.get_num_threads()} threads\n  setting by setting at batch {args.batch}: {t_alone:.1f} s")
     out = {"settings": len(grid), "tokens": n, "alone_s": t_alone, "mixed": []}
     for rows in args.rows:
-        recs, secs = decode_settings(module.model, tokens, grid, n, max_rows=rows, **kw)
+        recs, secs = decode_policies(module.model, tokens, grid, n, settings.replace(batch_size=rows), labels=labels)
         dn = max(float(np.abs(a["nll"] - r["nll"]).max()) for a, r in zip(alone, recs, strict=True))
         mm = sum(int((a["apps"] != r["apps"]).sum()) for a, r in zip(alone, recs, strict=True))
         print(f"  mixed, {rows} rows a batch: {secs:.1f} s ({t_alone / secs:.2f}x); max |NLL difference| "
@@ -319,6 +323,7 @@ def bench_oracle(args) -> dict:
 
     from recdepth.core.model import GPTConfig, LoopedGPT
     from recdepth.core.scoring import evaluate_oracle
+    from recdepth.decode.settings import DecodeSettings
     from recdepth.exits.policy import build
 
     tune_cpu_allocator()
@@ -342,8 +347,8 @@ def bench_oracle(args) -> dict:
         for _ in range(args.rounds):
             for share in (True, False):
                 t0 = time.perf_counter()
-                _, recs[share] = evaluate_oracle(model, tokens, policy, args.tokens, seed=0,
-                                                 batch_size=args.batch, share_first=share)
+                _, recs[share] = evaluate_oracle(model, tokens, policy, args.tokens,
+                                                 DecodeSettings(seed=0, batch_size=args.batch, share_first=share))
                 secs[share].append(time.perf_counter() - t0)
         shared, every = statistics.median(secs[True]), statistics.median(secs[False])
         dn = float(np.abs(recs[True]["nll_by_n"] - recs[False]["nll_by_n"]).max())

@@ -57,7 +57,7 @@ from recdepth.glue.calibrating import (
 )
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.config import exit_policy
-from recdepth.glue.evaluation import eval_settings, for_model, run_eval
+from recdepth.glue.evaluation import decode_settings, for_model, run_eval
 from recdepth.glue.runs import write_json
 from recdepth.glue.schema import validated
 
@@ -111,8 +111,8 @@ def calibrate(cfg: DictConfig) -> dict:
     ref_nll = None
     if target.kind == "max_ce_increase":  # the test split's own full-depth reference, paired per token
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), run.eval.tokens,
-                               batch_size=run.eval.batch_size, labels=labels["test"], bos=opened.bos,
-                               **{**eval_settings(run), "warmup_tokens": 0, "latency_tokens": 0})
+                               decode_settings(run, opened.bos).replace(warmup_tokens=0, latency_tokens=0),
+                               labels=labels["test"])
         ref_nll = ref["nll"]
     held = test_check(target, test_rec, ref_nll, split.cost)
     if c.method == "ltt":

@@ -25,23 +25,26 @@ from omegaconf import DictConfig, OmegaConf
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.config import exit_policy
-from recdepth.glue.evaluation import for_model, run_eval, split_start, take_shared
+from recdepth.glue.evaluation import SWEEP, Precomputed, for_model, run_eval, split_start
 from recdepth.glue.runs import write_json
 from recdepth.glue.schema import validated
 
 log = logging.getLogger("recdepth.evaluate")
 
 
-def evaluate(cfg: DictConfig, record: dict | None = None, opened=None) -> dict:
+def evaluate(cfg: DictConfig, record: dict | None = None, opened=None,
+             precomputed: Precomputed | None = None) -> dict:
     """Evaluate cfg.ckpt (or cfg.hf) under cfg.exit; write and return metrics.json's dict
     (with `record`'s keys first: what a caller such as recdepth.report files with the job).
-    `opened`: the model when the caller has it open already (`checkpoints.open_model`)."""
+    `opened`: the model when the caller has it open already (`checkpoints.open_model`).
+    `precomputed`: results decoded ahead of this job with its sweep
+    (`evaluation.decode_shared`); the job takes its own from it, if there, instead of decoding."""
     run_dir = job_dir(cfg, "evaluate")
     run = validated(cfg)  # every field, before any work (recdepth/glue/schema.py)
     policy = exit_policy(cfg)
     refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
-    shared = take_shared(cfg)  # decoded with its sweep: the model it used and its results
+    shared = None if precomputed is None else precomputed.take(cfg)  # the model it was decoded with, its results
     opened = shared[0] if shared else (opened or open_model(run, device))
     model = opened.model
     policy = for_model(policy, opened)
@@ -57,7 +60,13 @@ def evaluate(cfg: DictConfig, record: dict | None = None, opened=None) -> dict:
     return metrics
 
 
-_task = task(evaluate, "ce")  # the Hydra task (recdepth/glue/cli.py)
+def evaluate_job(cfg: DictConfig) -> dict:
+    """One job of `python -m recdepth.evaluate` (single run or multirun): `evaluate` with
+    what the frontier sweeper decoded ahead of the multirun's jobs (`evaluation.SWEEP`)."""
+    return evaluate(cfg, precomputed=SWEEP)
+
+
+_task = task(evaluate_job, "ce")  # the Hydra task (recdepth/glue/cli.py)
 main = hydra_main(_task, "evaluate")
 
 

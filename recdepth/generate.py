@@ -32,7 +32,7 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from recdepth.core.decoding import lean_steps, warm_up
+from recdepth.core.decoding import warm_up
 from recdepth.core.generation import Generation, greedy, speculative
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import has_coda
@@ -80,11 +80,12 @@ def _warm_up(model: LoopedGPT, prompt: list[int], policy: ExitPolicy, run: Gener
     """Untimed: the first calls allocate and pick kernels (under the compiled step, at every
     attention span too: `decoding.warm_up`)."""
     s = run.speculative
-    greedy(model, prompt[:1], policy, 2, cache=run.eval.cache, seed=run.seed, warm_start=run.eval.warm_start)
+    settings = run.eval.settings(seed=run.seed)
+    greedy(model, prompt[:1], policy, 2, settings)
     first = torch.tensor(prompt[:1], device=next(model.parameters()).device)
-    warm_up(model, first, policy, run.eval.cache, 0, run.seed, run.eval.warm_start)
+    warm_up(model, first, policy, settings.replace(warmup_tokens=0))
     if s.draft_steps is not None:
-        speculative(model, prompt[:1], policy, 3, s.draft_steps, 1, cache=run.eval.cache, seed=run.seed)
+        speculative(model, prompt[:1], policy, 3, s.draft_steps, 1, settings)
 
 
 def generate(cfg: DictConfig) -> dict:
@@ -97,7 +98,7 @@ def generate(cfg: DictConfig) -> dict:
     device = resolve_device(run.device)
     loaded = load_model(run, device)
     model = loaded.model
-    lean_steps(model, run.eval.step)  # how each token's layers are computed (eval.step)
+    settings = run.eval.settings(seed=run.seed)  # how each token is decoded (eval.cache, warm_start, step)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     policy = policy.resolve(has_coda(model), hf=loaded.info["source"] == "hf")  # exit.decode, kl_direction: auto
     ids, prompt_text = prompt_of(run, loaded)
@@ -112,11 +113,10 @@ def generate(cfg: DictConfig) -> dict:
     n_expected = min(run.max_new_tokens, T + 1 - len(ids))
     stream = Stream(loaded.codec, n_expected, run.stream)
     if s.draft_steps is None:
-        gen = greedy(model, ids, policy, run.max_new_tokens, cache=run.eval.cache, seed=run.seed, on_token=stream,
-                     warm_start=run.eval.warm_start)
+        gen = greedy(model, ids, policy, run.max_new_tokens, settings, on_token=stream)
     else:
-        gen = speculative(model, ids, policy, run.max_new_tokens, s.draft_steps, s.lookahead, cache=run.eval.cache,
-                          seed=run.seed, on_token=stream)
+        gen = speculative(model, ids, policy, run.max_new_tokens, s.draft_steps, s.lookahead, settings,
+                          on_token=stream)
     stream.close()
     if gen.stopped == "block_size":
         log.info("stopped after %d tokens at the model's block_size=%d (prompt %d + generated %d tokens; the last "
@@ -146,7 +146,7 @@ def generate(cfg: DictConfig) -> dict:
     if s.draft_steps is not None:
         spec = dict(gen.stats)
         if s.compare:
-            ref = greedy(model, ids, policy, run.max_new_tokens, cache=run.eval.cache, seed=run.seed)
+            ref = greedy(model, ids, policy, run.max_new_tokens, settings.replace(warm_start=False))
             spec.update(_compare(gen, ref))
             spec.update(greedy_seconds=ref.seconds, greedy_applications=ref.applications,
                         speedup=ref.seconds / gen.seconds if gen.seconds > 0 else None)

@@ -176,12 +176,11 @@ def score_jobs(run: ReportConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict
         job = OmegaConf.merge(compose_job("evaluate", [*exit_line(s), f"run_dir={jobs_dir / str(k)}"]), keep)
         job.eval.warm_start = job.eval.warm_start or s.warm_start  # the setting's, over the report's
         cfgs.append(job)
-    if shared_rows:
-        decode_shared(cfgs, shared_rows, opened)
+    precomputed = decode_shared(cfgs, shared_rows, opened) if shared_rows else None
     rows = []
     for k, (job, (s, record)) in enumerate(zip(cfgs, jobs, strict=True)):
         line = " ".join(exit_line(s))
-        ev = evaluate(job, {"family": s.family, "overrides": line, **record}, opened)["eval"]
+        ev = evaluate(job, {"family": s.family, "overrides": line, **record}, opened, precomputed)["eval"]
         d = jobs_dir / str(k)
         rec = read_tokens(d / "eval_tokens.csv")
         if (d / "oracle_nll.npy").is_file():

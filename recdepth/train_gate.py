@@ -27,6 +27,7 @@ from omegaconf import DictConfig
 from recdepth.core.decoding import span
 from recdepth.core.gate import collect_gate_data, fit_gate, gate_labels, save_gate
 from recdepth.core.gate_states import decoding_gate_data
+from recdepth.decode.settings import DecodeSettings
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
 from recdepth.glue.runs import write_json
@@ -82,7 +83,7 @@ def train_gate(cfg: DictConfig) -> dict:
     if keep is not None and not bool(keep.any()):
         raise ValueError(f"gate.tokens: the {len(offsets)} train windows drawn hold no answer; raise gate.tokens")
     if g.states == "decode":
-        per_group = decoding_gate_data(model, wins, g.max_steps, seed=run.seed, keep=keep)
+        per_group = decoding_gate_data(model, wins, g.max_steps, DecodeSettings(seed=run.seed), keep=keep)
     else:
         batches = [wins[i : i + g.batch_size].to(device) for i in range(0, len(wins), g.batch_size)]
         per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed)

@@ -14,13 +14,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 def test_bench_speculative_times_after_the_first_token_on_the_test_split(tiny_ckpt, ckpt_env, tmp_path, monkeypatch):
     from recdepth.core import generation
+    from recdepth.decode.settings import DecodeSettings
 
-    seen = []  # the prompts every configuration ran, in order
+    seen = []  # the prompts every configuration ran, in order, with the cache sharing each ran with
     for name in ("greedy", "speculative"):
         fn = getattr(generation, name)
 
         def spy(model, prompt, *a, _fn=fn, _name=name, **k):
-            seen.append((_name, list(prompt), k.get("cache")))
+            settings = next(x for x in (*a, *k.values()) if isinstance(x, DecodeSettings))
+            seen.append((_name, list(prompt), settings.cache))
             return _fn(model, prompt, *a, **k)
         monkeypatch.setattr(generation, name, spy)
     n, N, P = 3, 6, 5

@@ -9,6 +9,7 @@ from recdepth.core import mixed_settings
 from recdepth.core.decoding import RowNoise, decode_step, new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.scoring import evaluate_exit, evaluate_oracle
+from recdepth.decode.settings import DecodeSettings
 
 
 def model(groups, state_init="zero", seed=0):
@@ -23,7 +24,8 @@ def decode_all(m, idx, policy, gen=None, sharing="latest", compact=True, noise=N
     caches = new_caches(m, B, T, sharing, policy.max_steps_bound)
     out, apps = [], []
     for t in range(T):
-        logits, a = decode_step(m, idx[:, t], t, caches, policy, gen, compact, noise=noise)
+        logits, a = decode_step(m, idx[:, t], t, caches, policy, DecodeSettings(compact=compact), generator=gen,
+                                noise=noise)
         out.append(logits)
         apps.append(a)
     return torch.stack(out, 1), torch.stack(apps, 1)
@@ -188,7 +190,7 @@ def test_evaluate_exit_reports_quality_cost_and_latency():
     m = model([[1], [2, 3]], state_init="normal")
     tokens = torch.randint(0, 60, (40,))
     res, rec = evaluate_exit(m.float(), tokens, exits.build("fixed", None, max_steps=3), n_tokens=30,
-                             latency_tokens=10, repeats=3)
+                             settings=DecodeSettings(latency_tokens=10, repeats=3))
     assert res["tokens"] == 30 and res["applications_per_token"] == [3.0, 3.0]
     assert res["ms_per_token_min"] <= res["ms_per_token"] <= res["ms_per_token_max"]
     assert res["ms_per_token"] > 0 and abs(res["ppl"] - 2.718281828 ** res["ce"]) < 1e-6 * res["ppl"]
@@ -295,8 +297,8 @@ def test_evaluate_exit_batched_equals_batch_one_records(rule, tau):
     m = model([[1], [2, 3]], state_init="normal")
     tokens = torch.randint(0, 60, (60,), generator=torch.Generator().manual_seed(5))
     policy = exits.build(rule, tau, max_steps=12)
-    ev1, r1 = evaluate_exit(m, tokens, policy, n_tokens=50, batch_size=1, latency_tokens=0, seed=3)
-    ev4, r4 = evaluate_exit(m, tokens, policy, n_tokens=50, batch_size=4, latency_tokens=20, seed=3)
+    ev1, r1 = evaluate_exit(m, tokens, policy, 50, DecodeSettings(batch_size=1, latency_tokens=0, seed=3))
+    ev4, r4 = evaluate_exit(m, tokens, policy, 50, DecodeSettings(batch_size=4, latency_tokens=20, seed=3))
     assert __import__("numpy").allclose(r1["nll"], r4["nll"], rtol=0, atol=1e-10)
     assert (r1["apps"] == r4["apps"]).all() and len(set(r4["apps"].flatten().tolist())) > 1
     assert ev4["batch_check"] == {"tokens": 20, "apps_mismatch": 0, "max_abs_dnll": ev4["batch_check"]["max_abs_dnll"]}
@@ -314,8 +316,8 @@ def test_oracle_n_equals_brute_force(sharing):
     m = model([[1], [2, 3]], state_init="normal")
     T, N, eps, seed = 12, 6, 0.02, 11
     tokens = torch.randint(0, 60, (20,), generator=torch.Generator().manual_seed(6))
-    ev, rec = evaluate_oracle(m, tokens, exits.build("oracle", eps, max_steps=N), n_tokens=19, seed=seed,
-                              cache=sharing, batch_size=2)
+    ev, rec = evaluate_oracle(m, tokens, exits.build("oracle", eps, max_steps=N), 19,
+                              DecodeSettings(seed=seed, cache=sharing, batch_size=2))
     brute = np.zeros((19, N))
     for t in range(19):
         w, p = divmod(t, T)
@@ -335,8 +337,8 @@ def test_oracle_n_equals_brute_force(sharing):
     assert ev["mean_applications"] == pytest.approx(n_brute.mean())
     assert ev["ce"] == pytest.approx(brute[np.arange(19), n_brute - 1].mean(), abs=1e-10)
     # its n = N row is exit=fixed max_steps=N exactly
-    ev_fixed, rec_fixed = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=N), n_tokens=19, seed=seed,
-                                        cache=sharing, latency_tokens=0)
+    ev_fixed, rec_fixed = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=N), 19,
+                                        DecodeSettings(seed=seed, cache=sharing, latency_tokens=0))
     np.testing.assert_allclose(rec["nll_by_n"][:, -1], rec_fixed["nll"], rtol=0, atol=1e-10)
 
 
@@ -376,14 +378,13 @@ def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(gro
     cache), float64 to rounding, and the shared attention really ran."""
     import numpy as np
 
-    from recdepth.core import decoding as D
     from recdepth.core import lean_step as L
 
     m = model(groups, state_init="normal")
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(6))
     policy = exits.build("oracle", 0.02, max_steps=6)
-    run = dict(n_tokens=35, seed=3, cache=sharing, batch_size=2, warm_start=warm_start, bos=bos)
-    _, ref = evaluate_oracle(D.lean_steps(m, "module"), tokens, policy, **run)
+    run = DecodeSettings(seed=3, cache=sharing, batch_size=2, warm_start=warm_start, bos=bos)
+    _, ref = evaluate_oracle(m, tokens, policy, 35, run.replace(step="module"))
     calls, real = [], L.attend_shared
 
     def counted(*a):
@@ -392,7 +393,7 @@ def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(gro
 
     L.attend_shared = counted
     try:
-        _, rec = evaluate_oracle(D.lean_steps(m, "lean"), tokens, policy, **run)
+        _, rec = evaluate_oracle(m, tokens, policy, 35, run.replace(step="lean"))
     finally:
         L.attend_shared = real
     assert calls
@@ -423,9 +424,9 @@ def test_oracle_rows_loop_the_first_group_once_per_window(groups, sharing, warm_
         seen = []
         hook = m.h[first].register_forward_hook(lambda mod, args, y, seen=seen: seen.append(y.shape[0]))
         trace = []
-        out[share] = decode_windows(m, tokens, wins, exits.build("fixed", None, max_steps=N), sharing, seed=4,
-                                    reps=N, limit=limit, warm_start=warm_start, bos=bos, trace=trace,
-                                    share_first=share) + (torch.stack(trace),)
+        run = DecodeSettings(cache=sharing, seed=4, warm_start=warm_start, bos=bos, share_first=share)
+        out[share] = decode_windows(m, tokens, wins, exits.build("fixed", None, max_steps=N), run,
+                                    reps=N, limit=limit, trace=trace) + (torch.stack(trace),)
         hook.remove()
         rows[share] = sum(seen)
     (nll, apps, _, ok, tr), (nll0, apps0, _, ok0, tr0) = out[True], out[False]
@@ -478,7 +479,7 @@ def test_evaluate_exit_checks_per_group_values_against_the_model():
         evaluate_exit(m, tokens, exits.build("cosine", [1e-2, 1e-3, 1e-2]), n_tokens=10)
     assert str(e.value).startswith("exit.tau: a list of 3 for 2 recurrence groups") and "\n" not in str(e.value)
     ev, rec = evaluate_exit(m, tokens, exits.build("entropy_diff", [1e-2, 1e-3], max_steps=[6, 9], patience=3),
-                            n_tokens=20, latency_tokens=0)
+                            n_tokens=20, settings=DecodeSettings(latency_tokens=0))
     assert (ev["tau"], ev["max_steps"], ev["min_steps"], ev["patience"]) == ([1e-2, 1e-3], [6, 9], 0, 3)
     assert json.loads(json.dumps(ev))["tau"] == [1e-2, 1e-3]
     assert rec["apps"][:, 0].max() <= 6 and rec["apps"][:, 1].max() <= 9
@@ -500,8 +501,9 @@ def test_context_steps_loop_the_context_at_fixed_depth_and_the_rule_at_answers(r
     labels[[3, 4, 7, 11, 12]] = [1, 2, 1, 3, 2]  # targets 3, 4, 7, 11, 12 are answers
     k, N = 6, 9
     policy = exits.build(rule, tau, max_steps=N if rule != "fixed" else 2)
-    _, rec = evaluate_exit(m, tokens, policy, n_tokens=12, warmup_tokens=0, latency_tokens=0, labels=labels,
-                           answers=False, context_steps=k)
+    _, rec = evaluate_exit(m, tokens, policy, n_tokens=12, labels=labels,
+                           settings=DecodeSettings(warmup_tokens=0, latency_tokens=0, answers=False,
+                                                   context_steps=k))
     context = exits.build("fixed", None, max_steps=k)
     caches = new_caches(m, 1, 12, "latest", max(k, N))
     noise = RowNoise(0, [0])
@@ -519,9 +521,11 @@ def test_context_steps_loop_the_context_at_fixed_depth_and_the_rule_at_answers(r
         assert (rec["apps"][~ctx] == 2).all()
     # With the context at the rule's own depth, exit=fixed is plain exit=fixed.
     if rule == "fixed":
-        _, same = evaluate_exit(m, tokens, policy, n_tokens=12, warmup_tokens=0, latency_tokens=0, labels=labels,
-                                answers=False, context_steps=2)
-        _, plain = evaluate_exit(m, tokens, policy, n_tokens=12, warmup_tokens=0, latency_tokens=0)
+        _, same = evaluate_exit(m, tokens, policy, n_tokens=12, labels=labels,
+                                settings=DecodeSettings(warmup_tokens=0, latency_tokens=0, answers=False,
+                                                        context_steps=2))
+        _, plain = evaluate_exit(m, tokens, policy, n_tokens=12,
+                                 settings=DecodeSettings(warmup_tokens=0, latency_tokens=0))
         np.testing.assert_array_equal(same["nll"], plain["nll"])
 
 
@@ -529,11 +533,12 @@ def test_context_steps_need_answer_labels_and_match_the_oracle():
     m = model([[1]])
     tokens = torch.randint(0, 60, (13,))
     with pytest.raises(ValueError, match="eval.context_steps: .*no answer labels"):
-        evaluate_exit(m, tokens, exits.build("kl", 1e-3, max_steps=4), n_tokens=12, latency_tokens=0,
-                      context_steps=4)
+        evaluate_exit(m, tokens, exits.build("kl", 1e-3, max_steps=4), n_tokens=12,
+                      settings=DecodeSettings(latency_tokens=0, context_steps=4))
     with pytest.raises(ValueError, match="eval.context_steps: exit=oracle .*max_steps=4"):
-        evaluate_exit(m, tokens, exits.build("oracle", 0.01, max_steps=4), n_tokens=12, latency_tokens=0,
-                      labels=__import__("numpy").ones(13, dtype=int), context_steps=3)
+        evaluate_exit(m, tokens, exits.build("oracle", 0.01, max_steps=4), n_tokens=12,
+                      settings=DecodeSettings(latency_tokens=0, context_steps=3),
+                      labels=__import__("numpy").ones(13, dtype=int))
 
 
 # ------------------------------------------------ several exit settings in one batch (issue 23)
@@ -557,15 +562,16 @@ def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
     one 2-core machine, one kl token of 840 on another)."""
     import numpy as np
 
-    from recdepth.core.scoring import decode_settings
+    from recdepth.core.scoring import decode_policies
 
     m = model([[1], [2, 3]], state_init="normal").to(dtype)
     tokens = torch.randint(0, 60, (80,), generator=torch.Generator().manual_seed(5))
     policies = _policies(dtype)
-    recs, _ = decode_settings(m, tokens, policies, n_tokens=70, seed=3, max_rows=7)
+    recs, _ = decode_policies(m, tokens, policies, n_tokens=70, settings=DecodeSettings(seed=3, batch_size=7))
     mismatched, varied = 0, 0
     for p, rec in zip(policies, recs, strict=True):
-        _, alone = evaluate_exit(m, tokens, p, n_tokens=70, batch_size=3, latency_tokens=0, seed=3)
+        _, alone = evaluate_exit(m, tokens, p, n_tokens=70,
+                                 settings=DecodeSettings(batch_size=3, latency_tokens=0, seed=3))
         assert set(rec) == set(alone) - {"ms"}
         for key in ("window", "position", "target", "correct"):
             assert np.array_equal(rec[key], alone[key]), key
@@ -585,21 +591,23 @@ def test_a_mixed_batch_stops_decoding_a_setting_whose_rows_have_all_exited(monke
     rows twice per group and position, not 10 times; the records are each setting's own."""
     import numpy as np
 
-    from recdepth.core.scoring import decode_settings
+    from recdepth.core.scoring import decode_policies
 
     m = model([[1], [2, 3]], state_init="normal")
     tokens = torch.randint(0, 60, (30,), generator=torch.Generator().manual_seed(6))
     policies = [exits.build("kl", 1e9, max_steps=10), exits.build("fixed", None, max_steps=10)]
     calls, real = [], LoopedGPT.decode_logits
     monkeypatch.setattr(LoopedGPT, "decode_logits", lambda self, x: calls.append((x.dim(), x.shape[0])) or real(self, x))
-    recs, _ = decode_settings(m, tokens, policies, n_tokens=24, seed=3, max_rows=4)  # 2 windows x 2 settings
+    recs, _ = decode_policies(m, tokens, policies, n_tokens=24,
+                              settings=DecodeSettings(seed=3, batch_size=4))  # 2 windows x 2 settings
     monkeypatch.undo()
     monitor = [rows for dim, rows in calls if dim == 2]  # the monitor's [rows, d]; the next-token logits are [B, 1, d]
     positions = sum(dim == 3 for dim, _ in calls)
     assert positions == 12 and set(monitor) == {2} and len(monitor) == 2 * 2 * positions
     assert (recs[0]["apps"] == 2).all() and (recs[1]["apps"] == 10).all()
     for p, rec in zip(policies, recs, strict=True):
-        _, alone = evaluate_exit(m, tokens, p, n_tokens=24, batch_size=2, latency_tokens=0, seed=3)
+        _, alone = evaluate_exit(m, tokens, p, n_tokens=24,
+                                 settings=DecodeSettings(batch_size=2, latency_tokens=0, seed=3))
         assert np.abs(rec["nll"] - alone["nll"]).max() < 1e-10 and (rec["apps"] == alone["apps"]).all()
 
 
@@ -607,17 +615,18 @@ def test_mixed_settings_with_context_steps_equal_each_alone():
     """eval.context_steps (a task's prompt at fixed depth) under mixed settings."""
     import numpy as np
 
-    from recdepth.core.scoring import decode_settings
+    from recdepth.core.scoring import decode_policies
 
     m = model([[1, 2]], state_init="normal")
     tokens = torch.randint(0, 60, (50,), generator=torch.Generator().manual_seed(8))
     labels = (torch.arange(50) % 3 == 0).numpy().astype(np.uint8)
     policies = [exits.build("kl", 1e-3, max_steps=10), exits.build("stepnorm", 0.3, max_steps=10),
                 exits.build("fixed", None, max_steps=2)]
-    recs, _ = decode_settings(m, tokens, policies, n_tokens=40, seed=1, max_rows=4, labels=labels, context_steps=6)
+    recs, _ = decode_policies(m, tokens, policies, n_tokens=40, labels=labels,
+                              settings=DecodeSettings(seed=1, batch_size=4, context_steps=6))
     for p, rec in zip(policies, recs, strict=True):
-        _, alone = evaluate_exit(m, tokens, p, n_tokens=40, latency_tokens=0, seed=1, labels=labels, answers=False,
-                                 context_steps=6)
+        _, alone = evaluate_exit(m, tokens, p, n_tokens=40, labels=labels,
+                                 settings=DecodeSettings(latency_tokens=0, seed=1, answers=False, context_steps=6))
         assert np.abs(rec["nll"] - alone["nll"]).max() < 1e-10 and (rec["apps"] == alone["apps"]).all()
         assert (rec["apps"][labels[1:41] == 0] == 6).all()  # the context positions loop exactly 6
 
@@ -637,10 +646,12 @@ def test_evaluate_exits_gives_each_setting_its_eval_block_and_times_round_robin(
         return real(model, tokens, policy, *a, **kw)
 
     monkeypatch.setattr(dec, "time_tokens", timed)
-    out = dec.evaluate_exits(m, tokens, policies, n_tokens=50, max_rows=5, latency_tokens=4, repeats=2, seed=3)
+    out = dec.evaluate_exits(m, tokens, policies, n_tokens=50,
+                             settings=DecodeSettings(batch_size=5, latency_tokens=4, repeats=2, seed=3))
     assert order == ["accel", "kl", "accel", "kl"]  # round-robin within each repeat; no oracle timing
     for p, (ev, rec) in zip(policies, out, strict=True):
-        ev1, rec1 = evaluate_exit(m, tokens, p, n_tokens=50, batch_size=5, latency_tokens=0, seed=3)
+        ev1, rec1 = evaluate_exit(m, tokens, p, n_tokens=50,
+                                  settings=DecodeSettings(batch_size=5, latency_tokens=0, seed=3))
         assert ev["exit"] == p.name and abs(ev["ce"] - ev1["ce"]) < 1e-10
         assert ev["ce_ci"] == pytest.approx(ev1["ce_ci"], abs=1e-10)
         assert ev["applications_per_token"] == ev1["applications_per_token"]
@@ -655,7 +666,7 @@ def test_mixed_settings_decode_only_the_rows_of_rules_that_read_logits(monkeypat
     decodes the whole batch."""
     import numpy as np
 
-    from recdepth.core.scoring import decode_settings
+    from recdepth.core.scoring import decode_policies
 
     m = model([[1], [2, 3]], state_init="normal").double()
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(2))
@@ -664,10 +675,12 @@ def test_mixed_settings_decode_only_the_rows_of_rules_that_read_logits(monkeypat
     monkeypatch.setattr(type(m), "decode_logits", lambda self, x: decoded.append(x.shape[0]) or real(self, x))
     policies = [exits.build("fixed", None, max_steps=3), exits.build("kl", 1e-3, max_steps=6),
                 exits.build("stepnorm", 0.3, max_steps=6)]
-    recs, _ = decode_settings(m, tokens, policies, n_tokens=36, seed=1, max_rows=9)  # 3 windows x 3 settings
+    recs, _ = decode_policies(m, tokens, policies, n_tokens=36,
+                              settings=DecodeSettings(seed=1, batch_size=9))  # 3 windows x 3 settings
     inside = [n for n in decoded if n != 9]  # the loops' decodes (the positions' own logits take all 9 rows)
     assert inside and set(inside) <= {1, 2, 3}  # the kl rows still looping, never a fixed or stepnorm row
-    _, alone = evaluate_exit(m, tokens, policies[1], n_tokens=36, batch_size=3, latency_tokens=0, seed=1)
+    _, alone = evaluate_exit(m, tokens, policies[1], n_tokens=36,
+                             settings=DecodeSettings(batch_size=3, latency_tokens=0, seed=1))
     assert np.abs(recs[1]["nll"] - alone["nll"]).max() < 1e-10 and (recs[1]["apps"] == alone["apps"]).all()
 
 
@@ -680,9 +693,10 @@ def test_mixed_policy_errors_are_one_line():
                               torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="exit.decode: settings decoded side by side must decode alike"):
         _ = mixed.decode
-    from recdepth.core.scoring import decode_settings
-    with pytest.raises(ValueError, match=r"eval\.max_rows: expected >= 1"):
-        decode_settings(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10, max_rows=0)
+    from recdepth.core.scoring import decode_policies
+    with pytest.raises(ValueError, match=r"eval\.batch_size: expected an integer >= 1, got 0$"):
+        decode_policies(model([[1]]), torch.zeros(20, dtype=torch.long), [exits.build("kl", 0.01)], 10,
+                        DecodeSettings(batch_size=0))
 
 
 def test_bench_oracle_times_both_ways_and_compares_their_records(tiny_ckpt, ckpt_env, capsys):

@@ -30,6 +30,7 @@ from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.scoring import evaluate_exit
 from recdepth.core.state_decode import coda_logits, decode_mode, has_coda, state_decoder
+from recdepth.decode.settings import DecodeSettings
 from recdepth.glue.config import conf_dir, model_config
 from recdepth.glue.hf import HFTokenizer, save_hf
 
@@ -359,10 +360,10 @@ def test_the_oracle_with_bos_keeps_row_n_equal_to_fixed_n():
     """evaluate_exit's `bos` reaches the oracle too: its NLL at N is exit=fixed at N with BOS."""
     m = huginn_style(state_init="normal")
     tokens = torch.randint(3, V, (40,), generator=torch.Generator().manual_seed(8))
-    kw = dict(seed=3, latency_tokens=0, warmup_tokens=0, bos=1)
-    ev, rec = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=4), 30, **kw)
-    ev_o, rec_o = evaluate_exit(m, tokens, exits.build("oracle", 1e-3, max_steps=4), 30, **kw)
+    run = DecodeSettings(seed=3, latency_tokens=0, warmup_tokens=0, bos=1)
+    ev, rec = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=4), 30, run)
+    ev_o, rec_o = evaluate_exit(m, tokens, exits.build("oracle", 1e-3, max_steps=4), 30, run)
     np.testing.assert_allclose(rec_o["nll_by_n"][:, -1], rec["nll"], rtol=1e-9, atol=1e-9)
     assert np.array_equal(rec_o["target"], tokens[1:31].numpy()) and np.array_equal(rec["target"], rec_o["target"])
-    _, rec_plain = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=4), 30, **{**kw, "bos": None})
+    _, rec_plain = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=4), 30, run.replace(bos=None))
     assert np.array_equal(rec_plain["target"], rec["target"]) and not np.allclose(rec_plain["nll"], rec["nll"])

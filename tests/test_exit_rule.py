@@ -14,6 +14,7 @@ from recdepth.core import decoding as D
 from recdepth.core import geometry as geo
 from recdepth.core import scoring as S
 from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import rule as rule_module
 
 
@@ -93,12 +94,11 @@ def test_a_rule_defined_in_a_test_runs_alike_eager_and_compiled_as_one_graph(ste
     tokens = torch.randint(0, 40, (40,), generator=torch.Generator().manual_seed(3))
     recs, calls = [], []
     for step in ("lean", "compiled"):
-        D.lean_steps(m, step)
-        lean = m.lean_steps
+        lean = D.fast_steps(m, step)
         real = lean.loop
         lean.loop = lambda *a, real=real, step=step: calls.append(step) or real(*a)
-        _, rec = S.evaluate_exit(m, tokens, policy, 16, batch_size=1, latency_tokens=0, warmup_tokens=0, seed=5,
-                                 step=step)
+        _, rec = S.evaluate_exit(m, tokens, policy, 16, DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0,
+                                                                       seed=5, step=step))
         del lean.loop
         recs.append(rec)
     eager, compiled = recs

@@ -33,6 +33,7 @@ from recdepth.core.gate import (
 from recdepth.core.gate_states import decoding_gate_data
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.decode.settings import DecodeSettings
 from recdepth.glue.config import conf_dir, exit_policy
 
 
@@ -204,7 +205,7 @@ def test_decoding_gate_data_equals_a_batch_one_decode_at_each_depth():
     gen = torch.Generator().manual_seed(1)
     wins = torch.randint(0, 60, (3, T + 1), generator=gen)
     keep = torch.rand(3, T, generator=gen) < 0.6
-    data = decoding_gate_data(m, wins, N, seed=seed, keep=keep)
+    data = decoding_gate_data(m, wins, N, DecodeSettings(seed=seed), keep=keep)
     K = int(keep.sum())
     assert len(data) == 2 and all(f.shape == (K, N - 1, 32) and n.shape == (K, N) for f, n in data)
     k = 0

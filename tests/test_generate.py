@@ -21,6 +21,7 @@ from recdepth.core.decoding import RowNoise, decode_step
 from recdepth.core.generation import accepted, chunk_step, greedy, new_chunk_caches, speculative
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.decode.settings import DecodeSettings
 from recdepth.glue import schema
 from recdepth.glue.cli import compose_job
 from recdepth.glue.config import conf_dir
@@ -67,11 +68,11 @@ def test_speculative_equals_greedy_with_per_step_cache(rule, options):
     m, policy = model(**options), RULES[rule]
     apps_seen = set()
     for p, prompt in enumerate(PROMPTS):
-        ref = greedy(m, prompt, policy, 10, cache="per_step", seed=p)
+        ref = greedy(m, prompt, policy, 10, DecodeSettings(cache="per_step", seed=p))
         apps_seen |= {a for r in ref.records for a in r.apps}
         for lookahead in (1, 3, 8):
             for draft_steps in (1, 2):
-                got = speculative(m, prompt, policy, 10, draft_steps, lookahead, seed=p)
+                got = speculative(m, prompt, policy, 10, draft_steps, lookahead, DecodeSettings(cache="per_step", seed=p))
                 assert same(got, ref), (rule, p, lookahead, draft_steps)
                 assert [r.position for r in got.records] == list(range(len(prompt), len(prompt) + 10))
                 assert got.stats["rounds"] + got.stats["accepted"] + 1 == 10  # each round: accepted + 1 token
@@ -86,7 +87,7 @@ def test_speculative_with_full_depth_drafts_accepts_every_draft():
     for lookahead in (1, 3):
         rounds = 4
         n_new = 1 + rounds * (lookahead + 1)  # the first token comes from the prompt's pass
-        got = speculative(m, PROMPTS[1], policy, n_new, N, lookahead, seed=0)
+        got = speculative(m, PROMPTS[1], policy, n_new, N, lookahead, DecodeSettings(cache="per_step", seed=0))
         s = got.stats
         assert (s["acceptance_rate"], s["rounds"], s["drafted"], s["accepted"]) == (1.0, rounds, rounds * lookahead,
                                                                                    rounds * lookahead)
@@ -95,14 +96,14 @@ def test_speculative_with_full_depth_drafts_accepts_every_draft():
         assert s["verify_applications"] == s["verify_work"] == rounds * (lookahead + 1) * N * m.n_groups
         assert s["verify_steps"] == rounds * N * m.n_groups  # a chunk's positions loop side by side
         assert [r.source for r in got.records] == ["verify"] + (["draft"] * lookahead + ["verify"]) * rounds
-        assert same(got, greedy(m, PROMPTS[1], policy, n_new, cache="per_step", seed=0))
+        assert same(got, greedy(m, PROMPTS[1], policy, n_new, DecodeSettings(cache="per_step", seed=0)))
 
 
 def test_speculative_with_one_step_drafts_on_an_untrained_model():
     """draft_steps=1 on an untrained model: most drafts are wrong; the output is still greedy's."""
     m, policy = model(), RULES["accel"]
-    got = speculative(m, PROMPTS[2], policy, 16, 1, 4, seed=3)
-    assert same(got, greedy(m, PROMPTS[2], policy, 16, cache="per_step", seed=3))
+    got = speculative(m, PROMPTS[2], policy, 16, 1, 4, DecodeSettings(cache="per_step", seed=3))
+    assert same(got, greedy(m, PROMPTS[2], policy, 16, DecodeSettings(cache="per_step", seed=3)))
     s = got.stats
     assert s["acceptance_rate"] < 0.5
     assert s["acceptance_rate"] == s["accepted"] / s["drafted"]
@@ -117,18 +118,18 @@ def test_forced_drafts_never_change_the_output(monkeypatch, wrong):
     any read."""
     m, policy = model(), RULES["accel"]
     prompt = PROMPTS[1]
-    ref = greedy(m, prompt, policy, 12, cache="per_step", seed=1)
+    ref = greedy(m, prompt, policy, 12, DecodeSettings(cache="per_step", seed=1))
     seq = prompt + ref.ids
     real = generation.decode_step
 
-    def draft(model_, tokens, pos, caches, pol, **kw):
-        logits, apps = real(model_, tokens, pos, caches, pol, **kw)
+    def draft(model_, tokens, pos, caches, pol, *a, **kw):
+        logits, apps = real(model_, tokens, pos, caches, pol, *a, **kw)
         forced = torch.full_like(logits, -1e9)
         forced[:, (seq[pos + 1] + wrong) % V] = 0
         return forced, apps
 
     monkeypatch.setattr(generation, "decode_step", draft)
-    got = speculative(m, prompt, policy, 12, 1, 4, seed=1)
+    got = speculative(m, prompt, policy, 12, 1, 4, DecodeSettings(cache="per_step", seed=1))
     assert same(got, ref)
     s = got.stats
     assert s["acceptance_rate"] == (0.0 if wrong else 1.0)
@@ -171,7 +172,7 @@ def test_accepted_is_the_longest_agreeing_prefix():
 def test_speculative_refuses_latest_sharing_in_one_line():
     m = model()
     with pytest.raises(ValueError) as e:
-        speculative(m, [1, 2], RULES["fixed"], 4, 2, 2, cache="latest")
+        speculative(m, [1, 2], RULES["fixed"], 4, 2, 2, DecodeSettings(cache="latest"))
     msg = str(e.value)
     assert msg.startswith("eval.cache: ") and "per_step" in msg and "\n" not in msg
     with pytest.raises(ValueError, match="speculative.lookahead"):
@@ -182,9 +183,9 @@ def test_speculative_refuses_latest_sharing_in_one_line():
 def test_greedy_rows_of_a_batch_equal_batch_one():
     m, policy = model(), RULES["accel"]
     prompts = torch.randint(0, V, (3, 5), generator=torch.Generator().manual_seed(2))
-    batch = greedy(m, prompts, policy, 8, cache="latest", seed=4, sequences=[10, 11, 12])
+    batch = greedy(m, prompts, policy, 8, DecodeSettings(cache="latest", seed=4), sequences=[10, 11, 12])
     for b in range(3):
-        alone = greedy(m, prompts[b].tolist(), policy, 8, cache="latest", seed=4, sequences=[10 + b])
+        alone = greedy(m, prompts[b].tolist(), policy, 8, DecodeSettings(cache="latest", seed=4), sequences=[10 + b])
         assert same(batch[b], alone)
     assert len({tuple(g.ids) for g in batch}) > 1
 
@@ -196,7 +197,7 @@ def test_greedy_is_the_argmax_of_the_decoding_engine_and_records_why_loops_stopp
     m = model()
     policy = exits.build("accel", [5.0, 0.5], max_steps=[N, 4])
     prompt = [5, 6, 7]
-    gen = greedy(m, prompt, policy, 10, cache="latest", seed=9)
+    gen = greedy(m, prompt, policy, 10, DecodeSettings(cache="latest", seed=9))
     caches, noise, seq = new_caches(m, 1, 32), RowNoise(9, [0]), prompt + gen.ids
     for pos in range(len(seq) - 1):
         logits, apps = decode_step(m, torch.tensor([seq[pos]]), pos, caches, policy, noise=noise)
@@ -210,13 +211,13 @@ def test_greedy_is_the_argmax_of_the_decoding_engine_and_records_why_loops_stopp
 
 
 def test_warm_start_greedy_carries_each_groups_state_to_the_next_token():
-    """greedy(warm_start=True) is the engine with a warm list carried across positions (spec
+    """greedy with settings.warm_start is the engine with a warm list carried across positions (spec
     §4, eval.warm_start): the same tokens and applications as a hand-written loop, and
     different from the cold greedy run after the first token (so the option does something)."""
     m = model()
     policy = exits.build("accel", 5.0, max_steps=N)
     prompt = [5, 6, 7]
-    gen = greedy(m, prompt, policy, 8, cache="latest", seed=9, warm_start=True)
+    gen = greedy(m, prompt, policy, 8, DecodeSettings(cache="latest", seed=9, warm_start=True))
     caches, noise, seq = new_caches(m, 1, 32), RowNoise(9, [0]), prompt + gen.ids
     warm = [None] * m.n_groups
     for pos in range(len(seq) - 1):
@@ -225,14 +226,14 @@ def test_warm_start_greedy_carries_each_groups_state_to_the_next_token():
         if pos >= len(prompt) - 1:
             r = gen.records[pos - len(prompt) + 1]
             assert (r.token, r.apps) == (int(logits.argmax()), apps[0].tolist())
-    cold = greedy(m, prompt, policy, 8, cache="latest", seed=9)
+    cold = greedy(m, prompt, policy, 8, DecodeSettings(cache="latest", seed=9))
     assert [r.apps for r in cold.records] != [r.apps for r in gen.records]
 
 
 def test_generation_stops_at_the_block_size():
     m, policy = model(block_size=12), RULES["accel"]
     prompt = list(range(1, 10))  # 9 tokens: room for 12 + 1 − 9 = 4 new ones
-    g = greedy(m, prompt, policy, 10, cache="per_step")
+    g = greedy(m, prompt, policy, 10, DecodeSettings(cache="per_step"))
     s = speculative(m, prompt, policy, 10, 1, 8)
     assert len(g.ids) == 4 and g.stopped == "block_size" and g.records[-1].position == 12
     assert same(s, g) and s.stopped == "block_size"
@@ -403,11 +404,11 @@ def test_decode_seconds_leave_out_the_prompt_and_the_tokens_stay_greedy_per_step
     m, prompt, n_new = model(), PROMPTS[2], 12
     P = len(prompt)
     for rule, policy in RULES.items():
-        ref = greedy(m, prompt, policy, n_new, cache="per_step", seed=4)
+        ref = greedy(m, prompt, policy, n_new, DecodeSettings(cache="per_step", seed=4))
         assert (ref.first_token_seconds, ref.decode_seconds, ref.seconds) == (P, n_new - 1, P + n_new - 1), rule
-        latest = greedy(m, prompt, policy, n_new, cache="latest", seed=4)
+        latest = greedy(m, prompt, policy, n_new, DecodeSettings(cache="latest", seed=4))
         assert (latest.first_token_seconds, latest.decode_seconds) == (P, n_new - 1), rule
-        s = speculative(m, prompt, policy, n_new, 2, 4, seed=4)
+        s = speculative(m, prompt, policy, n_new, 2, 4, DecodeSettings(cache="per_step", seed=4))
         assert same(s, ref), rule
         assert s.first_token_seconds == 10.0, rule
         assert s.decode_seconds == 10.0 * s.stats["rounds"] + s.stats["drafted"], rule

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from recdepth.core.scoring import evaluate_exit
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
 
@@ -35,8 +36,8 @@ def test_gpu_decoding_equals_cpu_decoding(tiny_ckpt, ckpt_env, step):
     for device, s in (("cpu", "lean"), ("cuda", step)):
         module, data = load_checkpoint(tiny_ckpt, torch.device(device))
         tokens = heldout_tokens(module, data, 49, 1337)
-        _, recs[device] = evaluate_exit(module.model, tokens, build("kl", 1e-2, max_steps=8), 48, batch_size=4,
-                                        latency_tokens=0, warmup_tokens=0, step=s)
+        _, recs[device] = evaluate_exit(module.model, tokens, build("kl", 1e-2, max_steps=8), 48,
+                                        DecodeSettings(batch_size=4, latency_tokens=0, warmup_tokens=0, step=s))
     a, b = recs["cpu"], recs["cuda"]
     same = (a["apps"] == b["apps"]).all(axis=1)
     assert same.sum() >= 46

@@ -21,6 +21,7 @@ import torch
 
 from recdepth.core.generation import greedy
 from recdepth.core.scoring import evaluate_exit
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 from recdepth.glue.checkpoints import open_model
 from recdepth.glue.evaluation import for_model
@@ -40,8 +41,8 @@ def reference(tiny_ckpt):
 
 def score(model, policy, ids):
     """NLL and applications of ids[1:] given what precedes each, the text alone at batch 1."""
-    _, rec = evaluate_exit(model, torch.as_tensor(ids), policy, len(ids) - 1, warmup_tokens=0, seed=0,
-                           batch_size=1, latency_tokens=0)
+    _, rec = evaluate_exit(model, torch.as_tensor(ids), policy, len(ids) - 1,
+                           DecodeSettings(warmup_tokens=0, seed=0, batch_size=1, latency_tokens=0))
     return rec
 
 

@@ -147,6 +147,7 @@ def test_generate_accepts_hf_with_its_tokenizer_and_without_one(hf_dir, tmp_path
     tokenizer, prompt_ids still work and text fails in one line."""
     from recdepth import exits
     from recdepth.core.generation import greedy
+    from recdepth.decode.settings import DecodeSettings
     from recdepth.generate import generate
     from recdepth.glue.hf import load_hf
 
@@ -157,7 +158,7 @@ def test_generate_accepts_hf_with_its_tokenizer_and_without_one(hf_dir, tmp_path
     ids = tok.encode("the quick brown fox", add_special_tokens=False).ids
     assert gen["prompt_ids"] == ids
     loaded, _ = load_hf(d)
-    ref = greedy(loaded, ids, exits.build("fixed", None, max_steps=3), 5, cache="latest", seed=1337)
+    ref = greedy(loaded, ids, exits.build("fixed", None, max_steps=3), 5, DecodeSettings(cache="latest", seed=1337))
     assert gen["ids"] == ref.ids
     assert gen["text"] == tok.decode(ref.ids, skip_special_tokens=False)
 

@@ -21,6 +21,7 @@ LAYERS = {  # package (or subpackage) under recdepth/ -> its layer, the longest 
     # a module at the top of recdepth/ is "entry"
     "core": "core",  # the model and decoding math
     "exits": "core",  # exit rules, policies, monitors
+    "decode": "core",  # the decoding settings the engine and scoring read
     "glue": "glue",  # Lightning, Hydra config, data, files, figures
     "data": "glue",  # data sources, token caches, the data module
     "data.sources": "glue",  # one file per data source

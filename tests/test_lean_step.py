@@ -10,6 +10,7 @@ from recdepth.core import decoding as D
 from recdepth.core import scoring as S
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import Block, GPTConfig, LoopedGPT, gated_silu, linear
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 from recdepth.glue.schema import EvalConfig
 
@@ -28,11 +29,15 @@ def model(kw, dtype, groups=((1,), (2, 3)), seed=0):
     return m
 
 
-def score(m, step, policy, batch_size, n=57, cache="latest"):
+def evaluate(m, step, policy, batch_size, n=57, cache="latest"):
+    """The eval block and the record of `n` tokens decoded under `step`."""
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
-    _, rec = S.evaluate_exit(m, tokens, policy, n, batch_size=batch_size, latency_tokens=0, warmup_tokens=0,
-                             cache=cache, seed=5, step=step)
-    return rec
+    run = DecodeSettings(batch_size=batch_size, latency_tokens=0, warmup_tokens=0, cache=cache, seed=5, step=step)
+    return S.evaluate_exit(m, tokens, policy, n, run)
+
+
+def score(m, step, policy, batch_size, n=57, cache="latest"):
+    return evaluate(m, step, policy, batch_size, n, cache)[1]
 
 
 @pytest.mark.parametrize("kw", [PLAIN, HUGINN], ids=["plain", "huginn"])
@@ -46,8 +51,9 @@ def test_lean_step_equals_block_forward(kw, dtype, tol, rule, tau, batch_size):
     cache, as `Block.forward` does)."""
     m = model(kw, dtype)
     policy = build(rule, tau, max_steps=9)
-    ref, lean = score(m, "module", policy, batch_size), score(m, "lean", policy, batch_size)
-    assert D.step_of(m) == "lean"
+    ref = score(m, "module", policy, batch_size)
+    ev, lean = evaluate(m, "lean", policy, batch_size)
+    assert ev["step"] == "lean" and not D.fast_steps(m, "lean").compiled  # the run decoded with the eager lean step
     assert abs(lean["nll"] - ref["nll"]).max() <= tol
     assert (lean["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1 or rule == "fixed"  # the rule really varies depth
@@ -93,16 +99,25 @@ def test_per_step_cache_under_lean_equals_module():
     assert abs(lean["nll"] - ref["nll"]).max() <= 1e-12 and (lean["apps"] == ref["apps"]).all()
 
 
-def test_step_none_keeps_the_models_step_and_module_detaches():
+def test_fast_steps_are_built_once_per_step_and_module_has_none(monkeypatch):
+    """`decoding.fast_steps`: the lean steps of a model are built once and kept (a decode
+    under them reuses them, asking again returns the same object, not rebuilt), the
+    compiled ones are their own; "module" has none, and a decode under it runs
+    Block.forward whatever was built before (no step is left attached to the model)."""
     m = model(PLAIN, torch.float32)
-    D.lean_steps(m, "lean")
-    lean = m.lean_steps
-    score(m, None, build("fixed", None, max_steps=2), 1, n=3)
-    assert m.lean_steps is lean  # None: as the model decodes now
-    D.lean_steps(m, "lean")
-    assert m.lean_steps is lean  # the same steps again, not rebuilt
-    D.lean_steps(m, "module")
-    assert D.step_of(m) == "module" and m.lean_steps is None
+    lean = D.fast_steps(m, "lean")
+    assert lean is not None and not lean.compiled
+    score(m, "lean", build("fixed", None, max_steps=2), 1, n=3)
+    assert D.fast_steps(m, "lean") is lean  # the decode used the steps built, not new ones
+    assert D.fast_steps(m, "lean") is lean  # the same steps again, not rebuilt
+    compiled = D.fast_steps(m, "compiled")
+    assert compiled.compiled and compiled is not lean and D.fast_steps(m, "compiled") is compiled
+    assert D.fast_steps(m, "lean") is lean  # building the compiled steps leaves the eager ones
+    assert D.fast_steps(m, "module") is None and DecodeSettings().step == "module"  # the reference: Block.forward
+    calls, real = [], Block.forward
+    monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+    score(m, "module", build("fixed", None, max_steps=2), 1, n=3)
+    assert len(calls) >= 3 * m.cfg.n_layer  # module after lean: every layer through Block.forward
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["one setting", "settings side by side"])
@@ -129,15 +144,18 @@ def test_latency_step_times_with_its_step_and_leaves_the_quality_pass_alone(monk
 
     def run(latency_step):
         calls.clear()
-        kw = dict(warmup_tokens=2, seed=5, step="module", latency_tokens=12, repeats=2, latency_step=latency_step)
+        run = DecodeSettings(warmup_tokens=2, seed=5, step="module", latency_tokens=12, repeats=2,
+                             latency_step=latency_step, batch_size=4)
         if shared:
-            return S.evaluate_exits(m, tokens, policies, 40, max_rows=4, **kw), set(calls)
-        return [S.evaluate_exit(m, tokens, p, 40, batch_size=4, **kw) for p in policies], set(calls)
+            return S.evaluate_exits(m, tokens, policies, 40, run), set(calls)
+        return [S.evaluate_exit(m, tokens, p, 40, run) for p in policies], set(calls)
 
     (plain, seen_plain), (lat, seen) = run(None), run("lean")
     assert seen_plain == {True, False}  # without it the latency passes run Block.forward too ...
     assert seen == {False}  # ... with it they do not; the quality pass still does
-    assert D.step_of(m) == "module"
+    calls.clear()  # afterwards the model decodes with the module step (nothing of the lean one left attached)
+    S.evaluate_exit(m, tokens, policies[1], 4, DecodeSettings(step="module", latency_tokens=0, warmup_tokens=0))
+    assert calls and not any(calls)
     for (ev0, rec0), (ev, rec) in zip(plain, lat, strict=True):
         assert (ev0["step"], ev0["latency_step"], ev["step"], ev["latency_step"]) == ("module", "module", "module", "lean")
         assert (rec["nll"] == rec0["nll"]).all() and (rec["apps"] == rec0["apps"]).all()
@@ -153,10 +171,13 @@ def test_auto_latency_step_compiles_a_sweep_where_a_compiler_is(monkeypatch):
     n = S.AUTO_COMPILE_SETTINGS
     for found in (True, False):
         monkeypatch.setattr(S, "has_cpp_compiler", lambda found=found: found)
-        assert S.latency_step_for(m, "auto", n) == ("compiled" if found else None)
-        assert S.latency_step_for(m, "auto", n - 1) is None and S.latency_step_for(m, "auto", 1) is None
-        for step in (None, "module", "lean", "compiled"):
-            assert S.latency_step_for(m, step, 1) == S.latency_step_for(m, step, n) == step
+        for quality in ("module", "lean"):  # eval.step: the quality pass's
+            auto = DecodeSettings(step=quality, latency_step="auto")
+            assert S.latency_step_for(m, auto, n) == ("compiled" if found else quality)
+            assert S.latency_step_for(m, auto, n - 1) == quality and S.latency_step_for(m, auto, 1) == quality
+            for step in (None, "module", "lean", "compiled"):
+                fixed = DecodeSettings(step=quality, latency_step=step)
+                assert S.latency_step_for(m, fixed, 1) == S.latency_step_for(m, fixed, n) == (step or quality)
     assert EvalConfig().latency_step == "auto"
 
 
@@ -164,21 +185,38 @@ def test_auto_latency_step_compiles_a_sweep_where_a_compiler_is(monkeypatch):
 def test_auto_latency_step_reaches_the_timed_passes(monkeypatch, settings):
     """evaluate_exits hands the latency passes the step auto resolves to for its count of
     timed settings (the oracle, decoded alone, not among them), and evaluate_exit, one
-    setting, keeps eval.step: seen at `timed_with`, the eval blocks name the step used."""
+    setting, keeps eval.step: seen at `latency_step_for` (the compiled step swapped for the
+    lean one here, not to compile) and at the timed passes, the eval blocks name the step used."""
     m = model(PLAIN, torch.float32)
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(S, "has_cpp_compiler", lambda: True)
     monkeypatch.setattr(S, "AUTO_COMPILE_SETTINGS", 3)
-    asked, real = [], S.timed_with
-    monkeypatch.setattr(S, "timed_with", lambda model, step: asked.append(step) or real(model, "lean" if step else None))
+    asked, real = [], S.latency_step_for
+
+    def latency_step_for(model, settings, timed):
+        step = real(model, settings, timed)
+        asked.append(step)
+        return "lean" if step == "compiled" else step
+
+    timed, real_time = [], S.time_tokens
+
+    def time_tokens(model, tokens, policy, n_tokens, settings, *a, **k):
+        timed.append(settings.step)
+        return real_time(model, tokens, policy, n_tokens, settings, *a, **k)
+
+    monkeypatch.setattr(S, "latency_step_for", latency_step_for)
+    monkeypatch.setattr(S, "time_tokens", time_tokens)
     policies = [build("fixed", None, max_steps=k) for k in range(1, settings + 1)] + [build("oracle", 0.01, max_steps=3)]
-    kw = dict(warmup_tokens=1, seed=5, step="module", latency_tokens=3, repeats=1, latency_step="auto")
-    out = S.evaluate_exits(m, tokens, policies, 20, max_rows=4, **kw)
-    assert asked == (["compiled"] if settings >= 3 else [None])  # the oracle: no latency pass
+    run = DecodeSettings(warmup_tokens=1, seed=5, step="module", latency_tokens=3, repeats=1, latency_step="auto",
+                         batch_size=4)
+    out = S.evaluate_exits(m, tokens, policies, 20, run)
+    assert asked == (["compiled"] if settings >= 3 else ["module"])  # the oracle: no latency pass
+    assert timed == ["lean" if settings >= 3 else "module"] * settings
     assert [ev["latency_step"] for ev, _ in out[:-1]] == ["lean" if settings >= 3 else "module"] * settings
     asked.clear()
-    ev, _ = S.evaluate_exit(m, tokens, policies[0], 20, batch_size=4, **kw)
-    assert asked == [None] and ev["latency_step"] == "module"
+    timed.clear()
+    ev, _ = S.evaluate_exit(m, tokens, policies[0], 20, run)
+    assert asked == ["module"] and timed == ["module"] and ev["latency_step"] == "module"
 
 
 def test_has_cpp_compiler_follows_torchs_search(monkeypatch):
@@ -201,15 +239,19 @@ def test_has_cpp_compiler_follows_torchs_search(monkeypatch):
 def test_bad_step_is_one_line():
     m = model(PLAIN, torch.float32)
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
-        D.lean_steps(m, "fast")
+        D.fast_steps(m, "fast")
+    with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
+        DecodeSettings(step="fast")
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         EvalConfig(step="fast")
     bad = r"^eval\.latency_step: expected null, auto or one of module, lean, compiled, got 'fast'$"
     with pytest.raises(ValueError, match=bad):
         EvalConfig(latency_step="fast")
     tokens = torch.randint(0, 40, (30,), generator=torch.Generator().manual_seed(3))
-    for run in (lambda: S.evaluate_exit(m, tokens, build("fixed", None, max_steps=2), 10, latency_step="fast"),
-                lambda: S.evaluate_exits(m, tokens, [build("fixed", None, max_steps=2)], 10, latency_step="fast")):
+    for run in (lambda: S.evaluate_exit(m, tokens, build("fixed", None, max_steps=2), 10,
+                                        DecodeSettings(latency_step="fast")),
+                lambda: S.evaluate_exits(m, tokens, [build("fixed", None, max_steps=2)], 10,
+                                         DecodeSettings(latency_tokens=0).replace(latency_step="fast"))):
         with pytest.raises(ValueError, match=bad):  # before any decoding, latency_tokens 0 or not
             run()
 
@@ -223,8 +265,8 @@ def test_compiled_step_equals_eager():
     m = model(HUGINN, torch.float32, groups=((1, 2),))  # one group: two graphs to compile, not five
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
-    comp = score(m, "compiled", policy, 2)
-    assert D.step_of(m) == "compiled"
+    ev, comp = evaluate(m, "compiled", policy, 2)
+    assert ev["step"] == "compiled" and D.fast_steps(m, "compiled").compiled  # the run decoded with the compiled step
     assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
     assert (comp["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1
@@ -256,8 +298,7 @@ def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
 
     def run(step, fuse):
-        D.lean_steps(m, step)
-        lean = m.lean_steps
+        lean = D.fast_steps(m, step)
         lean.fuse_loops = fuse
         calls, real = [], lean.loop
 
@@ -266,8 +307,8 @@ def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
             return real(*a)
 
         lean.loop = counted
-        _, rec = S.evaluate_exit(m, tokens, policy, 19, batch_size=1, latency_tokens=0, warmup_tokens=0,
-                                 seed=5, step=step, warm_start=warm_start)
+        _, rec = S.evaluate_exit(m, tokens, policy, 19, DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0,
+                                                                       seed=5, step=step, warm_start=warm_start))
         del lean.loop
         return rec, len(calls)
 
@@ -315,13 +356,13 @@ def test_compiled_warm_up_builds_every_span_so_a_timed_pass_compiles_nothing():
 
     torch._dynamo.reset()
     m = model(PLAIN, torch.float32, groups=((1, 2),), seed=1)
-    D.lean_steps(m, "compiled")
+    run = DecodeSettings(step="compiled", cache="latest", seed=5)
     policy = build("fixed", None, max_steps=2)
     tokens = torch.randint(0, 40, (40,), generator=torch.Generator().manual_seed(3))
     start = counters["stats"]["unique_graphs"]
-    D.warm_up(m, tokens, policy, "latest", 2, 5)
+    D.warm_up(m, tokens, policy, run.replace(warmup_tokens=2))
     warmed = counters["stats"]["unique_graphs"]
-    S.time_tokens(m, tokens, policy, 19, seed=5)
+    S.time_tokens(m, tokens, policy, 19, run)
     assert warmed > start and counters["stats"]["unique_graphs"] == warmed
 
 

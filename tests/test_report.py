@@ -213,6 +213,7 @@ def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt,
     import torch
 
     from recdepth.core.scoring import evaluate_exit
+    from recdepth.decode.settings import DecodeSettings
     from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
     from recdepth.glue.config import exit_policy
 
@@ -228,8 +229,8 @@ def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt,
             continue
         with initialize_config_dir(conf_dir(), version_base="1.3"):
             cfg = compose("evaluate", overrides=[f"ckpt={tiny_ckpt}", "run_dir=.", *m["overrides"].split()])
-        _, alone = evaluate_exit(module.model, tokens, exit_policy(cfg), 24, seed=1337, batch_size=16,
-                                 latency_tokens=0)
+        _, alone = evaluate_exit(module.model, tokens, exit_policy(cfg), 24,
+                                 DecodeSettings(seed=1337, batch_size=16, latency_tokens=0))
         rec = read_tokens(d / "eval_tokens.csv")
         assert np.allclose(rec["nll"], alone["nll"], rtol=0, atol=1e-4)
         assert np.array_equal(rec["apps"], alone["apps"]), m["overrides"]

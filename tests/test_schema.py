@@ -512,3 +512,37 @@ def test_one_spelling_per_knob_across_commands(schema_name):
     assert stray == [], f"{schema_name}: decoding knobs outside eval: {stray}"
     if any(p.startswith("eval.") for p in paths):
         assert knobs <= {p.split(".", 1)[1] for p in paths if p.startswith("eval.")}
+
+
+def test_the_eval_block_is_the_engines_decode_settings():
+    """One settings object: every decode key of the `eval` block is a `DecodeSettings` field
+    the commands hand to the engine (`evaluation.decode_settings`), validated by it alone
+    (the same one-line error from the config as from the library), and the keys whose
+    default is the library's take it from DecodeSettings, not a copy."""
+    from recdepth.decode.settings import DecodeSettings
+    from recdepth.glue.evaluation import decode_settings
+
+    cfg = compose_cfg("eval.cache=per_step", "eval.warm_start=true", "eval.context_steps=3", "seed=11",
+                      "ckpt=/tmp/unused.ckpt", config="evaluate")
+    got = decode_settings(cfg, bos=5)
+    assert isinstance(got, DecodeSettings)
+    assert (got.cache, got.warm_start, got.context_steps, got.seed, got.bos) == ("per_step", True, 3, 11, 5)
+    assert (got.step, got.batch_size, got.latency_step) == (cfg.eval.step, cfg.eval.batch_size, cfg.eval.latency_step)
+    assert decode_settings(schema.validated(cfg), bos=5) == got  # the validated object gives the same settings
+    shared = {f.name for f in dataclasses.fields(DecodeSettings)} & {f.name for f in dataclasses.fields(schema.EvalConfig)}
+    assert shared >= {"cache", "warm_start", "step", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
+                      "repeats", "latency_step", "answers"}
+    for name in ("cache", "warm_start", "warmup_tokens", "context_steps", "answers"):
+        assert getattr(schema.EvalConfig, name) == getattr(DecodeSettings, name), name
+    for bad, field in (("eval.cache=both", "eval.cache"), ("eval.step=fast", "eval.step"),
+                       ("eval.context_steps=0", "eval.context_steps")):
+        with pytest.raises(ValueError, match=f"^{field}: expected") as from_config:
+            schema.validated(compose_cfg(bad, "ckpt=/tmp/unused.ckpt", config="evaluate"))
+        key, value = bad.split("=")
+        with pytest.raises(ValueError) as from_library:
+            DecodeSettings(**{key.split(".")[1]: int(value) if value.isdigit() else value})
+        assert str(from_config.value) == str(from_library.value)
+    frozen = DecodeSettings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        frozen.cache = "per_step"
+    assert frozen.replace(cache="per_step").cache == "per_step" and frozen.cache == "latest"

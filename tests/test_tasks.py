@@ -267,8 +267,9 @@ def test_answer_scoring_needs_labels():
         data_config({"source": "shakespeare", "loss": "answers"})
     assert "\n" not in str(e.value)
     from recdepth.core.scoring import score_task
+    from recdepth.decode.settings import DecodeSettings
     with pytest.raises(ValueError, match=r"eval\.answers: true"):
-        score_task(None, None, {}, {}, None, True, "latest", 1, False, None)
+        score_task(None, None, {}, {}, None, DecodeSettings(answers=True))
 
 
 def test_eval_ranges_stay_inside_a_task_split(tmp_path):

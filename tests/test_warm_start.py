@@ -15,6 +15,7 @@ from recdepth import exits
 from recdepth.core.decoding import RowNoise, decode_step, noise_seed, windows
 from recdepth.core.kv_cache import new_caches
 from recdepth.core.scoring import evaluate_exit, evaluate_oracle
+from recdepth.decode.settings import DecodeSettings
 from tests.test_decoding import model
 
 T = 12  # the tiny models' block size
@@ -29,7 +30,8 @@ def decode_rows(m, idx, policy, warm_start, sharing="latest", compact=True, seqs
     warm = [None] * m.n_groups if warm_start else None
     out, apps = [], []
     for p in range(L):
-        logits, a = decode_step(m, idx[:, p], p, caches, policy, compact=compact, noise=noise, warm=warm)
+        logits, a = decode_step(m, idx[:, p], p, caches, policy, DecodeSettings(compact=compact), noise=noise,
+                                warm=warm)
         out.append(logits)
         apps.append(a)
     return torch.stack(out, 1), torch.stack(apps, 1)
@@ -74,12 +76,12 @@ def test_warm_start_equals_the_slow_reference(sharing, n):
     tokens = torch.randint(0, 60, (31,), generator=torch.Generator().manual_seed(21))
     ref = slow_reference(m, tokens, 30, n, seed=5, sharing=sharing)
     policy = exits.build("fixed", None, max_steps=n)
-    ev, rec = evaluate_exit(m, tokens, policy, n_tokens=30, seed=5, cache=sharing, batch_size=2, latency_tokens=0,
-                            warm_start=True)
+    run = DecodeSettings(seed=5, cache=sharing, batch_size=2, latency_tokens=0)
+    ev, rec = evaluate_exit(m, tokens, policy, n_tokens=30, settings=run.replace(warm_start=True))
     np.testing.assert_allclose(rec["nll"], ref, rtol=0, atol=1e-10)
     assert (rec["apps"] == np.array(n)).all() and ev["warm_start"] is True
     # the reference is not the cold evaluation: it starts later tokens from other states
-    _, cold = evaluate_exit(m, tokens, policy, n_tokens=30, seed=5, cache=sharing, batch_size=2, latency_tokens=0)
+    _, cold = evaluate_exit(m, tokens, policy, n_tokens=30, settings=run)
     assert np.abs(cold["nll"] - ref).max() > 1e-4
 
 
@@ -107,9 +109,11 @@ def test_evaluate_exit_with_warm_start_batched_equals_batch_one():
     m = model([[1], [2, 3]], state_init="normal")
     tokens = torch.randint(0, 60, (31,), generator=torch.Generator().manual_seed(23))
     policy = exits.build("accel", 0.5, max_steps=12)
-    _, r1 = evaluate_exit(m, tokens, policy, n_tokens=30, batch_size=1, latency_tokens=0, seed=3, warm_start=True)
-    ev4, r4 = evaluate_exit(m, tokens, policy, n_tokens=30, batch_size=3, latency_tokens=16, seed=3,
-                            warm_start=True, warmup_tokens=2)
+    _, r1 = evaluate_exit(m, tokens, policy, n_tokens=30,
+                          settings=DecodeSettings(batch_size=1, latency_tokens=0, seed=3, warm_start=True))
+    ev4, r4 = evaluate_exit(m, tokens, policy, n_tokens=30,
+                            settings=DecodeSettings(batch_size=3, latency_tokens=16, seed=3, warm_start=True,
+                                                    warmup_tokens=2))
     np.testing.assert_allclose(r4["nll"], r1["nll"], rtol=0, atol=1e-10)
     assert (r1["apps"] == r4["apps"]).all() and len(set(r4["apps"].flatten().tolist())) > 1
     assert ev4["batch_check"]["apps_mismatch"] == 0 and ev4["batch_check"]["max_abs_dnll"] < 1e-10
@@ -122,10 +126,10 @@ def test_first_position_of_each_window_is_cold_and_later_ones_are_not(rule, tau)
     m = model([[1], [2, 3]], state_init="normal")
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(24))
     policy = exits.build(rule, tau, max_steps=6)
-    kw = dict(n_tokens=39, seed=9, batch_size=3, latency_tokens=0)
-    ev_c, cold = evaluate_exit(m, tokens, policy, **kw)
-    ev_d, default = evaluate_exit(m, tokens, policy, warm_start=False, **kw)
-    ev_w, warm = evaluate_exit(m, tokens, policy, warm_start=True, **kw)
+    run = DecodeSettings(seed=9, batch_size=3, latency_tokens=0)
+    ev_c, cold = evaluate_exit(m, tokens, policy, 39, run)
+    ev_d, default = evaluate_exit(m, tokens, policy, 39, run.replace(warm_start=False))
+    ev_w, warm = evaluate_exit(m, tokens, policy, 39, run.replace(warm_start=True))
     assert (ev_c["warm_start"], ev_d["warm_start"], ev_w["warm_start"]) == (False, False, True)
     assert np.array_equal(default["nll"], cold["nll"]) and np.array_equal(default["apps"], cold["apps"])
     first = warm["position"] % T == 0
@@ -148,11 +152,11 @@ def test_oracle_with_warm_start_uses_the_n_application_history(sharing):
     m = model([[1], [2, 3]], state_init="normal")
     N, eps, seed, n_tok = 4, 0.02, 11, 15
     tokens = torch.randint(0, 60, (16,), generator=torch.Generator().manual_seed(25))
-    ev, rec = evaluate_oracle(m, tokens, exits.build("oracle", eps, max_steps=N), n_tokens=n_tok, seed=seed,
-                              cache=sharing, batch_size=2, warm_start=True)
+    ev, rec = evaluate_oracle(m, tokens, exits.build("oracle", eps, max_steps=N), n_tokens=n_tok,
+                              settings=DecodeSettings(seed=seed, cache=sharing, batch_size=2, warm_start=True))
     assert ev["warm_start"] is True
-    _, fixed = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=N), n_tokens=n_tok, seed=seed,
-                             cache=sharing, latency_tokens=0, warm_start=True)
+    _, fixed = evaluate_exit(m, tokens, exits.build("fixed", None, max_steps=N), n_tokens=n_tok,
+                             settings=DecodeSettings(seed=seed, cache=sharing, latency_tokens=0, warm_start=True))
     np.testing.assert_allclose(rec["nll_by_n"][:, -1], fixed["nll"], rtol=0, atol=1e-10)
     brute = np.zeros((n_tok, N))
     for t in range(n_tok):
@@ -167,8 +171,8 @@ def test_oracle_with_warm_start_uses_the_n_application_history(sharing):
                                     noise=noise, warm=warm)
             brute[t, n - 1] = m.nll(logits, window[p + 1 : p + 2]).item()
     np.testing.assert_allclose(rec["nll_by_n"], brute, rtol=0, atol=1e-10)
-    _, cold = evaluate_oracle(m, tokens, exits.build("oracle", eps, max_steps=N), n_tokens=n_tok, seed=seed,
-                              cache=sharing, batch_size=2)
+    _, cold = evaluate_oracle(m, tokens, exits.build("oracle", eps, max_steps=N), n_tokens=n_tok,
+                              settings=DecodeSettings(seed=seed, cache=sharing, batch_size=2))
     assert np.abs(cold["nll_by_n"][:, :-1] - rec["nll_by_n"][:, :-1]).max() > 1e-4
 
 

@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from recdepth.core.decoding import lean_steps
 from recdepth.core.generation import greedy
 from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 from recdepth.glue.hf import load_hf, save_hf
 
@@ -70,9 +70,8 @@ def run_huginn():
 
 
 def run_ours(step, cache):
-    lean_steps(ours, step)
     with torch.no_grad():
-        g = greedy(ours, prompt[0].tolist(), policy, NEW, cache=cache)
+        g = greedy(ours, prompt[0].tolist(), policy, NEW, DecodeSettings(cache=cache, step=step))
     return 1000 * g.seconds / NEW, g.ids
 
 

@@ -23,6 +23,7 @@ from recdepth.core.decoding import decode_step
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import GPTConfig, LoopedGPT
 from recdepth.core.runtime import tune_cpu_allocator
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 
 spec = importlib.util.spec_from_file_location("lean_step_other", sys.argv[1])
@@ -37,15 +38,20 @@ for size, batches in (("cpu", (1, 16)), ("paper", (1,))):
     model = LoopedGPT(GPTConfig.from_size(size, vocab_size=50257, groups=GROUPS)).eval()
     variants = {"lean": LeanSteps(model, False), "compiled (other)": other.LeanSteps(model, True),
                 "compiled (this)": LeanSteps(model, True)}
-    use = lambda m, k, v=variants: setattr(m, "lean_steps", v[k])  # noqa: E731
+
+    def use(m, k, v=variants):
+        """Decode with variant k: the lean step `decoding.fast_steps` hands out (the model's
+        `_fast_steps`, its built steps by `eval.step`) is that variant."""
+        m._fast_steps = {"lean": v[k]}
+        return DecodeSettings(step="lean")
+
     for B in batches:
         with torch.no_grad():
             caches, tokens = filled(model, B, CTX, torch.Generator().manual_seed(0))
             logits = {}
             for k in variants:
-                use(model, k)
                 logits[k] = decode_step(model, tokens[:, CTX], CTX, caches, build("fixed", None, max_steps=6),
-                                        generator=torch.Generator().manual_seed(1))[0]
+                                        use(model, k), generator=torch.Generator().manual_seed(1))[0]
         diff = {k: float((v - logits["lean"]).nan_to_num(0.0, 0.0, 0.0).abs().max()) for k, v in logits.items()}
         med = layer_seconds(model, B, CTX, 2, 6, 20, ROUNDS, tuple(variants), use)
         for k in variants:

@@ -1,5 +1,5 @@
 """The frontier's 22 settings without warm start (fixed 1 … 32; stepnorm, kl and accel at four
-τ) decoded side by side (`scoring.decode_settings`, the quality pass of `make frontier`)
+τ) decoded side by side (`scoring.decode_policies`, the quality pass of `make frontier`)
 on the first <tokens> test tokens of a checkpoint, timed, with an MD5 digest of every
 record's NLL and applications (equal digests: bit-for-bit the same records). `--no-kl`
 drops kl's four settings (the rule that decodes the LM head at every application).
@@ -16,9 +16,9 @@ import time
 import numpy as np
 import torch
 
-from recdepth.core.decoding import lean_steps
 from recdepth.core.runtime import tune_cpu_allocator
-from recdepth.core.scoring import decode_settings
+from recdepth.core.scoring import decode_policies
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
 
@@ -35,9 +35,9 @@ def main(argv: list[str]) -> None:
         del rules["kl"]
     policies = [build("fixed", None, max_steps=k) for k in (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)]
     policies += [build(r, t, max_steps=32) for r, ts in rules.items() for t in ts]
-    model = lean_steps(module.model.eval(), "lean")
+    model = module.model.eval()
     t0 = time.perf_counter()
-    recs, _ = decode_settings(model, tokens, policies, n, seed=1337, max_rows=rows)
+    recs, _ = decode_policies(model, tokens, policies, n, DecodeSettings(step="lean", seed=1337, batch_size=rows))
     seconds = time.perf_counter() - t0
     digest = hashlib.md5(b"".join(np.ascontiguousarray(r["nll"]).tobytes() + np.ascontiguousarray(r["apps"]).tobytes()
                                   for r in recs)).hexdigest()

@@ -55,7 +55,7 @@ class FrontierSweeper(BasicSweeper):
         batch's settings decoded side by side ahead of the jobs."""
         super().validate_batch_is_legal(batch)
         if self.shared_rows and isinstance(self.launcher, BasicLauncher):
-            from recdepth.glue.evaluation import decode_shared
+            from recdepth.glue.evaluation import SWEEP, decode_shared
 
             jobs = []
             for overrides in batch:
@@ -64,7 +64,7 @@ class FrontierSweeper(BasicSweeper):
                     del cfg["hydra"]
                     cfg.run_dir = "."
                 jobs.append(cfg)
-            decode_shared(jobs, self.shared_rows)
+            decode_shared(jobs, self.shared_rows, into=SWEEP)  # the jobs take theirs (recdepth.evaluate)
 
     def split_arguments(self, overrides, max_batch_size):  # an instance method here (a staticmethod upstream)
         user = BasicSweeper.split_arguments(overrides, None)[0]

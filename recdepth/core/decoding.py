@@ -38,29 +38,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
+from recdepth.core.kv_cache import KVCache, StepKVCache, new_caches
 from recdepth.core.lean_step import LeanSteps
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import decode_mode, state_decoder
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.policy import ExitPolicy
 
-STEPS = ("module", "lean", "compiled")  # eval.step: how a token's layers are computed (`lean_steps`)
-
-
-def check_settings(n_tokens: int, warmup_tokens: int = 8, batch_size: int = 1, latency_tokens: int | None = None,
-                   repeats: int = 1, cache: str = "latest", warm_start: bool = False) -> None:
-    """`evaluate_exit`'s settings (the run config's `eval` block), checked with one line
-    naming the field each; the run config's schema (recdepth/glue/schema.py) checks `eval` with it."""
-    for field, v, lo in (("tokens", n_tokens, 0), ("warmup_tokens", warmup_tokens, 0), ("batch_size", batch_size, 1),
-                         ("latency_tokens", latency_tokens, 0), ("repeats", repeats, 1)):
-        if field == "latency_tokens" and v is None:
-            continue
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"eval.{field}: expected an integer >= {lo}, got {v!r}")
-    check_cache(cache)
-    if not isinstance(warm_start, bool):
-        raise ValueError(f"eval.warm_start: expected true or false, got {warm_start!r}")
-
+REFERENCE = DecodeSettings()  # the engine's defaults: Block.forward, one window a batch
 
 def noise_seed(seed: int, sequence: int, position: int, group: int) -> int:
     """The seed of one row's initial-state noise (SPEC §4, noise and batches): a hash of
@@ -80,47 +65,39 @@ class RowNoise:
         return [noise_seed(self.seed, q, position, group) for q in seqs]
 
 
-def lean_steps(model: LoopedGPT, step: str) -> LoopedGPT:
-    """Decode `model` with `step` (`eval.step`, `STEPS`): "module" = `Block.forward`, the
-    reference; "lean" = `recdepth.core.lean_step`'s static-shape step, eager; "compiled" = the
-    same under torch.compile (graphs built on first use). Attaches the lean steps to the
-    model (`model.lean_steps`, None for "module") and returns it; the engine takes them
-    wherever they apply (`lean_of`)."""
-    if step not in STEPS:
-        raise ValueError(f"eval.step: expected one of {', '.join(STEPS)}, got {step!r}")
-    lean = getattr(model, "lean_steps", None)
+def fast_steps(model: LoopedGPT, step: str) -> LeanSteps | None:
+    """The one-token step `step` names (`DecodeSettings.step`) for `model`: None for
+    "module" (`Block.forward`, the reference); "lean" = `recdepth.core.lean_step`'s
+    static-shape step, eager; "compiled" = the same under torch.compile (graphs built on
+    first use). Built once per model and step and kept with the model (`_fast_steps`, a
+    cache: which step runs is always the settings' choice)."""
     if step == "module":
-        lean = None
-    elif lean is None or lean.compiled != (step == "compiled"):
-        lean = LeanSteps(model, compile=step == "compiled")
-    model.lean_steps = lean
-    return model
+        return None
+    built = model.__dict__.setdefault("_fast_steps", {})
+    if step not in built:
+        if step not in ("lean", "compiled"):
+            DecodeSettings(step=step)  # the one-line error naming eval.step
+        built[step] = LeanSteps(model, compile=step == "compiled")
+    return built[step]
 
 
-def step_of(model: LoopedGPT) -> str:
-    """The `eval.step` the model decodes with now (`lean_steps`)."""
-    lean = getattr(model, "lean_steps", None)
-    return "module" if lean is None else "compiled" if lean.compiled else "lean"
-
-
-def lean_of(model: LoopedGPT, caches: list) -> LeanSteps | None:
-    """The model's lean steps if they compute a one-token call on these layer caches:
-    one-entry-per-position caches (`KVCache`, not `StepKVCache` or the coda's `PeekCache`);
-    else None (the caller runs `Block.forward`)."""
-    lean = getattr(model, "lean_steps", None)
+def lean_of(lean: LeanSteps | None, caches: list) -> LeanSteps | None:
+    """`lean` if it computes a one-token call on these layer caches: one-entry-per-position
+    caches (`KVCache`, not `StepKVCache` or the coda's `PeekCache`); else None (the caller
+    runs `Block.forward`)."""
     if lean is None or any(type(c) is not KVCache for c in caches):
         return None
     return lean
 
 
 def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
-                rows: Tensor | None, reps: int | None = None) -> Tensor:
-    """One application of group g for one token, `model.apply_group` or its lean step
-    (`lean_of`; rows None, a bool mask over the batch, or an index of the rows s holds: a
+                rows: Tensor | None, reps: int | None = None, lean: LeanSteps | None = None) -> Tensor:
+    """One application of group g for one token, `model.apply_group` or the `lean` step
+    (`fast_steps`, where `lean_of` says it applies; rows None, a bool mask over the batch, or an index of the rows s holds: a
     compacted batch; with an index, `reps`: the rows' history is shared in blocks of that
     many, `LeanSteps.block_rows`)."""
     mine = [caches[layer] for layer in model.cfg.groups[g]]
-    lean = lean_of(model, mine)
+    lean = lean_of(lean, mine)
     if lean is None:
         return model.apply_group(g, s, e_proj, caches, pos, rows)
     if rows is not None and rows.dtype != torch.bool:
@@ -140,13 +117,14 @@ def _forced(fired: Tensor, n: Tensor, fixed_rows: Tensor | None, fixed_steps: in
 
 
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
-               pos: int, generator: torch.Generator | None = None, compact: bool = True,
+               pos: int, settings: DecodeSettings = REFERENCE, *, generator: torch.Generator | None = None,
                noise: RowNoise | None = None, limit: Tensor | None = None,
                init: Tensor | None = None, fixed_rows: Tensor | None = None,
-               fixed_steps: int | None = None, reps: int | None = None) -> tuple[Tensor, Tensor]:
+               reps: int | None = None) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
     Returns the final states [B, 1, d] and applications per row [B].
 
+    `settings`: its `step` (`fast_steps`), `compact` and `context_steps` are read here.
     With `compact`, once some rows have exited the layers run on the rows still looping
     only (their attention reads the full cache in place), so compute saved by early exits
     is wall-clock saved; without it, exited rows are computed and masked out. Either way a
@@ -154,8 +132,8 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     (otherwise all rows draw from `generator`); `limit` [B], if given, stops row b after
     limit[b] applications at the latest (a per-row max_steps). `init` [B, 1, d], if given,
     is row b's starting state instead of `model.initial_state` (no noise is drawn; the warm
-    start of continuous compute). `fixed_rows` [B] (bool), with `fixed_steps`: those rows
-    ignore the rule and loop exactly `fixed_steps` applications (a task's context positions
+    start of continuous compute). `fixed_rows` [B] (bool): those rows ignore the rule and
+    loop exactly `settings.context_steps` applications (a task's context positions
     under `eval.context_steps`, docs/spec.md §6). A per-group `policy` loops group g under its group-g
     values (`policy.group(g)`). A rule that decodes the state decodes it as `exit.decode`
     says (`state_decoder`: the head, or through the coda without writing its cache).
@@ -173,8 +151,11 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         raise ValueError(f"loop_group: initial state of shape {tuple(init.shape)} for input {tuple(e.shape)}")
     else:
         s = init
+    compact, fixed_steps = settings.compact, settings.context_steps
+    if fixed_rows is not None and fixed_steps is None:
+        raise ValueError("loop_group: fixed_rows need settings.context_steps (the applications they loop)")
     mine = [caches[layer] for layer in model.cfg.groups[g]]
-    lean = lean_of(model, mine)
+    lean = lean_of(fast_steps(model, settings.step), mine)
     reps = reps if lean is not None and compact else None
     if (B == 1 and lean is not None and lean.fuse_loops and fixed_rows is None and limit is None
             and (not policy.needs_decode or decode_mode(model, policy) == "head")):
@@ -189,12 +170,12 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         for c in step_caches:
             c.step = j
         if B == 1:  # the one row is active while looping
-            s = s_new = apply_group(model, g, s, e_proj, caches, pos, None)
+            s = s_new = apply_group(model, g, s, e_proj, caches, pos, None, lean=lean)
         elif compact and (n_active < B or reps is not None):
             idx = active.nonzero()[:, 0]
-            s = s_new = s.index_copy(0, idx, apply_group(model, g, s[idx], e_proj[idx], caches, pos, idx, reps))
+            s = s_new = s.index_copy(0, idx, apply_group(model, g, s[idx], e_proj[idx], caches, pos, idx, reps, lean))
         else:
-            s_new = apply_group(model, g, s, e_proj, caches, pos, active)
+            s_new = apply_group(model, g, s, e_proj, caches, pos, active, lean=lean)
             s = torch.where(active[:, None, None], s_new, s)
         j += 1
         if B == 1:  # the one row has run j applications: no row bookkeeping per application
@@ -219,7 +200,8 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
 
 
 def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos: int, reps: int,
-                limit: Tensor, noise: RowNoise, init: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                limit: Tensor, noise: RowNoise, init: Tensor | None = None,
+                settings: DecodeSettings = REFERENCE) -> tuple[Tensor, Tensor]:
     """`loop_group` under exit=fixed with a per-row `limit`, for rows that come in blocks of
     `reps` holding the same input e [R, 1, d], history, noise key and warm state `init`,
     each block's last row with the block's largest limit: the oracle's N rows of a window
@@ -243,11 +225,11 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, None, noise.seeds(pos, g, last)) if init is None else init[last]
     step_caches = [sub[layer] for layer in mine if isinstance(sub[layer], StepKVCache)]
-    trajectory = []
+    trajectory, lean = [], fast_steps(model, settings.step)
     for j in range(steps):
         for c in step_caches:
             c.step = j
-        s = apply_group(model, g, s, e_proj, sub, pos, None)
+        s = apply_group(model, g, s, e_proj, sub, pos, None, lean=lean)
         trajectory.append(s)
     for c in step_caches:
         c.finish(pos, torch.full((len(last),), steps, device=e.device))
@@ -260,14 +242,14 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
 
 @torch.no_grad()
 def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache], policy: ExitPolicy,
-                generator: torch.Generator | None = None, compact: bool = True,
+                settings: DecodeSettings = REFERENCE, *, generator: torch.Generator | None = None,
                 noise: RowNoise | None = None, limit: Tensor | None = None,
                 warm: list[Tensor | None] | None = None,
                 states: list[Tensor | None] | None = None, fixed_rows: Tensor | None = None,
-                fixed_steps: int | None = None, shared: int | None = None) -> tuple[Tensor, Tensor]:
+                shared: int | None = None) -> tuple[Tensor, Tensor]:
     """One decoding step for tokens [B] at position `pos`: logits [B, V_padded] for the
-    next token and applications [B, G] per group (`noise`, `limit`, `fixed_rows`,
-    `fixed_steps`: see `loop_group`). `shared` (the oracle's rows, `decode_windows`): the
+    next token and applications [B, G] per group (`settings`, `noise`, `limit`,
+    `fixed_rows`: see `loop_group`). `shared` (the oracle's rows, `decode_windows`): the
     rows come in blocks of that many with the same history and a fixed-rule `limit`, so the
     first group, whose input is the same in every row of a block, loops once per block
     (`loop_shared`), and the lean step reads the later groups' shared history once per block
@@ -284,18 +266,19 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     first = _first_group(model) if shared else None
+    fast = fast_steps(model, settings.step)
     for kind, i in model.plan:
         if kind == "layer":
-            lean = lean_of(model, [caches[i]])
+            lean = lean_of(fast, [caches[i]])
             x = model.h[i](x, caches[i], pos) if lean is None else lean.layer(i, x, caches[i].k, caches[i].v, pos,
                                                                                reps=shared)
         else:
             init = None if warm is None else warm[i]
             if shared and i == first:  # the first group's input is the same in every row of a block
-                x, apps[:, i] = loop_shared(model, i, x, caches, pos, shared, limit, noise, init)
+                x, apps[:, i] = loop_shared(model, i, x, caches, pos, shared, limit, noise, init, settings)
             else:
-                x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, generator, compact, noise, limit, init,
-                                           fixed_rows, fixed_steps, shared)
+                x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, settings, generator=generator,
+                                           noise=noise, limit=limit, init=init, fixed_rows=fixed_rows, reps=shared)
             if states is not None:
                 states[i] = x
             x = model.leave_group(i, x)
@@ -328,20 +311,19 @@ def _sync_rows(caches: list[KVCache], pos: int, src: Tensor) -> None:
 
 
 def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
-                    cache: str, seed: int, reps: int = 1, limit: Tensor | None = None,
-                    timed: bool = False, warm_start: bool = False,
-                    first_window: int = 0, bos: int | None = None,
+                    settings: DecodeSettings = REFERENCE, *, reps: int = 1, limit: Tensor | None = None,
+                    timed: bool = False, first_window: int = 0,
                     trace: list[Tensor] | None = None, labels: np.ndarray | None = None,
-                    context_steps: int | None = None, keys: Sequence[int] | None = None,
-                    share_first: bool = True) -> tuple[Tensor, Tensor, list[float], Tensor]:
-    """Decode windows side by side, `reps` rows per window (row r is window r // reps).
+                    keys: Sequence[int] | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
+    """Decode windows side by side, `reps` rows per window (row r is window r // reps), as
+    `settings` says (its cache, seed, warm_start, bos, context_steps, step, share_first).
     Returns nll [R, L], applications [R, L, G], with `timed` the seconds of each
     position, and whether the argmax prediction is the target [R, L] (a task's accuracy). With reps > 1 the rows of a window share their history: after each position
     every row takes the cache entries of the window's last row (the oracle's max_steps),
     and with `warm_start` that row's final group states too (`decode_step`'s `warm`); under
     exit=fixed with a `limit` whose largest value is each window's last row's (the oracle),
     the first group loops once per window and each row takes its state after its limit
-    (`loop_shared`; `share_first=False` loops every row, the reference it is tested against).
+    (`loop_shared`; `settings.share_first=False` loops every row, the reference it is tested against).
     With `bos`, each window's first input is that id (position 0, its loops run under the
     rule) and the window's tokens follow at positions 1 ..; BOS's own prediction is neither
     scored nor timed, so nll, applications and seconds are those of the window's tokens.
@@ -352,6 +334,7 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     key (SPEC §4's "sequence"), in place of first_window + its offset // span: windows of
     separate texts laid side by side in one stream, each keyed as it would be alone."""
     device, T = tokens.device, model.cfg.block_size
+    cache, seed, bos, context_steps = settings.cache, settings.seed, settings.bos, settings.context_steps
     lead = int(bos is not None)
     L = max(n for _, n in wins)
     if L + lead > T:
@@ -371,8 +354,8 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     context = None if context_steps is None else context_rows(wins, labels, reps, lead, L).to(device)
     caches = new_caches(model, R, T, cache, max(policy.max_steps_bound, context_steps or 0))
     src = torch.arange(R, device=device) // reps * reps + reps - 1
-    warm = [None] * model.n_groups if warm_start else None
-    shared = reps if share_first and _shares_first(model, policy, reps, limit, context) else None
+    warm = [None] * model.n_groups if settings.warm_start else None
+    shared = reps if settings.share_first and _shares_first(model, policy, reps, limit, context) else None
     nll = torch.empty(R, L, dtype=torch.float64)
     apps = torch.empty(R, L, model.n_groups, dtype=torch.long)
     correct = torch.empty(R, L, dtype=torch.bool)
@@ -380,9 +363,9 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     for pos in range(lead + L):
         t0 = time.perf_counter()
         states = None if trace is None else [None] * model.n_groups
-        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, noise=noise, limit=limit, warm=warm,
+        logits, a = decode_step(model, idx[:, pos], pos, caches, policy, settings, noise=noise, limit=limit, warm=warm,
                                 states=states, fixed_rows=None if context is None else context[:, pos],
-                                fixed_steps=context_steps, shared=shared)
+                                shared=shared)
         if timed and device.type == "cuda":
             torch.cuda.synchronize()
         if pos >= lead:  # BOS's step: decoded, not timed or scored
@@ -468,20 +451,20 @@ def prepare_windows(model: LoopedGPT, tokens: Tensor, n_tokens: int,
     return tokens, n_tokens, windows(n_tokens, span(model.cfg.block_size, bos))
 
 
-def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, cache: str, warmup_tokens: int, seed: int,
-            warm_start: bool = False) -> None:
-    """Untimed, unscored decode steps at batch 1: first calls allocate and pick kernels.
-    Under the compiled step also one step at the first position of each later attention
-    span (`LeanSteps.spans`), with warmup_tokens = 0 too, so that no graph is compiled
-    inside a timed pass (it compiles every span of the block, reached or not)."""
-    n = min(warmup_tokens, model.cfg.block_size, tokens.numel())
-    lean = getattr(model, "lean_steps", None)
+def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, settings: DecodeSettings = REFERENCE) -> None:
+    """Untimed, unscored decode steps at batch 1 (`settings.warmup_tokens` of them): first
+    calls allocate and pick kernels. Under the compiled step also one step at the first
+    position of each later attention span (`LeanSteps.spans`), with warmup_tokens = 0 too,
+    so that no graph is compiled inside a timed pass (it compiles every span of the block,
+    reached or not)."""
+    n = min(settings.warmup_tokens, model.cfg.block_size, tokens.numel())
+    lean = fast_steps(model, settings.step)
     spans = lean.span_starts(n) if lean is not None and lean.compiled and tokens.numel() else []
     if n or spans:
-        caches = new_caches(model, 1, model.cfg.block_size, cache, policy.max_steps_bound)
-        noise = RowNoise(seed, [-1])
-        warm = [None] * model.n_groups if warm_start else None
+        caches = new_caches(model, 1, model.cfg.block_size, settings.cache, policy.max_steps_bound)
+        noise = RowNoise(settings.seed, [-1])
+        warm = [None] * model.n_groups if settings.warm_start else None
         for pos in range(n):
-            decode_step(model, tokens[pos : pos + 1], pos, caches, policy, noise=noise, warm=warm)
+            decode_step(model, tokens[pos : pos + 1], pos, caches, policy, settings, noise=noise, warm=warm)
         for pos in spans:  # even with warmup_tokens = 0: a compile is never timed
-            decode_step(model, tokens[:1], pos, caches, policy, noise=noise, warm=warm)
+            decode_step(model, tokens[:1], pos, caches, policy, settings, noise=noise, warm=warm)

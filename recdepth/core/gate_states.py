@@ -24,14 +24,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from recdepth.core.decoding import decode_windows
+from recdepth.core.decoding import REFERENCE, decode_windows
 from recdepth.core.gate import check_gate_setting
 from recdepth.core.model import LoopedGPT
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.policy import build
 
 
 @torch.no_grad()
-def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, seed: int = 0, cache: str = "latest",
+def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, settings: DecodeSettings = REFERENCE,
                        keep: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per group g (features [K, N − 1, d], nll_by_n [K, N]) over the K kept targets of
     `windows` [W, T + 1] (token ids; each row is decoded as a fresh window, inputs
@@ -55,8 +56,8 @@ def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, seed: 
     nlls: list[Tensor] = []
     for w in range(W):
         trace: list[Tensor] = []
-        nll, _, _, _ = decode_windows(model, windows[w].to(device=device, dtype=torch.long), [(0, T)], fixed, cache,
-                                      seed, reps=N, limit=limit, first_window=w, trace=trace)
+        nll, _, _, _ = decode_windows(model, windows[w].to(device=device, dtype=torch.long), [(0, T)], fixed,
+                                      settings, reps=N, limit=limit, first_window=w, trace=trace)
         st = torch.stack(trace, 1)                       # [n, position, group, d]
         nlls.append(nll.T[keep[w]].float())              # [K_w, N]
         for g in range(G):

@@ -49,11 +49,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from recdepth.core.decoding import RowNoise, decode_step, noise_seed
+from recdepth.core.decoding import REFERENCE, RowNoise, decode_step, noise_seed
 from recdepth.core.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.core.model import LoopedGPT
 from recdepth.core.state_decode import state_decoder
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.policy import ExitPolicy, build
+
+PER_STEP = DecodeSettings(cache="per_step")  # speculative decoding's default: it needs the per-application cache
 
 SOURCES = ("greedy", "draft", "verify")
 """Where a generated token comes from: ordinary decoding; a drafted token the verifier
@@ -182,19 +185,18 @@ def _next_token(logits: Tensor) -> Tensor:
 
 # ------------------------------------------------------------------ greedy
 @torch.no_grad()
-def greedy(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens: int, cache: str = "latest",
-           seed: int = 0, sequences: list[int] | None = None,
-           on_token: Callable[[int, TokenRecord], None] | None = None,
-           warm_start: bool = False) -> Generation | list[Generation]:
+def greedy(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens: int,
+           settings: DecodeSettings = REFERENCE, sequences: list[int] | None = None,
+           on_token: Callable[[int, TokenRecord], None] | None = None) -> Generation | list[Generation]:
     """Greedy generation token by token under `policy` with the decoding engine (SPEC §4):
-    `decode_step` over the prompt, then over each generated token, with K/V `cache` sharing
-    "latest" or "per_step". `prompt_ids`: one prompt (a list of model ids; returns a
+    `decode_step` over the prompt, then over each generated token, decoded as `settings`
+    says (its cache sharing "latest" or "per_step", seed, step, warm start). `prompt_ids`: one prompt (a list of model ids; returns a
     Generation) or a [B, P] batch of prompts of one length (returns one per row; row b's
     noise is sequence `sequences[b]`, default b, and its result is exactly its batch-1
     result with that sequence). `on_token(row, record)` is called as each token comes.
-    `warm_start` (continuous compute, spec §4): each group's loop starts from the state it
-    ended with at the previous position (the first position from noise), as eval.warm_start."""
-    check_cache(cache)
+    `settings.warm_start` (continuous compute, spec §4): each group's loop starts from the
+    state it ended with at the previous position (the first position from noise)."""
+    cache = settings.cache
     policy.check_model(model.n_groups, model.cfg.n_embd)
     single = torch.as_tensor(prompt_ids).dim() == 1
     prompt = _prompt_tensor(prompt_ids, model)
@@ -207,20 +209,20 @@ def greedy(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens: int
     model.eval()
     device = prompt.device
     caches = new_caches(model, B, model.cfg.block_size, cache, policy.max_steps_bound)
-    noise = RowNoise(seed, sequences)
-    warm = [None] * model.n_groups if warm_start else None
+    noise = RowNoise(settings.seed, sequences)
+    warm = [None] * model.n_groups if settings.warm_start else None
     _sync(device)
     t0 = time.perf_counter()
     prompt_apps = []
     for pos in range(P - 1):
-        _, a = decode_step(model, prompt[:, pos], pos, caches, policy, noise=noise, warm=warm)
+        _, a = decode_step(model, prompt[:, pos], pos, caches, policy, settings, noise=noise, warm=warm)
         prompt_apps.append(a.cpu())
     tok = prompt[:, P - 1]
     ids: list[list[int]] = [[] for _ in range(B)]
     recs: list[list[TokenRecord]] = [[] for _ in range(B)]
     for i in range(n_new):
         pos = P - 1 + i
-        logits, a = decode_step(model, tok, pos, caches, policy, noise=noise, warm=warm)
+        logits, a = decode_step(model, tok, pos, caches, policy, settings, noise=noise, warm=warm)
         tok = _next_token(logits)
         toks, a = tok.tolist(), a.cpu()
         for b in range(B):
@@ -384,7 +386,7 @@ def accepted(drafts: list[int], verified: list[int]) -> int:
 # ---------------------------------------------------------- speculative
 @torch.no_grad()
 def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens: int, draft_steps: int,
-                lookahead: int, cache: str = "per_step", seed: int = 0, sequence: int = 0,
+                lookahead: int, settings: DecodeSettings = PER_STEP, sequence: int = 0,
                 on_token: Callable[[int, TokenRecord], None] | None = None) -> Generation:
     """Self-speculative greedy generation of one prompt (module docstring; docs/spec.md §4d).
 
@@ -393,7 +395,8 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
     block) tokens with `decode_step` under exit=fixed at `draft_steps`, verifies the last
     committed token and the L drafts in one `chunk_step` under `policy`, and commits the
     accepted drafts plus the verifier's token after them (1 to L + 1 tokens per round).
-    The result equals `greedy(..., cache="per_step")` with the same seed and sequence (up
+    `settings`: its cache must be per_step (the default here), its seed keys the noise.
+    The result equals `greedy` with cache="per_step" and the same seed and sequence (up
     to floating-point rounding). `stats`: rounds (verify passes after the prompt's),
     drafted, accepted, acceptance_rate (accepted / drafted), tokens_per_pass (tokens
     committed per verify pass), draft_applications, verify_applications (per position,
@@ -402,6 +405,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
     the passes ran one after another: per pass and group, its slowest position's), the
     same three for the prompt's pass, and the seconds of the prompt pass, drafts and
     verify passes."""
+    cache, seed = settings.cache, settings.seed
     check_speculative(cache, draft_steps, lookahead)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     prompt = _prompt_tensor(prompt_ids, model)
@@ -448,7 +452,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
         t1 = time.perf_counter()
         drafts, tok = [], torch.tensor([seq[-1]], device=device)
         for i in range(L):
-            lg, da = decode_step(model, tok, P_ - 1 + i, caches, draft, noise=noise)
+            lg, da = decode_step(model, tok, P_ - 1 + i, caches, draft, settings, noise=noise)
             tok = _next_token(lg)
             drafts.append(int(tok))
             draft_apps += int(da.sum())

@@ -95,8 +95,8 @@ class LeanSteps:
     """The lean single-token steps of one model (see the module docstring).
 
     `compile`: run them through `torch.compile` (fullgraph; graphs built on first use); False runs the same functions
-    eagerly. Made by `recdepth.core.decoding.lean_steps(model, compile)`, which attaches it to
-    the model for the decoding engine to use."""
+    eagerly. Built once per model and step by `recdepth.core.decoding.fast_steps(model, step)`,
+    which the engine calls with the step its `DecodeSettings` name."""
 
     def __init__(self, model: LoopedGPT, compile: bool = False):
         cfg = model.cfg

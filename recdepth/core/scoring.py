@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -23,58 +22,38 @@ from torch import Tensor
 import recdepth.data.tasks as tasks
 from recdepth.core import stats
 from recdepth.core.decoding import (
-    STEPS,
-    check_settings,
+    REFERENCE,
     decode_windows,
-    lean_steps,
     merge_records,
     prepare_windows,
     records,
-    step_of,
     warm_up,
 )
 from recdepth.core.mixed_settings import MixedPolicy
 from recdepth.core.model import LoopedGPT
 from recdepth.core.runtime import has_cpp_compiler
 from recdepth.core.state_decode import has_coda
+from recdepth.decode.settings import AUTO, DecodeSettings
 from recdepth.exits.policy import ORACLE, ExitPolicy, build
 
-AUTO = "auto"  # eval.latency_step: the compiled step where it is measured to pay (`latency_step_for`)
 # auto compiles the latency passes of at least this many settings in one process (a sweep's
 # shared pass): where its compiles pay for themselves (docs/results/sweep-time.md)
 AUTO_COMPILE_SETTINGS = 8
 
 
-def check_latency_step(step: str | None) -> None:
-    """`eval.latency_step`: None, `AUTO` or one of `STEPS`, checked before any decoding."""
-    if step is not None and step != AUTO and step not in STEPS:
-        raise ValueError(f"eval.latency_step: expected null, {AUTO} or one of {', '.join(STEPS)}, got {step!r}")
-
-
-def latency_step_for(model: LoopedGPT, step: str | None, settings: int) -> str | None:
-    """The step the batch-1 latency passes of `settings` settings timed in this process take
-    for `eval.latency_step` = `step` (`timed_with`'s argument; None: as the quality pass).
-    `auto`: "compiled" where it was measured to pay (docs/results/sweep-time.md): at least
-    `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a C++ compiler for torch.compile; else None. A GPU keeps its quality pass's step (the
-    compiled loop is unmeasured there)."""
-    if step != AUTO:
-        return step
-    on_cpu = next(model.parameters()).device.type == "cpu"
-    return "compiled" if settings >= AUTO_COMPILE_SETTINGS and on_cpu and has_cpp_compiler() else None
-
-
-@contextmanager
-def timed_with(model: LoopedGPT, step: str | None) -> Iterator[str]:
-    """The latency passes' `eval.latency_step`: the model decodes with `step` inside the
-    block (None: the step it decodes with now) and with its step before it afterwards, so
-    the batched quality pass and the batch-1 timing may use different steps (equal up to
-    float rounding; `add_latency`'s `batch_check` counts what differs). Yields the step used."""
-    before = step_of(model)
-    lean_steps(model, step or before)
-    try:
-        yield step_of(model)
-    finally:
-        lean_steps(model, before)
+def latency_step_for(model: LoopedGPT, settings: DecodeSettings, timed: int) -> str:
+    """The step the batch-1 latency passes of `timed` settings timed in this process take
+    (`settings.latency_step`; None: as the quality pass, `settings.step`). `auto`:
+    "compiled" where it was measured to pay (docs/results/sweep-time.md): at least
+    `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a C++ compiler for torch.compile; else
+    `settings.step`. A GPU keeps its quality pass's step (the compiled loop is unmeasured
+    there). The quality pass and the timed ones are equal up to float rounding; `add_latency`'s
+    `batch_check` counts what differs."""
+    step = settings.latency_step
+    if step == AUTO:
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        step = "compiled" if timed >= AUTO_COMPILE_SETTINGS and on_cpu and has_cpp_compiler() else None
+    return settings.step if step is None else step
 
 
 def _plain(v):
@@ -87,8 +66,8 @@ def model_cost(model: LoopedGPT) -> stats.Cost:
     return stats.Cost.of_model(model.cfg.groups, model.cfg.n_layer)
 
 
-def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, cache: str, batch_size: int, warm_start: bool = False,
-             resamples: int = 1000, bos: int | None = None) -> dict:
+def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, settings: DecodeSettings,
+             resamples: int = 1000) -> dict:
     """The eval block of metrics.json. ce_ci: 95% bootstrap over windows (the unit the
     tokens' difficulty is shared in, spec §4b). Cost: applications per group and their
     mean, layer applications per token (`model_cost`) and FLOPs per token (the model's own
@@ -99,7 +78,7 @@ def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, cache: str, batch_
     per_group = apps.mean(axis=0).tolist()
     cost = model_cost(model)
     # attended positions of each scored token: its place in its window + 1 (+ 1 for a BOS input)
-    context = float(np.mean(rec["context"] if "context" in rec else attended(rec, bos))) if len(nll) else 1.0
+    context = float(np.mean(rec["context"] if "context" in rec else attended(rec, settings.bos))) if len(nll) else 1.0
     return {
         "exit": policy.name, "tau": _plain(policy.tau), "min_steps": _plain(policy.min_steps),
         "max_steps": _plain(policy.max_steps), "patience": policy.patience,
@@ -109,25 +88,21 @@ def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, cache: str, batch_
         "layer_applications": float(cost.per_token(apps).mean()) if len(nll) else 0.0,
         "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
         "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)),
-        "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": cache,
-        "warm_start": bool(warm_start), "batch_size": batch_size, "step": step_of(model),
+        "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": settings.cache,
+        "warm_start": settings.warm_start, "batch_size": settings.batch_size, "step": settings.step,
     }
 
 
 @torch.no_grad()
-def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, warmup_tokens: int = 8,
-                  seed: int = 0, cache: str = "latest", batch_size: int = 1, latency_tokens: int | None = None,
-                  repeats: int = 1, warm_start: bool = False, first_window: int = 0,
-                  bos: int | None = None, labels: np.ndarray | None = None,
-                  answers: bool | None = None, context_steps: int | None = None,
-                  step: str | None = None, latency_step: str | None = None) -> tuple[dict, dict]:
-    """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4) with K/V
-    `cache` sharing "latest" or "per_step" (see `new_caches`), each group's loop started
-    from the previous token's final state with `warm_start` (continuous compute; see
-    `decode_step`). Returns the `eval` block of metrics.json and the per-token record
-    (`_records`, plus `ms`).
+def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                  settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                  labels: np.ndarray | None = None) -> tuple[dict, dict]:
+    """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4), decoded as
+    `settings` says (K/V cache sharing, warm start, step, BOS, context steps: see
+    `DecodeSettings` and `decoding.decode_windows`). Returns the `eval` block of
+    metrics.json and the per-token record (`decoding.records`, plus `ms`).
 
-    `tokens` is a 1-D id tensor, cut into `windows`. Quality and cost: `batch_size`
+    `tokens` is a 1-D id tensor, cut into `windows`. Quality and cost: `settings.batch_size`
     windows decoded side by side (each row exactly its batch-1 result; throughput
     `tokens_per_s` at that batch). Latency: the first `latency_tokens` tokens (all by
     default) decoded again at batch 1 after `warmup_tokens` untimed steps, `repeats` times:
@@ -138,75 +113,63 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     own, so its windows never draw the noise of another split's windows. The batch-1 pass is also checked
     against the batched one: `batch_check` counts timed tokens whose applications differ
     (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
-    batched, batch 1) uses the same `warm_start`. `bos` (an hf= model's tokenizer BOS id):
-    every window starts with it, as `decode_windows` says, and holds `span` tokens.
-    `labels` (a task's, aligned with `tokens`) and `answers`: see `score_task`.
-    `context_steps`: see `decode_windows` (every pass, the timed ones included).
-    `step` (`eval.step`): how a token's layers are computed, `lean_steps` (None: as the
-    model decodes now, `step_of`); `latency_step` (`eval.latency_step`): the same for the
-    batch-1 latency passes only (None: `step`; `auto`: `latency_step_for` one setting, i.e.
-    `step`; `timed_with`), recorded as `latency_step`.
+    batched, batch 1) decodes with the same settings, the timed ones with
+    `latency_step_for`'s step (recorded as `latency_step`).
+    `labels` (a task's, aligned with `tokens`) and `settings.answers`: see `score_task`.
     """
-    check_settings(n_tokens, warmup_tokens, batch_size, latency_tokens, repeats, cache, warm_start)
-    check_latency_step(latency_step)
     policy.check_model(model.n_groups, model.cfg.n_embd)
-    if step is not None:
-        lean_steps(model, step)
     if policy.name == ORACLE:
-        if context_steps is not None and context_steps != policy.max_steps_bound:
+        if settings.context_steps is not None and settings.context_steps != policy.max_steps_bound:
             raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
-                             f"{policy.max_steps_bound}; set context_steps to that or null, got {context_steps}")
-        ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, seed=seed, cache=cache, batch_size=batch_size,
-                                  warm_start=warm_start, first_window=first_window, bos=bos)
-        return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
+                             f"{policy.max_steps_bound}; set context_steps to that or null, got "
+                             f"{settings.context_steps}")
+        ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, settings, first_window)
+        return score_task(model, policy, ev, rec, labels, settings)
     was_training = model.training
     model.eval()
     T = model.cfg.block_size
-    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
-    warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, settings.bos)
+    warm_up(model, tokens, policy, settings)
 
     parts, t0 = [], time.perf_counter()
-    for b in range(0, len(wins), batch_size):
-        ws = wins[b : b + batch_size]
-        nll, apps, _, ok = decode_windows(model, tokens, ws, policy, cache, seed, warm_start=warm_start,
-                                           first_window=first_window, bos=bos, labels=labels,
-                                           context_steps=context_steps)
-        parts.append(records(ws, nll, apps, tokens, T, first_window, bos, ok))
+    for b in range(0, len(wins), settings.batch_size):
+        ws = wins[b : b + settings.batch_size]
+        nll, apps, _, ok = decode_windows(model, tokens, ws, policy, settings, first_window=first_window,
+                                          labels=labels)
+        parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok))
     batch_seconds = time.perf_counter() - t0
     rec = merge_records(parts)
     rec["ms"] = np.full(n_tokens, np.nan)
-    ev = _summary(model, policy, rec, cache, batch_size, warm_start, bos=bos)
+    ev = _summary(model, policy, rec, settings)
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
-    n_lat = n_tokens if latency_tokens is None else min(latency_tokens, n_tokens)
-    with timed_with(model, latency_step_for(model, latency_step, 1) if n_lat > 0 else None) as ev["latency_step"]:
-        if n_lat > 0 and ev["latency_step"] != ev["step"]:  # its first calls (a compile) untimed too
-            warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
-        timings = [time_tokens(model, tokens, policy, n_lat, cache, seed, warm_start, first_window, bos=bos,
-                               labels=labels, context_steps=context_steps)
-                   for _ in range(repeats)] if n_lat > 0 else []
+    n_lat = n_tokens if settings.latency_tokens is None else min(settings.latency_tokens, n_tokens)
+    timed = settings.replace(step=latency_step_for(model, settings, 1)) if n_lat > 0 else settings
+    ev["latency_step"] = timed.step
+    if n_lat > 0 and timed.step != settings.step:  # its first calls (a compile) untimed too
+        warm_up(model, tokens, policy, timed)
+    timings = [time_tokens(model, tokens, policy, n_lat, timed, first_window, labels)
+               for _ in range(settings.repeats)] if n_lat > 0 else []
     add_latency(ev, rec, timings)
     model.train(was_training)
-    return score_task(model, policy, ev, rec, labels, answers, cache, batch_size, warm_start, bos)
+    return score_task(model, policy, ev, rec, labels, settings)
 
 
 @torch.no_grad()
-def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
-                    seed: int = 0, cache: str = "latest", max_rows: int = 16, warm_start: bool = False,
-                    first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
-                    context_steps: int | None = None) -> tuple[list[dict], float]:
-    """`evaluate_exit`'s batched pass for several exit settings at once (a sweep): every
-    (setting, window) pair is a row, up to `max_rows` rows a batch, each row looping under
-    its own setting (`mixed_settings.MixedPolicy`) and keyed by its window's noise, so each setting's
-    records are those it gets decoded alone (exactly in float64; within rounding of the
-    batched matmuls in float32, where a criterion within rounding of τ can flip a row's
-    applications). Returns one record per setting (`_records`) and the seconds of the pass."""
-    if max_rows < 1:
-        raise ValueError(f"eval.max_rows: expected >= 1, got {max_rows}")
+def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                    settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                    labels: np.ndarray | None = None) -> tuple[list[dict], float]:
+    """`evaluate_exit`'s batched pass for several exit policies at once (a sweep): every
+    (policy, window) pair is a row, up to `settings.batch_size` rows a batch, each row
+    looping under its own policy (`mixed_settings.MixedPolicy`) and keyed by its window's
+    noise, so each policy's records are those it gets decoded alone (exactly in float64;
+    within rounding of the batched matmuls in float32, where a criterion within rounding of
+    τ can flip a row's applications). Returns one record per policy (`decoding.records`)
+    and the seconds of the pass."""
     # `auto` decode and kl direction resolved as the engine reads them (records unchanged), so
     # the batch knows when the head decodes each row on its own (`MixedMonitor`)
     policies = [p.check_model(model.n_groups, model.cfg.n_embd).resolve(has_coda(model)) for p in policies]
-    T = model.cfg.block_size
+    T, bos, max_rows = model.cfg.block_size, settings.bos, settings.batch_size
     tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
     pairs = [(k, w) for k in range(len(policies)) for w in range(len(wins))]
     parts: list[list[dict]] = [[] for _ in policies]
@@ -215,9 +178,8 @@ def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
         chunk = pairs[b : b + max_rows]
         ws = [wins[w] for _, w in chunk]
         mixed = MixedPolicy(tuple(policies), torch.tensor([k for k, _ in chunk], device=tokens.device))
-        nll, apps, _, ok = decode_windows(model, tokens, ws, mixed, cache, seed, warm_start=warm_start,
-                                          first_window=first_window, bos=bos, labels=labels,
-                                          context_steps=context_steps)
+        nll, apps, _, ok = decode_windows(model, tokens, ws, mixed, settings, first_window=first_window,
+                                          labels=labels)
         for k in sorted({k for k, _ in chunk}):
             rows = [i for i, (kk, _) in enumerate(chunk) if kk == k]
             parts[k].append(records([ws[i] for i in rows], nll[rows], apps[rows], tokens, T, first_window, bos,
@@ -227,57 +189,47 @@ def decode_settings(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
 
 @torch.no_grad()
 def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
-                   warmup_tokens: int = 8, seed: int = 0, cache: str = "latest", max_rows: int = 16,
-                   latency_tokens: int | None = None, repeats: int = 1, warm_start: bool = False,
-                   first_window: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
-                   answers: bool | None = None, context_steps: int | None = None,
-                   step: str | None = None, latency_step: str | None = None) -> list[tuple[dict, dict]]:
-    """`evaluate_exit` of every setting in `policies`, the quality of all of them decoded as
-    one batch (`decode_settings`); latency stays a batch-1 measurement per setting, the
-    settings timed round-robin within each of the `repeats` rounds so that drift of the
-    machine spreads over all of them. The oracle (it reads the target) runs on its own.
-    Returns (eval block, record) per setting, in order. An eval block's `batch_size` is
-    `max_rows`, `tokens_per_s` the whole pass's tokens over its seconds and `shared_batch`
-    the number of settings decoded side by side. `step`, `latency_step`: as `evaluate_exit`'s
-    (`auto` decided for the settings timed here, `latency_step_for`)."""
-    check_settings(n_tokens, warmup_tokens, max_rows, latency_tokens, repeats, cache, warm_start)
-    check_latency_step(latency_step)
-    if step is not None:
-        lean_steps(model, step)
+                   settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                   labels: np.ndarray | None = None) -> list[tuple[dict, dict]]:
+    """`evaluate_exit` of every policy in `policies`, the quality of all of them decoded as
+    one batch (`decode_policies`, `settings.batch_size` rows a batch); latency stays a
+    batch-1 measurement per policy, the policies timed round-robin within each of the
+    `repeats` rounds so that drift of the machine spreads over all of them. The oracle (it
+    reads the target) runs on its own. Returns (eval block, record) per policy, in order.
+    An eval block's `batch_size` is the rows a batch, `tokens_per_s` the whole pass's
+    tokens over its seconds and `shared_batch` the number of policies decoded side by
+    side. The timed passes' step: `latency_step_for` the policies timed here."""
     was_training = model.training
     model.eval()
     out: list[tuple[dict, dict] | None] = [None] * len(policies)
     loops = [k for k, p in enumerate(policies) if p.name != ORACLE]
     for k, p in enumerate(policies):
         if p.name == ORACLE:
-            out[k] = evaluate_exit(model, tokens, p, n_tokens, warmup_tokens=warmup_tokens, seed=seed, cache=cache,
-                                   batch_size=max_rows, warm_start=warm_start, first_window=first_window, bos=bos,
-                                   labels=labels, answers=answers, context_steps=context_steps, step=step)
+            out[k] = evaluate_exit(model, tokens, p, n_tokens, settings.replace(latency_step=None), first_window,
+                                   labels)
     model.eval()
     if loops:
-        tokens_d, n_scored, _ = prepare_windows(model, tokens, n_tokens, bos)
+        tokens_d, n_scored, _ = prepare_windows(model, tokens, n_tokens, settings.bos)
         for k in loops:
-            warm_up(model, tokens_d, policies[k], cache, warmup_tokens, seed, warm_start)
-        recs, seconds = decode_settings(model, tokens, [policies[k] for k in loops], n_tokens, seed, cache, max_rows,
-                                        warm_start, first_window, bos, labels, context_steps)
-        n_lat = n_scored if latency_tokens is None else min(latency_tokens, n_scored)
+            warm_up(model, tokens_d, policies[k], settings)
+        recs, seconds = decode_policies(model, tokens, [policies[k] for k in loops], n_tokens, settings,
+                                        first_window, labels)
+        n_lat = n_scored if settings.latency_tokens is None else min(settings.latency_tokens, n_scored)
         timings: dict[int, list] = {k: [] for k in loops}
-        batched_step = step_of(model)
-        with timed_with(model, latency_step_for(model, latency_step, len(loops)) if n_lat > 0 else None) as timed_step:
-            for k in loops if n_lat > 0 and timed_step != batched_step else ():  # its first calls untimed too
-                warm_up(model, tokens_d, policies[k], cache, warmup_tokens, seed, warm_start)
-            for _ in range(repeats if n_lat > 0 else 0):
-                for k in loops:
-                    timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, cache, seed, warm_start,
-                                                  first_window, bos=bos, labels=labels, context_steps=context_steps))
+        timed = settings.replace(step=latency_step_for(model, settings, len(loops))) if n_lat > 0 else settings
+        for k in loops if n_lat > 0 and timed.step != settings.step else ():  # its first calls untimed too
+            warm_up(model, tokens_d, policies[k], timed)
+        for _ in range(settings.repeats if n_lat > 0 else 0):
+            for k in loops:
+                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, timed, first_window, labels))
         for k, rec in zip(loops, recs, strict=True):
             rec["ms"] = np.full(n_scored, np.nan)
-            ev = _summary(model, policies[k], rec, cache, max_rows, warm_start, bos=bos)
+            ev = _summary(model, policies[k], rec, settings)
             ev["tokens_per_s"] = n_scored * len(loops) / seconds
-            ev["shared_batch"] = len(loops)  # the settings decoded side by side
-            ev["latency_step"] = timed_step
+            ev["shared_batch"] = len(loops)  # the policies decoded side by side
+            ev["latency_step"] = timed.step
             add_latency(ev, rec, timings[k])
-            out[k] = score_task(model, policies[k], ev, rec, labels, answers, cache, max_rows, warm_start, bos)
+            out[k] = score_task(model, policies[k], ev, rec, labels, settings)
     model.train(was_training)
     return out
 
@@ -291,8 +243,7 @@ def attended(rec: dict, bos: int | None = None) -> np.ndarray:
 
 
 def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels: np.ndarray | None,
-               answers: bool | None, cache: str, batch_size: int, warm_start: bool,
-               bos: int | None) -> tuple[dict, dict]:
+               settings: DecodeSettings) -> tuple[dict, dict]:
     """A task's scoring (docs/spec.md §6). With `labels` (aligned with the held-out tokens:
     0 = not an answer, d >= 1 = an answer of difficulty d) every record gets its target's
     `label`, and the eval block `answers` (`tasks.score_answers`). With `answers` (None:
@@ -300,6 +251,7 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
     quality and cost (ce, applications, layer_applications, ...) are recomputed over
     them: what the sweep, the frontier, calibration and the report then read. Latency
     stays that of every decoded token. `answers=True` without labels is an error."""
+    answers, bos = settings.answers, settings.bos
     if labels is None:
         if answers:
             raise ValueError("eval.answers: true scores a task's answer tokens, but this data has no "
@@ -316,7 +268,7 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
         rec["kept"] = np.flatnonzero(keep)  # rows of the full record (`add_latency` maps timings by it)
         latency = {k: v for k, v in ev.items() if k.startswith(("ms_", "latency", "repeats", "batch_check",
                                                                    "tokens_per_s"))}
-        ev = {**ev, **_summary(model, policy, rec, cache, batch_size, warm_start, bos=bos), **latency}
+        ev = {**ev, **_summary(model, policy, rec, settings), **latency}
         if "nll_by_n" in rec:  # the oracle
             ev["ce_at_max_steps"] = float(rec["nll_by_n"][:, -1].mean())
     ev["scored"] = "answers" if answers is None or answers else "all"
@@ -325,26 +277,26 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
 
 
 @torch.no_grad()
-def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, cache: str = "latest",
-                seed: int = 0, warm_start: bool = False, first_window: int = 0,
-                warmup_tokens: int = 0, bos: int | None = None, labels: np.ndarray | None = None,
-                context_steps: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One timed pass at batch 1 over the first `n_tokens` scored tokens (their windows one
-    after another, SPEC §4 latency), after `warmup_tokens` untimed steps: ms per token,
+    after another, SPEC §4 latency) as `settings` decode them (its step: the timed one;
+    under the compiled step the graphs of every attention span are built first, untimed,
+    `decoding.warm_up` with no tokens): ms per token,
     and the NLL and applications of the pass (for `batch_check`). `add_latency` turns
     repeats of it into the latency fields; `recdepth.report` interleaves the repeats of
     several policies (round-robin) so that drift of the machine hits them alike."""
     was_training = model.training
     model.eval()
     T = model.cfg.block_size
-    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
-    warm_up(model, tokens, policy, cache, warmup_tokens, seed, warm_start)
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, settings.bos)
+    warm_up(model, tokens, policy, settings.replace(warmup_tokens=0))
     secs, nll1, apps1 = [], [], []
     for w in wins:
-        nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, cache, seed, timed=True,
-                                         warm_start=warm_start, first_window=first_window, bos=bos,
-                                         labels=labels, context_steps=context_steps)
-        r = records([w], nll, apps, tokens, T, first_window, bos)
+        nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, settings, timed=True,
+                                           first_window=first_window, labels=labels)
+        r = records([w], nll, apps, tokens, T, first_window, settings.bos)
         secs += sec[: w[1]]
         nll1.append(r["nll"])
         apps1.append(r["apps"])
@@ -376,9 +328,8 @@ def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray,
 
 
 @torch.no_grad()
-def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int, seed: int = 0,
-                    cache: str = "latest", batch_size: int = 1, warm_start: bool = False,
-                    first_window: int = 0, bos: int | None = None, share_first: bool = True) -> tuple[dict, dict]:
+def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                    settings: DecodeSettings = REFERENCE, first_window: int = 0) -> tuple[dict, dict]:
     """The oracle of SPEC §4b (best uniform depth per token within ε: it reads the
     target, and it is no bound on rules that spend different depths per group) at ε = policy.tau, N = policy.max_steps: per token, the
     smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
@@ -390,7 +341,7 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     `warm_start` every row also starts the next position from row N's final group states.
     Row N is then exactly `exit=fixed max_steps=N` (with the same `warm_start`). The first
     group's input is the same in every row of a window, so it loops once per window and
-    each row takes its state after n applications (`decoding.loop_shared`; `share_first`
+    each row takes its state after n applications (`decoding.loop_shared`; `settings.share_first`
     False loops it in every row: the same records, 1 + 2 + … + N applications instead of N). The record carries `nll_by_n` [tokens, N], from which
     the oracle at any other ε follows without decoding again (`recdepth.core.stats.oracle_n`).
     No latency: the oracle reads the target, so it cannot run for real."""
@@ -398,15 +349,15 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     model.eval()
     N = policy.max_steps
     T = model.cfg.block_size
+    bos, batch_size = settings.bos, settings.batch_size
     tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
     fixed = build("fixed", None, max_steps=N)
     parts, by_n, ok_by_n, t0 = [], [], [], time.perf_counter()
     for b in range(0, len(wins), batch_size):
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
-        nll, _, _, ok = decode_windows(model, tokens, ws, fixed, cache, seed, reps=N, limit=limit,
-                                        warm_start=warm_start, first_window=first_window, bos=bos,
-                                        share_first=share_first)
+        nll, _, _, ok = decode_windows(model, tokens, ws, fixed, settings.replace(context_steps=None), reps=N,
+                                       limit=limit, first_window=first_window)
         nll, ok = nll.view(len(ws), N, -1), ok.view(len(ws), N, -1)  # [window, n, position]
         by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
         ok_by_n.append(np.concatenate([ok[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
@@ -420,7 +371,7 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     rec["correct"] = np.concatenate(ok_by_n)[np.arange(n_tokens), n - 1]
     rec["apps"] = np.repeat(n[:, None], model.n_groups, axis=1)
     rec["ms"] = np.full(n_tokens, np.nan)
-    ev = _summary(model, policy, rec, cache, batch_size, warm_start, bos=bos)
+    ev = _summary(model, policy, rec, settings)
     ev.update(ms_per_token=None, latency_tokens=0, repeats=0, tokens_per_s=n_tokens / seconds,
               ce_at_max_steps=float(rec["nll_by_n"][:, -1].mean()))
     model.train(was_training)

@@ -19,10 +19,12 @@ import numpy as np
 import torch
 
 from recdepth.core import calibration, ltt, stats
-from recdepth.core.decoding import lean_steps, span
+from recdepth.core.decoding import span
 from recdepth.core.scoring import evaluate_exit, evaluate_exits, model_cost
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.policy import ExitPolicy, build
 from recdepth.glue.checkpoints import open_model, resolve_device
+from recdepth.glue.evaluation import decode_settings
 from recdepth.glue.frontier_grid import Setting, exit_line
 from recdepth.glue.schema import CalibrateConfig, ReportConfig
 
@@ -67,8 +69,10 @@ def exit_group(p: ExitPolicy, gate: str | None = None, calibrated_on: tuple[int,
 
 class CalibrationSplit:
     """Decodes a policy on the calibration tokens for real; remembers what it decoded.
-    `first_window`: the noise key of the split's first window (`noise_window`), so its
-    windows never share the test windows' noise; `cost`: the model's layer-application cost.
+    `settings`: how it decodes (the run's eval block with calibration.batch_size windows a
+    batch, no warm-up or latency passes: `calibration_split`); `first_window`: the noise key
+    of the split's first window (`noise_window`), so its windows never share the test
+    windows' noise; `cost`: the model's layer-application cost.
 
     A setting is decoded once per split: a policy asked for again (the two targets of one
     rule start their searches at the same ends and midpoint; `fixed` at max_steps is every
@@ -77,14 +81,10 @@ class CalibrationSplit:
     alone; in float32 up to a criterion within rounding of τ under another batch, as for
     any batch). `decodes` counts the settings decoded, `reused` the asks answered from memory."""
 
-    def __init__(self, model, tokens: torch.Tensor, n_tokens: int, seed: int, cache: str, batch_size: int,
-                 warm_start: bool = False, first_window: int = 0, labels=None, answers: bool | None = None,
-                 context_steps: int | None = None, bos: int | None = None):
+    def __init__(self, model, tokens: torch.Tensor, n_tokens: int, settings: DecodeSettings,
+                 first_window: int = 0, labels=None):
         self.model, self.tokens, self.n_tokens, self.labels = model, tokens, n_tokens, labels
-        self.bos = bos  # an hf= model's BOS, which every window starts with (as in its evaluation)
-        self.answers = answers  # eval.answers: a task's answer tokens only (None: whenever there are labels)
-        self.context_steps = context_steps  # eval.context_steps: a task's context at fixed depth
-        self.seed, self.cache, self.batch_size, self.warm_start = seed, cache, batch_size, warm_start
+        self.settings = settings.replace(warmup_tokens=0, latency_tokens=0)
         self.first_window = first_window
         self.cost = model_cost(model)
         self.seconds = 0.0
@@ -109,10 +109,8 @@ class CalibrationSplit:
             if max_rows == 0 or len(new) < 2:
                 recs = [self._decode(p) for p in new.values()]
             else:
-                out = evaluate_exits(self.model, self.tokens, list(new.values()), self.n_tokens, warmup_tokens=0,
-                                     seed=self.seed, cache=self.cache, max_rows=max_rows, latency_tokens=0,
-                                     warm_start=self.warm_start, first_window=self.first_window, labels=self.labels,
-                                     answers=self.answers, context_steps=self.context_steps, bos=self.bos)
+                out = evaluate_exits(self.model, self.tokens, list(new.values()), self.n_tokens,
+                                     self.settings.replace(batch_size=max_rows), self.first_window, self.labels)
                 recs = [rec for _, rec in out]
             self.seconds += time.perf_counter() - t0
             self.decodes += len(new)
@@ -123,10 +121,8 @@ class CalibrationSplit:
         return self.decode_many([policy], 0)[0]
 
     def _decode(self, policy: ExitPolicy) -> dict:
-        _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, warmup_tokens=0, seed=self.seed,
-                               cache=self.cache, batch_size=self.batch_size, latency_tokens=0,
-                               warm_start=self.warm_start, first_window=self.first_window, labels=self.labels,
-                               answers=self.answers, context_steps=self.context_steps, bos=self.bos)
+        _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, self.settings, self.first_window,
+                               self.labels)
         return rec
 
 
@@ -379,14 +375,12 @@ def noise_window(n_test: int, block_size: int, bos: int | None = None) -> int:
 
 
 def load_splits(run: CalibrateConfig | ReportConfig):
-    """The validated config's model (`checkpoints.open_model`: ckpt= or hf=) on run.device
-    with eval.step set,
+    """The validated config's model (`checkpoints.open_model`: ckpt= or hf=) on run.device,
     the split ranges (`splits`), the test and calibration token streams (held-out tokens
     [0, eval.tokens] and the calibration.tokens + 1 after them; one line naming
     calibration.tokens if the held-out split is too short), and their task labels
     {"test": ..., "calibration": ...} (None each on text)."""
     opened = open_model(run, resolve_device(run.device))
-    lean_steps(opened.model, run.eval.step)  # every decode below
     c, n_test = run.calibration, run.eval.tokens
     sp = splits(n_test, c.tokens)
     regions = opened.regions()
@@ -411,6 +405,6 @@ def calibration_split(run: CalibrateConfig | ReportConfig, model, cal_tokens: to
     and its own noise keys (on a task, its answer tokens: `labels`; an hf= model's windows
     start with `bos`)."""
     c, e = run.calibration, run.eval
-    return CalibrationSplit(model, cal_tokens, c.tokens, run.seed, e.cache, c.batch_size, e.warm_start,
-                            first_window=noise_window(e.tokens, model.cfg.block_size, bos), labels=labels,
-                            answers=e.answers, context_steps=e.context_steps, bos=bos)
+    settings = decode_settings(run, bos).replace(batch_size=c.batch_size)
+    return CalibrationSplit(model, cal_tokens, c.tokens, settings,
+                            first_window=noise_window(e.tokens, model.cfg.block_size, bos), labels=labels)

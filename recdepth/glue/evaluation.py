@@ -1,7 +1,7 @@
 """Scoring a checkpoint under exit rules for the commands: a job's decoding settings
-(`eval_settings`), the policy checked against the opened model (`for_model`), the shared
-decode of a sweep's settings as one batch (`decode_shared`, read back by each job through
-`run_eval`), the job files (`write_eval`: eval_tokens.csv, oracle_nll.npy) and the eval
+(`decode_settings`), the policy checked against the opened model (`for_model`), the shared
+decode of a sweep's settings as one batch (`decode_shared`, handed to each job as a
+`Precomputed`), the job files (`write_eval`: eval_tokens.csv, oracle_nll.npy) and the eval
 block after training (`evaluate_trained`). `recdepth.evaluate`, `recdepth.calibrate`,
 `recdepth.report`, `recdepth.train` and the frontier sweeper use it.
 """
@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth.core.scoring import evaluate_exit, evaluate_exits
 from recdepth.core.state_decode import has_coda
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.policy import ORACLE, ExitPolicy
 from recdepth.glue import token_files
 from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint, open_model, resolve_device
@@ -35,22 +36,53 @@ def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
     return policy.resolve(has_coda(model), hf=opened.kind == "hf")
 
 
-def eval_settings(cfg) -> dict:
-    """The eval block's decoding settings (and the seed) as keywords of
-    `scoring.evaluate_exit(s)`, from a composed config or the validated object (an older
-    run's config.yaml may lack the later keys: their defaults)."""
+# eval keys an older run's config.yaml may lack, read as the code before them did
+_LATER_KEYS = {"answers": None, "context_steps": None, "latency_step": None, "step": EvalConfig.step}
+
+
+def decode_settings(cfg, bos: int | None = None) -> DecodeSettings:
+    """The eval block (and the seed) as the engine's `DecodeSettings`, from a composed config
+    or the validated object (an older run's config.yaml may lack the later keys,
+    `_LATER_KEYS`); `bos`: the opened model's BOS id (an hf= tokenizer's), if any."""
     e = cfg.eval
-    return dict(warmup_tokens=e.warmup_tokens, seed=cfg.seed, cache=e.cache, latency_tokens=e.latency_tokens,
-                repeats=e.repeats, warm_start=e.warm_start, answers=getattr(e, "answers", None),
-                context_steps=getattr(e, "context_steps", None), step=getattr(e, "step", EvalConfig.step),
-                latency_step=getattr(e, "latency_step", None))
+    keys = ("cache", "warm_start", "step", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
+            "repeats", "latency_step", "answers")
+    return DecodeSettings(seed=cfg.seed, bos=bos, **{k: getattr(e, k, _LATER_KEYS.get(k)) for k in keys})
 
 
-# Jobs of a sweep decoded ahead of them as one batch (`decode_shared`): job key -> a list
-# (a sweep may hold one setting twice) of (the `Opened` model it was decoded with, (eval
-# block, per-token record)); a job finding its key writes these instead of opening its
-# checkpoint and decoding again (`take_shared`).
-_SHARED: dict[str, list[tuple[object, tuple[dict, dict]]]] = {}
+class Precomputed:
+    """Jobs of a sweep decoded ahead of them as one batch (`decode_shared`), handed over to
+    the jobs: job key (`job_key`) -> a list (a sweep may hold one setting twice) of (the
+    `Opened` model it was decoded with, (eval block, per-token record)). A job given one
+    (`recdepth.evaluate.evaluate(cfg, precomputed=...)`) takes its entry (`take`) and writes
+    it instead of opening its checkpoint and decoding again."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[str, list[tuple[object, tuple[dict, dict]]]] = {}
+
+    def put(self, cfg: DictConfig, opened, result: tuple[dict, dict]) -> None:
+        self.jobs.setdefault(job_key(cfg), []).append((opened, result))
+
+    def take(self, cfg: DictConfig):
+        """(the `Opened` model, (eval block, record)) left for this job, removed; or None
+        (the job opens its checkpoint and decodes itself)."""
+        key = job_key(cfg)
+        entries = self.jobs.get(key)
+        if not entries:
+            return None
+        first = entries.pop(0)
+        if not entries:
+            del self.jobs[key]
+        return first
+
+    def __len__(self) -> int:
+        return sum(len(v) for v in self.jobs.values())
+
+
+# What the frontier sweeper (hydra_plugins/recdepth_frontier) decodes ahead of a multirun's
+# jobs. Hydra's launcher calls a job with its config only, so the evaluate command's Hydra
+# task hands this one to `evaluate` (recdepth/evaluate.py: `evaluate_job`).
+SWEEP = Precomputed()
 
 
 KEYS = ("ckpt", "hf", "dtype", "device", "seed", "data", "eval", "exit")  # what a job's decode reads
@@ -64,28 +96,17 @@ def job_key(cfg: DictConfig, without: tuple[str, ...] = ()) -> str:
     return json.dumps(part, sort_keys=True, default=str)
 
 
-def take_shared(cfg: DictConfig):
-    """(the `Opened` model, (eval block, record)) `decode_shared` left for this job, removed;
-    or None (the job opens its checkpoint and decodes itself)."""
-    key = job_key(cfg)
-    entries = _SHARED.get(key)
-    if not entries:
-        return None
-    first = entries.pop(0)
-    if not entries:
-        del _SHARED[key]
-    return first
-
-
-def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None) -> int:
+def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None,
+                  into: Precomputed | None = None) -> Precomputed:
     """Decode the jobs of a sweep (their composed configs, run_dir aside) that differ only in
     exit.* as one batch each (`scoring.evaluate_exits`: every job's records are those it
     gets alone, its latency timed at batch 1 round-robin with the others), ahead of the
-    jobs, which then write these results (`run_eval`). The oracle, a job alone in its
+    jobs, which then write these results (`run_eval`): returned as a `Precomputed` (`into`,
+    if given, gains them). The oracle, a job alone in its
     group and a job whose config or checkpoint fails (or whose exit was calibrated on the
     tokens it would score) are left to the job itself, which decodes alone and reports its
-    own error. `opened`: the jobs' model when the caller has it open already (the report).
-    Returns the number of jobs decoded."""
+    own error. `opened`: the jobs' model when the caller has it open already (the report)."""
+    into = Precomputed() if into is None else into
     groups: dict[str, list[tuple[DictConfig, ExitPolicy]]] = {}
     for cfg in jobs:
         try:
@@ -96,7 +117,6 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None) -> int:
             continue
         if policy.name != ORACLE:
             groups.setdefault(job_key(cfg, without=("exit",)), []).append((cfg, policy))
-    done = 0
     for group in groups.values():
         if len(group) < 2:
             continue
@@ -108,12 +128,12 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None) -> int:
         except (ValueError, FileNotFoundError):
             continue
         log.info("decoding %d settings side by side (up to %d rows a batch)", len(group), max_rows)
-        results = evaluate_exits(got.model, got.heldout(n + 1, start), policies, n, max_rows=max_rows,
-                                 bos=got.bos, labels=got.labels(n + 1, start), **eval_settings(cfg))
+        settings = decode_settings(cfg, got.bos).replace(batch_size=max_rows)
+        results = evaluate_exits(got.model, got.heldout(n + 1, start), policies, n, settings,
+                                 labels=got.labels(n + 1, start))
         for (c, _), result in zip(group, results, strict=True):
-            _SHARED.setdefault(job_key(c), []).append((got, result))
-        done += len(group)
-    return done
+            into.put(c, got, result)
+    return into
 
 
 def split_start(opened, split: str) -> int:
@@ -136,15 +156,14 @@ def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_di
     (an hf= model's tokenizer BOS, else null). On a task (`labels`, aligned with `tokens`)
     the block gains `answers` (`tasks.score_answers`: accuracy, NLL and cost on the answer
     tokens, per difficulty) and eval_tokens.csv the answer, difficulty and correct columns.
-    `shared`: the (eval block, record) this job got decoded with its sweep (`take_shared`),
-    written instead of decoding `tokens`."""
+    `shared`: the (eval block, record) this job got decoded with its sweep
+    (`Precomputed.take`), written instead of decoding `tokens`."""
     e = cfg.eval
     check_test_split(cfg)
     if shared is not None:
         ev, rec = shared
     else:
-        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, batch_size=e.batch_size, bos=bos, labels=labels,
-                                **eval_settings(cfg))
+        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, decode_settings(cfg, bos), labels=labels)
     used = policy.resolve(has_coda(model))
     ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
     write_eval(run_dir, rec, vocab_to_gpt2)

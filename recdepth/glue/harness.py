@@ -44,10 +44,11 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
-from recdepth.core.decoding import decode_windows, lean_steps
+from recdepth.core.decoding import decode_windows
 from recdepth.core.gate import load_gate
 from recdepth.core.generation import greedy
 from recdepth.core.scoring import evaluate_exit, model_cost
+from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.policy import build
 from recdepth.glue.checkpoints import open_model, resolve_device
 from recdepth.glue.evaluation import for_model
@@ -93,16 +94,17 @@ class RecdepthLM(LM):
         gate_wb = None if gate is None else load_gate(gate)[:2]
         policy = build(exit, tau, groups=self.model.n_groups, gate=gate_wb, **kw)
         self.policy = for_model(policy, self.opened)
-        self.cache, self.warm_start, self.seed = cache, bool(warm_start), int(seed)
-        self.max_gen_toks = int(max_gen_toks)
-        lean_steps(self.model, step)
         self.bos = self.opened.bos
+        # how every request decodes; the windows of _score carry their own BOS, not the engine's
+        self.settings = DecodeSettings(cache=cache, warm_start=bool(warm_start), step=step, seed=int(seed),
+                                       batch_size=self.batch, warmup_tokens=0, latency_tokens=0)
+        self.max_gen_toks = int(max_gen_toks)
         self.lead = int(self.bos is not None)
         self.T = self.model.cfg.block_size
         self.cost = model_cost(self.model)
         self.args = {"ckpt": ckpt, "hf": hf, "exit": exit, "tau": tau, "min_steps": min_steps, "max_steps": max_steps,
-                     "patience": patience, "gate": gate, "cache": cache, "warm_start": self.warm_start, "step": step,
-                     "dtype": dtype, "seed": self.seed}
+                     "patience": patience, "gate": gate, "cache": cache, "warm_start": bool(warm_start), "step": step,
+                     "dtype": dtype, "seed": int(seed)}
         self._apps: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(self.model.n_groups))
         self._tokens: dict[str, int] = defaultdict(int)
 
@@ -155,8 +157,8 @@ class RecdepthLM(LM):
             stream = torch.as_tensor([t for s in seqs for t in s], dtype=torch.long, device=self._device)
             starts = np.cumsum([0] + [len(s) for s in seqs[:-1]])
             wins = [(int(st), len(s) - 1) for st, s in zip(starts, seqs, strict=True)]
-            nll, apps, _, ok = decode_windows(self.model, stream, wins, self.policy, self.cache, self.seed,
-                                              warm_start=self.warm_start, keys=[0] * len(wins))
+            nll, apps, _, ok = decode_windows(self.model, stream, wins, self.policy, self.settings,
+                                              keys=[0] * len(wins))
             for r, i in enumerate(idx):
                 n, k = wins[r][1], min(len(pairs[i][1]), wins[r][1])
                 sl = slice(n - k, n)
@@ -179,8 +181,7 @@ class RecdepthLM(LM):
                 out.append(0.0)  # no token after the first: nothing scored
                 continue
             _, rec = evaluate_exit(self.model, torch.as_tensor(ids, device=self._device), self.policy, len(ids) - 1,
-                                   warmup_tokens=0, seed=self.seed, cache=self.cache, batch_size=self.batch,
-                                   latency_tokens=0, warm_start=self.warm_start, bos=self.bos)
+                                   self.settings.replace(bos=self.bos))
             self._record(r.task_name, rec["apps"])
             out.append(-float(rec["nll"].sum()))
         return out
@@ -200,8 +201,7 @@ class RecdepthLM(LM):
                 ids = [self._start_id()]
             ids = ids[-(self.T - 1):]
             n_new = min(int(kw.get("max_gen_toks", self.max_gen_toks)), self.T - len(ids))
-            gen = greedy(self.model, ids, self.policy, n_new, cache=self.cache, seed=self.seed,
-                         warm_start=self.warm_start)
+            gen = greedy(self.model, ids, self.policy, n_new, self.settings)
             self._record(r.task_name, np.asarray([rec.apps for rec in gen.records]).reshape(-1, self.model.n_groups))
             text = self.codec.decode(gen.ids)
             cut = min([text.find(u) for u in until if u and u in text], default=len(text))

@@ -15,14 +15,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recdepth import exits
-from recdepth.core import (
-    decoding,
-    sampler,
-    scoring,
-)
-from recdepth.core.kv_cache import check_cache
+from recdepth.core import sampler
 from recdepth.core.model_config import OPTION_DEFAULTS, check_architecture, shape_of
 from recdepth.data.sources import DataConfig  # noqa: F401  (the `data` group: one class per source)
+from recdepth.decode.settings import DecodeSettings
 
 CALIBRATION_METHODS = ("empirical", "ltt")
 
@@ -181,10 +177,10 @@ class DecodeConfig:
     """How tokens are decoded, the same knobs under the same names in every command:
     `eval.cache`, `eval.warm_start`, `eval.step` (recdepth.generate reads only these)."""
 
-    cache: str = "latest"
+    cache: str = DecodeSettings.cache
     """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application; needed
     by speculative decoding)."""
-    warm_start: bool = False
+    warm_start: bool = DecodeSettings.warm_start
     """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
     ended with for the previous token of the window (the first token: the usual initial state)."""
     step: str = "lean"
@@ -194,10 +190,11 @@ class DecodeConfig:
     docs/results/decode-speed.md (`recdepth bench decode`)."""
 
     def __post_init__(self):
-        check_one_of("eval.step", self.step, decoding.STEPS)
-        check_cache(self.cache)
-        if not isinstance(self.warm_start, bool):
-            raise ValueError(f"eval.warm_start: expected true or false, got {self.warm_start!r}")
+        self.settings()  # validated once, by the object the engine reads
+
+    def settings(self, **more) -> DecodeSettings:
+        """These fields (and `more`: the seed, a BOS id) as the engine's `DecodeSettings`."""
+        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, step=self.step, **more)
 
 
 @dataclass
@@ -222,15 +219,15 @@ class EvalConfig(DecodeConfig):
     quality pass keeps eval.step; the two are equal up to float rounding, and each job's
     `batch_check` counts timed tokens whose applications differ. Its first calls (the compile)
     run in the untimed warm-up; what it saves: docs/results/sweep-time.md."""
-    warmup_tokens: int = 8
+    warmup_tokens: int = DecodeSettings.warmup_tokens
     """Untimed decode steps before timing starts (>= 0)."""
-    answers: bool | None = None
+    answers: bool | None = DecodeSettings.answers
     """Score a task's answer tokens only (docs/spec.md §6): null = yes on data=task (the
     only data with answers), true = required, false = every token (labels kept)."""
     split: str = "test"
     """The held-out split scored: test | extrapolation (data=task: harder instances than
     any trained on; recdepth.evaluate only)."""
-    context_steps: int | None = None
+    context_steps: int | None = DecodeSettings.context_steps
     """A task (docs/spec.md §6): positions whose target is not an answer (the statements,
     operands, terms: the prompt) loop exactly this many applications and the exit rule
     decides at answer positions only; null: the rule decides at every position."""
@@ -238,8 +235,11 @@ class EvalConfig(DecodeConfig):
     def __post_init__(self):
         super().__post_init__()
         check_one_of("eval.split", self.split, ("test", "extrapolation"))
-        scoring.check_latency_step(self.latency_step)
-        if self.context_steps is not None and self.context_steps < 1:
-            raise ValueError(f"eval.context_steps: expected null or an integer >= 1, got {self.context_steps}")
-        decoding.check_settings(self.tokens, self.warmup_tokens, self.batch_size, self.latency_tokens,
-                                self.repeats, self.cache, self.warm_start)
+        check_int("eval.tokens", self.tokens, 0)
+
+    def settings(self, **more) -> DecodeSettings:
+        """The eval block as the engine's `DecodeSettings` (`more`: the seed, a BOS id)."""
+        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, step=self.step,
+                              context_steps=self.context_steps, batch_size=self.batch_size,
+                              warmup_tokens=self.warmup_tokens, latency_tokens=self.latency_tokens,
+                              repeats=self.repeats, latency_step=self.latency_step, answers=self.answers, **more)

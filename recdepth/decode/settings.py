@@ -1,0 +1,99 @@
+"""`DecodeSettings`: how the decoding engine and the scoring built on it decode tokens, in
+one frozen object validated once (SPEC §4; docs/spec.md §4 for the recdepth options).
+
+The engine (`recdepth.core.decoding`), scoring (`recdepth.core.scoring`) and generation
+(`recdepth.core.generation`) take it instead of loose keyword arguments, and read the fast
+path they run from its `step` by name (`decoding.fast_steps`). The commands build it from
+the run config's `eval` block (`recdepth.glue.evaluation.decode_settings`); the rule's own
+choices (exit.decode, exit.kl_direction) stay with the exit policy.
+
+Defaults are the reference pass a library caller gets: `Block.forward`, one window at a
+time, no latency repeats. What a command runs by default is the `eval` block's
+(`recdepth.glue.schema_groups.EvalConfig`, e.g. `step: lean`, 16 windows a batch).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from recdepth.core.kv_cache import check_cache
+
+STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`decoding.fast_steps`)
+AUTO = "auto"  # latency_step: the compiled step where it is measured to pay (`scoring.latency_step_for`)
+
+
+def _check_int(field: str, v, lo: int, none: bool = False) -> None:
+    if none and v is None:
+        return
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"eval.{field}: expected {'null or ' if none else ''}an integer >= {lo}, got {v!r}")
+
+
+def _check_bool(field: str, v, none: bool = False) -> None:
+    if not (isinstance(v, bool) or (none and v is None)):
+        raise ValueError(f"eval.{field}: expected {'null, ' if none else ''}true or false, got {v!r}")
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """How tokens are decoded and scored. Every field is checked at construction, with a
+    one-line error naming it as the run config does (`eval.<field>`)."""
+
+    cache: str = "latest"
+    """K/V of looped layers: latest (one entry per position, SPEC §4) | per_step (one per
+    application; speculative decoding needs it)."""
+    warm_start: bool = False
+    """Continuous compute: each group's loop for a token starts from the state it ended with
+    for the previous token of the window (the first token: the initial state)."""
+    step: str = "module"
+    """How a token's layers are computed: module (`Block.forward`, the reference) | lean
+    (`recdepth.core.lean_step`, eager) | compiled (lean under torch.compile)."""
+    seed: int = 0
+    """Noise key of the initial states (`decoding.noise_seed`)."""
+    bos: int | None = None
+    """A BOS id (an hf= model's tokenizer): every window starts with it at position 0."""
+    context_steps: int | None = None
+    """A task's non-answer positions loop exactly this many applications, the rule deciding
+    at answer positions only (docs/spec.md §6); None: the rule decides everywhere."""
+    batch_size: int = 1
+    """Windows (rows) decoded side by side in a batched pass; each row is its batch-1 result."""
+    warmup_tokens: int = 8
+    """Untimed decode steps before a timed pass."""
+    latency_tokens: int | None = None
+    """The first this many tokens timed again at batch 1 (None: every scored token)."""
+    repeats: int = 1
+    """Timed passes; latency is their median."""
+    latency_step: str | None = None
+    """The step of the batch-1 timed passes: None = `step`, one of `STEPS`, or auto
+    (`scoring.latency_step_for`)."""
+    answers: bool | None = None
+    """A task's answer tokens only (None: whenever there are answer labels)."""
+    compact: bool = True
+    """Once some rows exit, run the layers on the rows still looping only (wall-clock
+    saved); False computes every row and masks (the same records)."""
+    share_first: bool = True
+    """The oracle's rows of a window loop the first group once (`decoding.loop_shared`);
+    False loops every row (the same records; the reference it is tested against)."""
+
+    def __post_init__(self):
+        check_cache(self.cache)
+        if self.step not in STEPS:
+            raise ValueError(f"eval.step: expected one of {', '.join(STEPS)}, got {self.step!r}")
+        if self.latency_step is not None and self.latency_step != AUTO and self.latency_step not in STEPS:
+            raise ValueError(f"eval.latency_step: expected null, {AUTO} or one of {', '.join(STEPS)}, "
+                             f"got {self.latency_step!r}")
+        for field in ("warm_start", "compact", "share_first"):
+            _check_bool(field, getattr(self, field))
+        _check_bool("answers", self.answers, none=True)
+        _check_int("seed", self.seed, -(2**63))
+        _check_int("bos", self.bos, 0, none=True)
+        _check_int("context_steps", self.context_steps, 1, none=True)
+        _check_int("batch_size", self.batch_size, 1)
+        _check_int("warmup_tokens", self.warmup_tokens, 0)
+        _check_int("latency_tokens", self.latency_tokens, 0, none=True)
+        _check_int("repeats", self.repeats, 1)
+
+    def replace(self, **changes) -> DecodeSettings:
+        """A copy with `changes`, validated again."""
+        return dataclasses.replace(self, **changes)
