@@ -40,11 +40,11 @@ kl and accel at four τ each) on the test split twice in one run: setting by set
 
 `python -m recdepth.bench decode [--ckpt PATH]` times one layer application of token-by-token
 decoding per `eval.step` (module, lean, compiled) at batch 1 and 16, for the default and the
-paper shape, beside its arithmetic lower bound (recdepth/bench_decode.py).
+paper shape, beside its arithmetic lower bound (recdepth/benchmarks/decode.py).
 
 `python -m recdepth.bench oracle [--ckpt PATH]` times the oracle (SPEC §4b) with its first
 group looped once per window against every row looping it, interleaved, and compares the
-records (recdepth/bench_sweeps.py).
+records (recdepth/benchmarks/sweeps.py).
 
 `python -m recdepth.bench callbacks` instead times the default training run
 (`python -m recdepth.train model=grouped`, exit evaluation off) twice in one process, with
@@ -62,9 +62,11 @@ from pathlib import Path
 
 import torch
 
-from recdepth import bench_decode, bench_speculative, bench_sweeps
-from recdepth.core.model import GPTConfig, LoopedGPT
+from recdepth.benchmarks import decode as bench_decode
+from recdepth.benchmarks import speculative as bench_speculative
+from recdepth.benchmarks import sweeps as bench_sweeps
 from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
+from recdepth.model.looped import GPTConfig, LoopedGPT
 
 
 def step_time(model: LoopedGPT, loops, backprop_depth, batch: int, vocab: int, steps: int, warmup: int = 2) -> float:
@@ -138,7 +140,7 @@ def bench_callbacks(args) -> dict:
 
     from hydra import compose, initialize_config_dir
 
-    from recdepth.glue.config import conf_dir
+    from recdepth.config.build import conf_dir
     from recdepth.train import train
 
     base = ["model=grouped", "eval.tokens=0", "trainer.enable_progress_bar=false", *args.overrides]
@@ -183,15 +185,15 @@ def _median_time(fn, reps: int, warmup: int = 3) -> float:
 def bench_exits(args) -> dict:
     """Latency / throughput / compute per exit rule and τ, and the cost of the exit check."""
     from recdepth import exits
-    from recdepth.core.decoding import decode_step
-    from recdepth.core.kv_cache import new_caches
-    from recdepth.core.scoring import evaluate_exit
+    from recdepth.decode.engine import decode_step
+    from recdepth.decode.kv_cache import new_caches
+    from recdepth.decode.scoring import evaluate_exit
     from recdepth.decode.settings import DecodeSettings
 
     tune_cpu_allocator()
     torch.manual_seed(0)
     if args.ckpt:
-        from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
+        from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
         model = module.model
@@ -291,8 +293,8 @@ def _core_params(model: LoopedGPT) -> int:
 def _decode_seconds(model: LoopedGPT, tokens, n: int, reps: int) -> float:
     """Median seconds of one decode step at batch 1 with n applications per group, for the
     last of `tokens` after the others filled the cache (at one application each: cheap)."""
-    from recdepth.core.decoding import decode_step
-    from recdepth.core.kv_cache import new_caches
+    from recdepth.decode.engine import decode_step
+    from recdepth.decode.kv_cache import new_caches
     from recdepth.exits.policy import build
 
     caches = new_caches(model, 1, model.cfg.block_size, "latest")

@@ -1,6 +1,6 @@
 """`python -m recdepth.calibrate ckpt=<path> exit=accel target.max_ce_increase=0.01`: per-group
 exit thresholds searched to a target on a calibration split, then one evaluation on the test
-split (docs/spec.md §4c; the search is `recdepth.core.calibration`).
+split (docs/spec.md §4c; the search is `recdepth.exits.calibration.search`).
 
     python -m recdepth.calibrate ckpt=<run>/train/checkpoints/last.ckpt exit=accel target.max_ce_increase=0.01
     python -m recdepth.calibrate ckpt=<run>/train/checkpoints/last.ckpt exit=kl target.layer_applications=40
@@ -40,10 +40,13 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.core.scoring import evaluate_exit
-from recdepth.exits.policy import build
-from recdepth.glue import token_files
-from recdepth.glue.calibrating import (
+from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.build import exit_policy
+from recdepth.config.schema import validated
+from recdepth.decode import token_files
+from recdepth.decode.jobs import decode_settings, for_model, run_eval
+from recdepth.decode.scoring import evaluate_exit
+from recdepth.exits.calibration.splits import (
     calibrate_ltt,
     calibrate_policy,
     calibration_split,
@@ -55,11 +58,8 @@ from recdepth.glue.calibrating import (
     target_of,
     test_check,
 )
-from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.glue.config import exit_policy
-from recdepth.glue.evaluation import decode_settings, for_model, run_eval
-from recdepth.glue.runs import write_json
-from recdepth.glue.schema import validated
+from recdepth.exits.policy import build
+from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.calibrate")
 
@@ -153,7 +153,7 @@ def _write_rows(path: Path, rows: list[dict]) -> None:
                         " ".join(f"{a:.3f}" for a in r["per_group"]), int(r["meets"])])
 
 
-_task = task(lambda c: calibrate(c)["test"]["eval"], "ce")  # the Hydra task (recdepth/glue/cli.py)
+_task = task(lambda c: calibrate(c)["test"]["eval"], "ce")  # the Hydra task (recdepth/cli/runner.py)
 main = hydra_main(_task, "calibrate")
 
 

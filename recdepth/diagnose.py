@@ -21,11 +21,11 @@ import logging
 import torch
 from omegaconf import DictConfig
 
-from recdepth.core import diagnostics
-from recdepth.glue.checkpoints import open_model, resolve_device
-from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.glue.runs import write_json
-from recdepth.glue.schema import validated
+from recdepth.analysis import diagnostics
+from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.schema import validated
+from recdepth.training.checkpoints import open_model, resolve_device
+from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.diagnose")
 
@@ -57,7 +57,7 @@ def diagnose(cfg: DictConfig) -> dict:
     if labels is not None:  # a task: step norms and cosines by answer difficulty (docs/spec.md §6)
         metrics["by_difficulty"] = {g["name"]: g["by_difficulty"] for g in d["groups"]}
     if c.figures:
-        from recdepth.glue import plots
+        from recdepth.analysis import plots
 
         metrics["figures"] = [str(p) for p in plots.draw_all(run_dir)]
     write_json(run_dir / "metrics.json", metrics)
@@ -67,7 +67,7 @@ def diagnose(cfg: DictConfig) -> dict:
     return metrics
 
 
-_task = task(diagnose, "seconds")  # the Hydra task (recdepth/glue/cli.py)
+_task = task(diagnose, "seconds")  # the Hydra task (recdepth/cli/runner.py)
 main = hydra_main(_task, "diagnose")
 
 

@@ -22,12 +22,12 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.glue.checkpoints import open_model, resolve_device
-from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.glue.config import exit_policy
-from recdepth.glue.evaluation import SWEEP, Precomputed, for_model, run_eval, split_start
-from recdepth.glue.runs import write_json
-from recdepth.glue.schema import validated
+from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.build import exit_policy
+from recdepth.config.schema import validated
+from recdepth.decode.jobs import SWEEP, Precomputed, for_model, run_eval, split_start
+from recdepth.training.checkpoints import open_model, resolve_device
+from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.evaluate")
 
@@ -38,9 +38,9 @@ def evaluate(cfg: DictConfig, record: dict | None = None, opened=None,
     (with `record`'s keys first: what a caller such as recdepth.report files with the job).
     `opened`: the model when the caller has it open already (`checkpoints.open_model`).
     `precomputed`: results decoded ahead of this job with its sweep
-    (`evaluation.decode_shared`); the job takes its own from it, if there, instead of decoding."""
+    (`jobs.decode_shared`); the job takes its own from it, if there, instead of decoding."""
     run_dir = job_dir(cfg, "evaluate")
-    run = validated(cfg)  # every field, before any work (recdepth/glue/schema.py)
+    run = validated(cfg)  # every field, before any work (recdepth/config/schema.py)
     policy = exit_policy(cfg)
     refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
@@ -62,11 +62,11 @@ def evaluate(cfg: DictConfig, record: dict | None = None, opened=None,
 
 def evaluate_job(cfg: DictConfig) -> dict:
     """One job of `python -m recdepth.evaluate` (single run or multirun): `evaluate` with
-    what the frontier sweeper decoded ahead of the multirun's jobs (`evaluation.SWEEP`)."""
+    what the frontier sweeper decoded ahead of the multirun's jobs (`jobs.SWEEP`)."""
     return evaluate(cfg, precomputed=SWEEP)
 
 
-_task = task(evaluate_job, "ce")  # the Hydra task (recdepth/glue/cli.py)
+_task = task(evaluate_job, "ce")  # the Hydra task (recdepth/cli/runner.py)
 main = hydra_main(_task, "evaluate")
 
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from recdepth.glue.plots import FORMATS, draw_all
+from recdepth.analysis.plots import FORMATS, draw_all
 
 
 def main(argv=None) -> list[Path]:

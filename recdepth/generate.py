@@ -1,6 +1,6 @@
 """`python -m recdepth.generate ckpt=<path> prompt="..." exit=accel`: greedy generation from a
 prompt under an exit rule, showing how many loop applications each token took
-(docs/spec.md §4d; the engine is `recdepth.core.generation`).
+(docs/spec.md §4d; the engine is `recdepth.decode.generation`).
 
     python -m recdepth.generate ckpt=<run>/train/checkpoints/last.ckpt prompt="ROMEO:" max_new_tokens=64
     python -m recdepth.generate ckpt=<same> prompt="ROMEO:" eval.cache=per_step \\
@@ -32,18 +32,18 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from recdepth.core.decoding import warm_up
-from recdepth.core.generation import Generation, greedy, speculative
-from recdepth.core.model import LoopedGPT
-from recdepth.core.state_decode import has_coda
+from recdepth.analysis.depth_view import draw_png, write_html, write_tokens
+from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.build import exit_policy
+from recdepth.config.schema import GenerateConfig, validated
+from recdepth.decode.engine import warm_up
+from recdepth.decode.generation import Generation, greedy, speculative
+from recdepth.decode.prompts import Stream, load_model, pieces, prompt_of
+from recdepth.decode.state_decode import has_coda
 from recdepth.exits.policy import ExitPolicy
-from recdepth.glue.checkpoints import resolve_device
-from recdepth.glue.cli import hydra_main, job_dir, refuse, start_job, task
-from recdepth.glue.config import exit_policy
-from recdepth.glue.depth_view import draw_png, write_html, write_tokens
-from recdepth.glue.prompts import Stream, load_model, pieces, prompt_of
-from recdepth.glue.runs import write_json
-from recdepth.glue.schema import GenerateConfig, validated
+from recdepth.model.looped import LoopedGPT
+from recdepth.training.checkpoints import resolve_device
+from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.generate")
 
@@ -78,7 +78,7 @@ def _compare(spec: Generation, ref: Generation) -> dict:
 
 def _warm_up(model: LoopedGPT, prompt: list[int], policy: ExitPolicy, run: GenerateConfig) -> None:
     """Untimed: the first calls allocate and pick kernels (under the compiled step, at every
-    attention span too: `decoding.warm_up`)."""
+    attention span too: `engine.warm_up`)."""
     s = run.speculative
     settings = run.eval.settings(seed=run.seed)
     greedy(model, prompt[:1], policy, 2, settings)
@@ -176,7 +176,7 @@ def generate(cfg: DictConfig) -> dict:
     return out
 
 
-_task = task(generate, "seconds")  # the Hydra task (recdepth/glue/cli.py)
+_task = task(generate, "seconds")  # the Hydra task (recdepth/cli/runner.py)
 main = hydra_main(_task, "generate")
 
 

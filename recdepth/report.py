@@ -7,7 +7,7 @@ First, every rule of `report.calibrate` is calibrated per group on the calibrati
 (val tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
 `report.max_ce_increase` nats above fixed at max_steps, and at most
 `report.layer_applications` layer applications per token; the searches in lockstep, each
-round's settings decoded side by side (`calibrating.calibrate_many`). Then one frontier sweep scores,
+round's settings decoded side by side (`splits.calibrate_many`). Then one frontier sweep scores,
 on the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evaluate`),
   - the frontier's grid (`report.*`, the fields of `frontier_grid.FrontierGrid`, expanded by
     `frontier_grid.settings` as `make frontier` expands `hydra.sweeper.*`): the fixed
@@ -17,7 +17,7 @@ on the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evalua
   - the calibrated answers,
 each setting a `recdepth.evaluate` job (`score_jobs`), all but the oracle decoded ahead of
 them as one batch, their batch-1 latency timed round-robin within each of `eval.repeats`
-rounds, so drift of the machine hits every setting alike (`evaluation.decode_shared`).
+rounds, so drift of the machine hits every setting alike (`jobs.decode_shared`).
 Winners are chosen on the calibration split only (`select`): the test split scores the
 chosen settings and is never used to choose.
 The learned gate is `report.gate` (a gate.pt of `recdepth.train_gate`), or trained here on
@@ -52,27 +52,27 @@ import numpy as np
 from omegaconf import DictConfig, OmegaConf
 
 from recdepth import sweep
-from recdepth.core import calibration, stats
-from recdepth.core.gate import load_gate
-from recdepth.core.scoring import model_cost
+from recdepth.analysis import frontier, stats
+from recdepth.analysis.frontier_grid import Setting, exit_line, settings
+from recdepth.cli.runner import compose_job, hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.schema import ReportConfig, TrainGateConfig, validated
+from recdepth.decode.jobs import decode_shared, for_model
+from recdepth.decode.scoring import model_cost
+from recdepth.decode.token_files import read_tokens
 from recdepth.evaluate import evaluate
-from recdepth.exits.policy import build
-from recdepth.exits.rule import lookup
-from recdepth.glue import frontier
-from recdepth.glue.calibrating import (
+from recdepth.exits.calibration import search as calibration
+from recdepth.exits.calibration.splits import (
     calibrate_many,
     calibration_split,
     exit_group,
     load_splits,
     test_check,
 )
-from recdepth.glue.cli import compose_job, hydra_main, job_dir, refuse, start_job, task
-from recdepth.glue.evaluation import decode_shared, for_model
-from recdepth.glue.frontier_grid import Setting, exit_line, settings
-from recdepth.glue.runs import write_json
-from recdepth.glue.schema import ReportConfig, TrainGateConfig, validated
-from recdepth.glue.token_files import read_tokens
+from recdepth.exits.gate import load_gate
+from recdepth.exits.policy import build
+from recdepth.exits.rule import lookup
 from recdepth.train_gate import train_gate
+from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.report")
 
@@ -164,7 +164,7 @@ def score_jobs(run: ReportConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict
     """Each (setting, record) as the frontier sweep (`make frontier`) scores its settings:
     a `recdepth.evaluate` job in jobs_dir/<k> with the report's model, seed, device and eval
     block (conf/evaluate.yaml composed with the setting's overrides, `frontier_grid.exit_line`),
-    the jobs decoded ahead of them as one batch (`evaluation.decode_shared`, shared_rows rows
+    the jobs decoded ahead of them as one batch (`jobs.decode_shared`, shared_rows rows
     a batch; latency timed at batch 1, round-robin), metrics.json also holding the setting's
     family, its overrides and `record`; then the sweep summary (`sweep.summarize`). Returns
     each job's row: job, family, overrides, metrics.json's eval block and record, and its
@@ -367,7 +367,7 @@ def gate_file(run: ReportConfig, out: Path) -> str:
     return str((out / "gate" / "gate.pt").resolve())
 
 
-_task = task(lambda c: {"ce": math.nan, **report(c)}, "ce")  # the Hydra task (recdepth/glue/cli.py)
+_task = task(lambda c: {"ce": math.nan, **report(c)}, "ce")  # the Hydra task (recdepth/cli/runner.py)
 main = hydra_main(_task, "report")
 
 

@@ -5,13 +5,13 @@
 every job it writes sweep_results.csv / .md (one row per job so far, `write_results`), and at
 the end of the sweep the whole summary (`summarize`): those tables, frontier.csv / .md, a
 task's tables and fig4_exits.{png,pdf} into the sweep directory (what each holds:
-recdepth/glue/frontier.py; the figure: recdepth/glue/plots.py's `fig4`), and a W&B table with
+recdepth/analysis/frontier.py; the figure: recdepth/analysis/plots.py's `fig4`), and a W&B table with
 the same rows when the sweep's config has `logger.wandb`. The frontier's bootstrap and the
 figure read every job's records, so redoing them after every job would make a sweep's summary
 work grow with the square of its jobs (measured: docs/journal.md, 2026-11-26); `summarize(dir)`
 writes the whole summary of a sweep stopped before its end. A job that raised is recorded
 as `failed` (its error in `<job>/error.txt`); the others are still aggregated, and the
-command exits non-zero after the sweep (`recdepth.glue.cli`).
+command exits non-zero after the sweep (`recdepth.cli.runner`).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.glue import plots, task_tables
-from recdepth.glue.frontier import (
+from recdepth.analysis import plots, task_tables
+from recdepth.analysis.frontier import (
     COLUMNS,
     FRONTIER_COLUMNS,
     _write_csv,
@@ -96,7 +96,7 @@ def _wandb_table(config: DictConfig, sweep_dir: Path, rows: list[dict]) -> None:
     w = OmegaConf.select(config, "logger.wandb")
     if w is None:
         return
-    from recdepth.glue.config import wandb_init
+    from recdepth.config.build import wandb_init
 
     run = wandb_init(w, sweep_dir, f"sweep-{sweep_dir.name}", job_type="sweep-summary")
     if run is None:

@@ -5,7 +5,7 @@
 
 `train(cfg)` is a plain function returning the run's metrics (the dict written to
 metrics.json), so sweepers and tests can call it directly. The recipe: validate the
-config, find the training directory of its identity (recdepth/glue/runs.py), train there
+config, find the training directory of its identity (recdepth/training/runs.py), train there
 unless it holds a finished run (resuming its last checkpoint if it holds one), then
 evaluate under cfg.exit. The job directory (`run_dir`) gets
 
@@ -28,14 +28,15 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.cli.runner import hydra_main, refuse, start_job, task
+from recdepth.cli.runner import job_dir as cli_job_dir
+from recdepth.config import build as config
+from recdepth.config.schema import TrainConfig, validated
 from recdepth.core.runtime import tune_cpu_allocator
-from recdepth.glue import config, distributed
-from recdepth.glue.cli import hydra_main, refuse, start_job, task
-from recdepth.glue.cli import job_dir as cli_job_dir
-from recdepth.glue.evaluation import evaluate_trained
-from recdepth.glue.lit import LoopedLM, TrainingDiverged
-from recdepth.glue.runs import TrainingRun, job_dir_lock, write_json
-from recdepth.glue.schema import TrainConfig, validated
+from recdepth.decode.jobs import evaluate_trained
+from recdepth.training import distributed
+from recdepth.training.lit import LoopedLM, TrainingDiverged
+from recdepth.training.runs import TrainingRun, job_dir_lock, write_json
 
 log = logging.getLogger("recdepth.train")
 
@@ -44,7 +45,7 @@ def train(cfg: DictConfig) -> dict:
     """Train (or reuse, or resume) cfg's training run, evaluate it under cfg.exit; write
     and return metrics.json's dict."""
     job_dir = cli_job_dir(cfg, "train")
-    typed = validated(cfg)  # every field, before any work (recdepth/glue/schema.py)
+    typed = validated(cfg)  # every field, before any work (recdepth/config/schema.py)
     distributed.check_launch(typed.trainer.strategy)  # and how this process was started
     policy = config.exit_policy(typed)
     run = TrainingRun(cfg)
@@ -160,12 +161,12 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
         distributed.teardown(trainer, failed=sys.exc_info()[0] is not None)
 
 
-_task = task(train, "val_ce")  # the Hydra task (recdepth/glue/cli.py)
+_task = task(train, "val_ce")  # the Hydra task (recdepth/cli/runner.py)
 _main = hydra_main(_task, "config")
 
 
 def ddp_rank(argv: list[str]) -> None:
-    """A DDP rank > 0, started by rank 0 (recdepth/glue/distributed.py) as
+    """A DDP rank > 0, started by rank 0 (recdepth/training/distributed.py) as
     `python -m recdepth.train --ddp-rank <run_dir>/config.yaml`: trains the run rank 0
     composed (resuming the checkpoint rank 0 resumes), with no Hydra."""
     if len(argv) != 1 or not distributed.is_worker():

@@ -70,7 +70,7 @@ def tiny_ckpt(env, tmp_path_factory):
     token cache (use it with `ckpt_env`)."""
     from hydra import compose, initialize_config_dir
 
-    from recdepth.glue.config import conf_dir
+    from recdepth.config.build import conf_dir
     from recdepth.train import train
 
     d = tmp_path_factory.mktemp("tiny")

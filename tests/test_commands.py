@@ -112,7 +112,7 @@ def test_every_entry_point_runs_through_the_one_runner(name):
 def test_runner_refuses_a_held_result_and_a_missing_run_dir(tmp_path):
     from omegaconf import OmegaConf
 
-    from recdepth.glue import cli
+    from recdepth.cli import runner as cli
 
     run = tmp_path / "run"
     cli.start_job(run, OmegaConf.create({"a": 1, "run_dir": str(run)}))

@@ -9,7 +9,7 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth.glue.config import conf_dir
+from recdepth.config.build import conf_dir
 
 
 def compose_diagnose(*overrides):
@@ -30,7 +30,7 @@ def done(tiny_ckpt, ckpt_env, tmp_path_factory):
 
 
 def test_diagnostics_match_a_direct_computation(done, tiny_ckpt):
-    from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
+    from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
     out, metrics = done
     step = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)["global_step"]

@@ -1,7 +1,7 @@
 """The GPU paths: a checkpoint opened on a CUDA GPU decodes as it does on the CPU.
 
 CI has no GPU, so these tests are skipped there (reported as skipped, never as passed);
-a session lent a GPU runs them (`python -m pytest tests/test_gpu.py`, docs/bench/gpu_check.sh;
+a session lent a GPU runs them (`python -m pytest tests/test_gpu.py`, benchmarks/gpu_check.sh;
 docs/results/gpu.md).
 """
 
@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from recdepth.core.scoring import evaluate_exit
+from recdepth.decode.scoring import evaluate_exit
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.glue.checkpoints import heldout_tokens, load_checkpoint
+from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 

@@ -17,15 +17,31 @@ import recdepth
 
 PKG = Path(recdepth.__file__).parent
 ORDER = ("core", "glue", "entry")  # lowest first
-LAYERS = {  # package (or subpackage) under recdepth/ -> its layer, the longest match decides;
-    # a module at the top of recdepth/ is "entry"
-    "core": "core",  # the model and decoding math
-    "exits": "core",  # exit rules, policies, monitors
-    "decode": "core",  # the decoding settings the engine and scoring read
-    "glue": "glue",  # Lightning, Hydra config, data, files, figures
+LAYERS = {  # package, subpackage or module under recdepth/ -> its layer, the longest match decides;
+    # a module at the top of recdepth/ is "entry". A feature folder may hold two layers.
+    "core": "core",  # what the folders share: the registry of extension points, the runtime
+    "model": "core",  # the looped GPT-2, its config, the fast one-token step
+    "exits": "core",  # exit rules, policies, monitors, the gate, calibration's math
+    "exits.calibration.splits": "glue",  # calibrating on a checkpoint (opens models, reads configs)
+    "decode": "core",  # the decoding engine, its settings, scoring, generation
+    "decode.jobs": "glue",  # a command's evaluation job: settings from the config, files, the sweep hand-over
+    "decode.token_files": "glue",  # eval_tokens.csv
+    "decode.prompts": "glue",  # codecs and prompts for generation
     "data": "glue",  # data sources, token caches, the data module
     "data.sources": "glue",  # one file per data source
     "data.tasks": "core",  # the generated tasks' math
+    "training": "glue",  # Lightning: the module, callbacks, runs, checkpoints, DDP
+    "training.sampler": "core",  # loop-count samplers
+    "analysis": "core",  # loop geometry, diagnostics, exit statistics
+    "analysis.frontier": "glue",  # a sweep's tables and the frontier statistics over its files
+    "analysis.frontier_grid": "glue",  # a frontier's grid of settings (config lines)
+    "analysis.task_tables": "glue",  # a task's sweep by difficulty
+    "analysis.plots": "glue",  # figures (matplotlib)
+    "analysis.depth_view": "glue",  # a generation's depth as files
+    "config": "glue",  # the Hydra config schema and the objects built from it
+    "cli": "glue",  # the commands' runner
+    "integrations": "glue",  # Hugging Face checkpoints, lm-evaluation-harness
+    "benchmarks": "entry",  # the bench command's subcommands
 }
 CORE_THIRD_PARTY = {"torch", "numpy"}
 LONG = 600  # a module over this many lines says why in its docstring ("Over 600 lines: ...")
@@ -152,12 +168,12 @@ def test_the_cycle_finder_finds_cycles():
 
 def test_imports_are_seen_inside_functions_in_every_spelling(tmp_path, monkeypatch):
     """A function-local import counts (the back edges of cycles used to hide there), and
-    `from recdepth.core import stats` names the module as `from recdepth.core.stats import x` does."""
+    `from recdepth.analysis import stats` names the module as `from recdepth.analysis.stats import x` does."""
     (tmp_path / "lazy.py").write_text("def f():\n    from recdepth.train import train\n    import recdepth.sweep\n"
-                                      "    from recdepth.core import stats\n    from recdepth.glue.schema import X\n")
+                                      "    from recdepth.analysis import stats\n    from recdepth.config.schema import X\n")
     monkeypatch.setattr(sys.modules[__name__], "source", lambda m: tmp_path / f"{m}.py")
-    # `from recdepth.core import stats` runs recdepth/core/__init__.py too: the package's module "core"
-    assert imports("lazy")[0] == {"train", "sweep", "core", "core.stats", "glue.schema"}
+    # `from recdepth.analysis import stats` runs recdepth/analysis/__init__.py too: the package's module "analysis"
+    assert imports("lazy")[0] == {"train", "sweep", "analysis", "analysis.stats", "config.schema"}
 
 
 @pytest.mark.parametrize("m", [m for m in modules() if layer_of(m) == "core"])
@@ -174,10 +190,10 @@ def test_a_long_module_says_why():
     assert not long, f"modules over {LONG} lines without a reason in their docstring: {long}"
 
 
-# A command runs another only as a step of its own job; library code lives in glue/ or core/.
+# A command runs another only as a step of its own job; library code lives in the feature folders.
 COMMAND_STEPS = {
     "__main__": {"commands"},  # `python -m recdepth` is the console script
-    "bench": {"bench_decode", "bench_speculative", "bench_sweeps",  # bench's subcommands
+    "bench": {"benchmarks", "benchmarks.decode", "benchmarks.speculative", "benchmarks.sweeps",  # its subcommands
               "train"},  # `bench train` times the training command itself
     "report": {"evaluate",  # each setting of the report's frontier is a recdepth.evaluate job
                "sweep",  # the report's frontier is summarized as a sweep's
@@ -188,4 +204,4 @@ COMMAND_STEPS = {
 def test_commands_import_no_library_code_from_other_commands():
     bad = {m: sorted(e) for m, deps in graph().items() if layer_of(m) == "entry"
            and (e := {d for d in deps if layer_of(d) == "entry"} - COMMAND_STEPS.get(m, set()))}
-    assert not bad, f"commands importing other commands (move the shared code to recdepth/glue/): {bad}"
+    assert not bad, f"commands importing other commands (move the shared code into a feature folder): {bad}"

@@ -2,7 +2,7 @@
 of jobs is scored and written as a recdepth.evaluate job of one frontier sweep, the table's
 winner is the one its rule says (recomputed here from the calibration split's numbers,
 never the test split's), every setting but the oracle shares one batch (so its latency is
-timed round-robin with the others: tests/test_decoding.py), and a calibrated job's
+timed round-robin with the others: tests/decode/test_decoding.py), and a calibrated job's
 override line reruns it in recdepth.evaluate with the same result."""
 
 import json
@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from recdepth.glue.config import conf_dir
-from recdepth.glue.token_files import read_tokens
+from recdepth.config.build import conf_dir
+from recdepth.decode.token_files import read_tokens
 
 SMALL = ["report.max_steps=4", "report.fixed=[1,4]", "report.rules.accel=[0.1]", "report.rules.kl=[0.01]",
          *(f"report.rules.{r}=[]" for r in ("stepnorm", "stepnorm_rel", "accel_rel", "entropy_diff", "cosine")), "report.patience=[1]",
@@ -34,7 +34,7 @@ DRAWN: dict = {}  # the figures `done`'s report drew: "report" (report.png), "fi
 @pytest.fixture(scope="module")
 def done(tiny_ckpt, ckpt_env, tmp_path_factory):
     import recdepth.report as module
-    from recdepth.glue import plots
+    from recdepth.analysis import plots
     from tests.drawn import capture
 
     out = tmp_path_factory.mktemp("report") / "r"
@@ -165,7 +165,7 @@ class _Poison(dict):
 
 
 def test_the_selection_reads_no_test_record():
-    from recdepth.core.calibration import Target
+    from recdepth.exits.calibration.search import Target
     from recdepth.report import select
 
     def job(k, met, ce_inc, cost, ce):
@@ -208,14 +208,14 @@ def test_report_refuses_a_used_directory(done, tiny_ckpt):
 
 def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt, ckpt_env):
     """report.shared_rows (default 64): the fixed depths, the grids and the calibrated
-    answers are scored together (`evaluation.decode_shared`); each job's records are those
+    answers are scored together (`jobs.decode_shared`); each job's records are those
     of its setting decoded alone; the oracle decodes alone."""
     import torch
 
-    from recdepth.core.scoring import evaluate_exit
+    from recdepth.config.build import exit_policy
+    from recdepth.decode.scoring import evaluate_exit
     from recdepth.decode.settings import DecodeSettings
-    from recdepth.glue.checkpoints import checkpoint_data, load_checkpoint
-    from recdepth.glue.config import exit_policy
+    from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
 
     out, _ = done
     module, data = load_checkpoint(tiny_ckpt, torch.device("cpu"))

@@ -1,8 +1,8 @@
-"""The frontier's verdicts (recdepth/glue/frontier.py)."""
+"""The frontier's verdicts (recdepth/analysis/frontier.py)."""
 
 import pytest
 
-from recdepth.glue.frontier import holm_verdict, verdict
+from recdepth.analysis.frontier import holm_verdict, verdict
 
 
 @pytest.mark.parametrize("lo, hi, want", [

@@ -1,15 +1,15 @@
 """A multirun of the real CLI, in-process (Hydra's basic launcher, `recdepth.sweep.SweepSummary`
-as its callback): a job that fails (recdepth/glue/cli.py `guarded`, `run_hydra_main`) and the
+as its callback): a job that fails (recdepth/cli/runner.py `guarded`, `run_hydra_main`) and the
 sweep's W&B table (recdepth/sweep.py `_wandb_table`), offline. The jobs reuse the session's
 `tiny_ckpt` training run (same training identity: exit, eval, logger and callbacks are not
-part of it), so nothing trains; make test-slow's sweeps in tests/test_cli.py train their own."""
+part of it), so nothing trains; make test-slow's sweeps in tests/cli/test_cli.py train their own."""
 
 import csv
 import json
 
 import pytest
 
-from recdepth.glue import cli
+from recdepth.cli import runner as cli
 
 # eval.latency_step=null: the default (auto) compiles the timed step (~35 s; test_report's slow test)
 EVAL = ["eval.tokens=4", "eval.latency_tokens=2", "eval.repeats=1", "eval.warmup_tokens=0", "eval.latency_step=null"]

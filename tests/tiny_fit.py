@@ -5,7 +5,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
-from recdepth.glue.lit import LoopedLM
+from recdepth.training.lit import LoopedLM
 
 CFG = dict(n_layer=6, n_head=2, n_embd=32, block_size=8, vocab_size=100, groups=[[1], [2, 3]], mean_recurrence=3)
 

@@ -1,3 +1,2 @@
-"""recdepth's core: the math of looped transformers, exits and decoding (torch and numpy
-only; nothing here imports Lightning, Hydra or anything above it). The module map is in
-recdepth/__init__.py."""
+"""What every feature folder shares: the registry of named extension points and the
+runtime's facts (torch and numpy only). The module map is docs/layout.md."""

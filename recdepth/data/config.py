@@ -2,8 +2,8 @@
 a DDP rank's): `upgrade` turns the flat form recdepth wrote before the per-source configs
 into today's nested one, and `node` gives the typed OmegaConf node of the classes a plain
 data config names (its source; a task's `data.task.name`), which the config merges onto
-(recdepth/glue/schema.py: `validated`, `data_config`). Every reader of a stored config goes
-through `node` (so through `upgrade`); the training identity too (recdepth/glue/runs.py).
+(recdepth/config/schema.py: `validated`, `data_config`). Every reader of a stored config goes
+through `node` (so through `upgrade`); the training identity too (recdepth/training/runs.py).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ def upgrade(d: dict) -> dict:
                                       keys are dropped
 
     The values kept are the same, so the same data comes out (the same tokens, the same
-    records). The training identity (recdepth/glue/runs.py: `what_trains`) hashes the
+    records). The training identity (recdepth/training/runs.py: `what_trains`) hashes the
     data config in this form: for the text sources the keys and values it hashes are the
     ones it hashed before (the identity of a run on shakespeare, fineweb or files is
     unchanged), for a task it hashes the nested form, so a task run trained before this

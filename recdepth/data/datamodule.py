@@ -26,7 +26,7 @@ class TokenDataModule(L.LightningDataModule):
     """Random train windows and consecutive val windows over a token cache.
 
     Its data are `data`, the validated data config (recdepth/data/sources/: a source with
-    its options; `recdepth.glue.schema.data_config` types a plain dict); the windows are
+    its options; `recdepth.config.schema.data_config` types a plain dict); the windows are
     the run's: block_size, batch_size, max_steps and seed (the training order's).
 
     Train: max_steps batches of batch_size windows of block_size + 1 tokens at offsets
@@ -44,7 +44,7 @@ class TokenDataModule(L.LightningDataModule):
         super().__init__()
         if not isinstance(data, DataConfig):
             raise TypeError(f"data: expected a validated data config (a DataConfig), got {type(data).__name__} "
-                            "(recdepth.glue.schema.data_config types a plain dict)")
+                            "(recdepth.config.schema.data_config types a plain dict)")
         for name, value, lo in (
             ("block_size", block_size, 1),
             ("batch_size", batch_size, 1),

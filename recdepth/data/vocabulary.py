@@ -6,7 +6,7 @@ text plays no part in choosing it), plus one shared "other" entry, the last id, 
 stands for every GPT-2 id outside that set (SPEC §4, vocabulary). The model's
 probability of "other" is spread evenly over those n_other ids, so a held-out token the
 train split never saw is scored log p(other) − log n_other and CE stays a cross-entropy
-over all 50257 GPT-2 ids (`recdepth.core.model.token_nll`). Shakespeare's train split uses
+over all 50257 GPT-2 ids (`recdepth.model.looped.token_nll`). Shakespeare's train split uses
 19,194 of GPT-2's 50257 tokens, so the embedding / unembedding shrink by 2.6x. The token
 cache's vocab.npy (`recdepth.data.token_cache`) is `id_map`: compact id -> GPT-2 id, -1 for
 "other". Without a compact vocabulary the model's ids are GPT-2's.
@@ -98,7 +98,7 @@ class Vocab:
     def unigram_ce(self, train: np.ndarray, targets: np.ndarray) -> float:
         """Cross-entropy (nats/token, over all GPT-2 ids) of `targets` under the unigram of
         `train` (`unigram_log_prior`; an "other" target is scored log p(other) − log
-        n_other, as `recdepth.core.model.token_nll` scores the model)."""
+        n_other, as `recdepth.model.looped.token_nll` scores the model)."""
         logp = self.unigram_log_prior(train)
         if self.other_id is not None and self.n_other > 1:
             logp[self.other_id] -= math.log(self.n_other)

@@ -1,15 +1,15 @@
 """`DecodeSettings`: how the decoding engine and the scoring built on it decode tokens, in
 one frozen object validated once (SPEC §4; docs/spec.md §4 for the recdepth options).
 
-The engine (`recdepth.core.decoding`), scoring (`recdepth.core.scoring`) and generation
-(`recdepth.core.generation`) take it instead of loose keyword arguments, and read the fast
-path they run from its `step` by name (`decoding.fast_steps`). The commands build it from
-the run config's `eval` block (`recdepth.glue.evaluation.decode_settings`); the rule's own
+The engine (`recdepth.decode.engine`), scoring (`recdepth.decode.scoring`) and generation
+(`recdepth.decode.generation`) take it instead of loose keyword arguments, and read the fast
+path they run from its `step` by name (`engine.fast_steps`). The commands build it from
+the run config's `eval` block (`recdepth.decode.jobs.decode_settings`); the rule's own
 choices (exit.decode, exit.kl_direction) stay with the exit policy.
 
 Defaults are the reference pass a library caller gets: `Block.forward`, one window at a
 time, no latency repeats. What a command runs by default is the `eval` block's
-(`recdepth.glue.schema_groups.EvalConfig`, e.g. `step: lean`, 16 windows a batch).
+(`recdepth.config.groups.EvalConfig`, e.g. `step: lean`, 16 windows a batch).
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from recdepth.core.kv_cache import check_cache
+from recdepth.decode.kv_cache import check_cache
 
-STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`decoding.fast_steps`)
+STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.fast_steps`)
 AUTO = "auto"  # latency_step: the compiled step where it is measured to pay (`scoring.latency_step_for`)
 
 
@@ -48,9 +48,9 @@ class DecodeSettings:
     for the previous token of the window (the first token: the initial state)."""
     step: str = "module"
     """How a token's layers are computed: module (`Block.forward`, the reference) | lean
-    (`recdepth.core.lean_step`, eager) | compiled (lean under torch.compile)."""
+    (`recdepth.model.fast_step`, eager) | compiled (lean under torch.compile)."""
     seed: int = 0
-    """Noise key of the initial states (`decoding.noise_seed`)."""
+    """Noise key of the initial states (`engine.noise_seed`)."""
     bos: int | None = None
     """A BOS id (an hf= model's tokenizer): every window starts with it at position 0."""
     context_steps: int | None = None
@@ -73,7 +73,7 @@ class DecodeSettings:
     """Once some rows exit, run the layers on the rows still looping only (wall-clock
     saved); False computes every row and masks (the same records)."""
     share_first: bool = True
-    """The oracle's rows of a window loop the first group once (`decoding.loop_shared`);
+    """The oracle's rows of a window loop the first group once (`engine.loop_shared`);
     False loops every row (the same records; the reference it is tested against)."""
 
     def __post_init__(self):

@@ -6,11 +6,11 @@ a loop compiled whole, and the reference loop.
     history0 / observe_step           the same decision with the history as a tuple of tensors
                                       and τ, min/max steps, patience as one tensor, no branch on
                                       a value (`torch.while_loop`: the compiled batch-1 loop,
-                                      `recdepth.core.lean_step.LeanSteps.loop`)
+                                      `recdepth.model.fast_step.LeanSteps.loop`)
     iterate(f, x0, policy)            the reference loop (tests, outside checks)
 
 Both forms call the rule's own `advance` and `fires` (recdepth/exits/rule.py), so they
-decide alike by construction; tests/test_exits.py checks both against a slow per-row
+decide alike by construction; tests/exits/test_exits.py checks both against a slow per-row
 reference for every rule, τ and step limit. The eager monitor reads `fires` only where it
 can decide (from the rule's earliest n and min_steps on, before max_steps); the compiled
 form computes it at every application and masks it.

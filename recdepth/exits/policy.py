@@ -9,7 +9,7 @@ patience, the learned gate's weights, and how a decoding rule decodes a state:
   the state as it leaves the group, the layers after the group (Huginn's coda; one
   recurrence group only) and then the head, Huginn's `predict_from_latents`; `auto` = coda
   for a model with one recurrence group and at least one layer after it, head otherwise
-  (the engine builds the function: `recdepth.core.state_decode.state_decoder`).
+  (the engine builds the function: `recdepth.decode.state_decode.state_decoder`).
 - `exit.kl_direction` (`KL_DIRECTIONS`): `new_old` = KL(p^(n) ‖ p^(n−1)), the paper's and
   recdepth's default; `old_new` = KL(p^(n−1) ‖ p^(n)), Huginn's `KLExitEvaluator`; `auto` =
   old_new for a model opened from an `hf=` directory (`ExitPolicy.resolve`), new_old otherwise.
@@ -20,7 +20,7 @@ after paying for n applications; the decision, and so n, is identical).
 
 `oracle` is an evaluation bound, not a rule: the smallest uniform n whose target NLL is
 within τ of its NLL at max_steps (SPEC §4b). It reads the answer, so no loop can run it;
-`recdepth.core.scoring.evaluate_oracle` computes it. `validate` accepts it (its ε >= 0).
+`recdepth.decode.scoring.evaluate_oracle` computes it. `validate` accepts it (its ε >= 0).
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ class ExitPolicy:
 
     def resolve(self, coda: bool, hf: bool = False) -> ExitPolicy:
         """This policy with `auto` decided for one model: decode -> `coda` if `coda` (the model
-        has one recurrence group and a layer after it: `recdepth.core.state_decode.has_coda`), else
+        has one recurrence group and a layer after it: `recdepth.decode.state_decode.has_coda`), else
         `head`; kl_direction -> `old_new` (Huginn's) if `hf` (the model was opened from an
         hf= directory), else `new_old`. Values already chosen stay."""
         decode = self.decode if self.decode != "auto" else "coda" if coda else "head"
@@ -151,7 +151,7 @@ class ExitPolicy:
     def monitor(self, x0: Tensor, decode: Callable[[Tensor], Tensor] | None = None) -> ExitMonitor:
         if self.name == ORACLE:
             raise ValueError("exit.name: 'oracle' reads the target token, so no loop can run it; "
-                             "only the evaluation engine computes it (recdepth.core.scoring.evaluate_oracle)")
+                             "only the evaluation engine computes it (recdepth.decode.scoring.evaluate_oracle)")
         if self.lists():
             f = next(iter(self.lists()))
             raise ValueError(f"exit.{f}: one value per group; a loop runs one group, under policy.group(g)")
@@ -206,7 +206,7 @@ def build(name: str, tau: float | Sequence[float] | None, min_steps: int | Seque
     only. `tau`, `min_steps` and `max_steps` are each one value or a list of one per
     recurrence group (all lists of one length); with `groups` (the model's number of
     groups) that length is checked too. Rule `gate` needs `gate` = (weight [G, d], bias
-    [G]) (`recdepth.core.gate.load_gate`), τ in (0, 1); the other rules ignore it. `decode`
+    [G]) (`recdepth.exits.gate.load_gate`), τ in (0, 1); the other rules ignore it. `decode`
     (`DECODES`) and `kl_direction` (`KL_DIRECTIONS`) are checked for every rule (coda needs
     one recurrence group, checked with `groups`). Every failure is one line naming the field."""
     policy = validate(name, tau, min_steps, max_steps, patience, decode=decode, kl_direction=kl_direction)
@@ -235,7 +235,7 @@ def validate(name: str, tau: float | Sequence[float] | None, min_steps: int | Se
              max_steps: int | Sequence[int] = 32, patience: int = PATIENCE, groups: int | None = None,
              decode: str = "auto", kl_direction: str = "auto") -> ExitPolicy:
     """Every check of `build` but the gate's tensors, which a config names by file
-    (recdepth/glue/schema.py checks a config with it before any file is read): the policy
+    (recdepth/config/schema.py checks a config with it before any file is read): the policy
     without a gate."""
     key = canonical(name)
     if key != ORACLE:

@@ -18,7 +18,7 @@ the state, `exit.decode`):
 
 Each equation is one function: `geometry.step_norm`, `geometry.relative_step_norm`,
 `geometry.acceleration`, `geometry.relative_acceleration`, `geometry.state_cosine_distance`
-(state math, recdepth/core/geometry.py) and `kl_divergence`, `entropy`, `entropy_change`,
+(state math, recdepth/analysis/geometry.py) and `kl_divergence`, `entropy`, `entropy_change`,
 `argmax_run` (distribution math, below). To add a rule, write a class like these in any
 module that is imported before the run (here, for a built-in one): docs/contributing.md.
 """
@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recdepth.core import geometry as geo
-from recdepth.core.gate import gate_probability
+from recdepth.analysis import geometry as geo
+from recdepth.exits.gate import gate_probability
 from recdepth.exits.rule import ExitRule, Step
 
 PATIENCE = 5  # argmax_stability's default k (Huginn: 5 steps)
@@ -239,7 +239,7 @@ class ArgmaxStability(ExitRule):
 
 
 class Gate(ExitRule):
-    """The learned exit gate (SPEC §3c, recdepth/core/gate.py): q^(n) = σ(w_g · x^(n) + b_g) < τ,
+    """The learned exit gate (SPEC §3c, recdepth/exits/gate.py): q^(n) = σ(w_g · x^(n) + b_g) < τ,
     the gate's probability that running on to max_steps still lowers the loss by more than
     its margin; τ is a probability in (0, 1), a larger τ exits earlier. Needs the gate.pt of
     `recdepth train-gate` (exit.gate)."""

@@ -7,7 +7,7 @@ one: shakespeare.py, fineweb.py, files.py, task.py): the field `source` with the
 name as its default, its options as fields (each with a docstring; `data.<field>`), their
 checks in `__post_init__` (one line naming the dotted field), and `prepare`, which opens
 (building it first if need be) its token cache (recdepth/data/token_cache.py). Defining
-the subclass registers it: `data=<name>` selects it (recdepth/glue/schema.py stores one
+the subclass registers it: `data=<name>` selects it (recdepth/config/schema.py stores one
 `data` option per registered source), and a stored config naming it (`data.source`) reads
 back as it. A key of another source is no key of this one: OmegaConf refuses it while
 composing, in one line naming it.

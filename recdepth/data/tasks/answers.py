@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from recdepth.core import stats
+from recdepth.analysis import stats
 
 
 def average_ranks(x: np.ndarray) -> np.ndarray:

@@ -6,7 +6,7 @@ hops.py, addition.py, modsum.py beside this one): its name, its options as field
 with a docstring; `data.task.<field>`), their checks in `__post_init__` (one line naming
 the dotted field), and `generate`, which draws one instance with the difficulty of each
 answer token. Defining the subclass registers it: from then on `data=<name>` selects it
-(recdepth/glue/schema.py stores one `data` option per registered task), and a stored
+(recdepth/config/schema.py stores one `data` option per registered task), and a stored
 config naming it (`data.task.name`) reads back as it.
 
 Every task writes instances as runs of single GPT-2 tokens (" a", " 7", " =", ...), so the

@@ -1,0 +1,1 @@
+"""Analysis: loop geometry, diagnostics, statistics, the frontier and its tables and figures."""

@@ -1,0 +1,1 @@
+"""The `recdepth bench` subcommands' code (`python -m recdepth.bench <what>`)."""

@@ -1,0 +1,1 @@
+"""The commands' runner: job directories, refusal, the Hydra main, one-line errors, multirun jobs."""

@@ -1,0 +1,378 @@
+"""Scoring held-out text under exit rules with the decoding engine (SPEC §4, §4b).
+
+`evaluate_exit` scores held-out windows `batch_size` at a time (quality, cost, a per-token
+record), then times the first `latency_tokens` tokens again at batch 1, `repeats` times
+(latency). `evaluate_exits` / `decode_settings` decode several settings side by side, one
+row per (setting, window) (a sweep as one batch, each setting's records exactly its own).
+`score_task` keeps a task's answers. `evaluate_oracle` computes the oracle bound of SPEC
+§4b. The engine itself (caches, the group loop, `decode_step`, `decode_windows`) is
+recdepth/decode/engine.py.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+from torch import Tensor
+
+import recdepth.data.tasks as tasks
+from recdepth.analysis import stats
+from recdepth.core.runtime import has_cpp_compiler
+from recdepth.decode.engine import (
+    REFERENCE,
+    decode_windows,
+    merge_records,
+    prepare_windows,
+    records,
+    warm_up,
+)
+from recdepth.decode.mixed import MixedPolicy
+from recdepth.decode.settings import AUTO, DecodeSettings
+from recdepth.decode.state_decode import has_coda
+from recdepth.exits.policy import ORACLE, ExitPolicy, build
+from recdepth.model.looped import LoopedGPT
+
+# auto compiles the latency passes of at least this many settings in one process (a sweep's
+# shared pass): where its compiles pay for themselves (docs/results/sweep-time.md)
+AUTO_COMPILE_SETTINGS = 8
+
+
+def latency_step_for(model: LoopedGPT, settings: DecodeSettings, timed: int) -> str:
+    """The step the batch-1 latency passes of `timed` settings timed in this process take
+    (`settings.latency_step`; None: as the quality pass, `settings.step`). `auto`:
+    "compiled" where it was measured to pay (docs/results/sweep-time.md): at least
+    `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a C++ compiler for torch.compile; else
+    `settings.step`. A GPU keeps its quality pass's step (the compiled loop is unmeasured
+    there). The quality pass and the timed ones are equal up to float rounding; `add_latency`'s
+    `batch_check` counts what differs."""
+    step = settings.latency_step
+    if step == AUTO:
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        step = "compiled" if timed >= AUTO_COMPILE_SETTINGS and on_cpu and has_cpp_compiler() else None
+    return settings.step if step is None else step
+
+
+def _plain(v):
+    """A per-group value (a tuple) as a JSON list; one value as it is."""
+    return list(v) if isinstance(v, tuple) else v
+
+
+def model_cost(model: LoopedGPT) -> stats.Cost:
+    """The model's cost in layer applications per token (docs/spec.md §4b)."""
+    return stats.Cost.of_model(model.cfg.groups, model.cfg.n_layer)
+
+
+def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, settings: DecodeSettings,
+             resamples: int = 1000) -> dict:
+    """The eval block of metrics.json. ce_ci: 95% bootstrap over windows (the unit the
+    tokens' difficulty is shared in, spec §4b). Cost: applications per group and their
+    mean, layer applications per token (`model_cost`) and FLOPs per token (the model's own
+    count, `LoopedGPT.flops_per_token`, at the mean applications and the mean attended
+    context of the scored positions)."""
+    nll, apps = rec["nll"], rec["apps"]
+    ce, lo, hi = stats.mean_ci(nll, stats.Bootstrap(rec["window"], resamples))
+    per_group = apps.mean(axis=0).tolist()
+    cost = model_cost(model)
+    # attended positions of each scored token: its place in its window + 1 (+ 1 for a BOS input)
+    context = float(np.mean(rec["context"] if "context" in rec else attended(rec, settings.bos))) if len(nll) else 1.0
+    return {
+        "exit": policy.name, "tau": _plain(policy.tau), "min_steps": _plain(policy.min_steps),
+        "max_steps": _plain(policy.max_steps), "patience": policy.patience,
+        "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ce_ci_unit": "window", "ppl": math.exp(ce),
+        "applications_per_token": per_group,
+        "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
+        "layer_applications": float(cost.per_token(apps).mean()) if len(nll) else 0.0,
+        "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
+        "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)),
+        "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": settings.cache,
+        "warm_start": settings.warm_start, "batch_size": settings.batch_size, "step": settings.step,
+    }
+
+
+@torch.no_grad()
+def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                  settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                  labels: np.ndarray | None = None) -> tuple[dict, dict]:
+    """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4), decoded as
+    `settings` says (K/V cache sharing, warm start, step, BOS, context steps: see
+    `DecodeSettings` and `engine.decode_windows`). Returns the `eval` block of
+    metrics.json and the per-token record (`engine.records`, plus `ms`).
+
+    `tokens` is a 1-D id tensor, cut into `windows`. Quality and cost: `settings.batch_size`
+    windows decoded side by side (each row exactly its batch-1 result; throughput
+    `tokens_per_s` at that batch). Latency: the first `latency_tokens` tokens (all by
+    default) decoded again at batch 1 after `warmup_tokens` untimed steps, `repeats` times:
+    `ms_per_token` is the median over repeats of the mean ms per token, with the min and
+    max; each timed token's record carries its median ms. `first_window` is the noise key
+    (SPEC §4's "sequence") of the stream's first window, the next ones following it: a
+    split that starts elsewhere in the held-out text (calibration after test) passes its
+    own, so its windows never draw the noise of another split's windows. The batch-1 pass is also checked
+    against the batched one: `batch_check` counts timed tokens whose applications differ
+    (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
+    batched, batch 1) decodes with the same settings, the timed ones with
+    `latency_step_for`'s step (recorded as `latency_step`).
+    `labels` (a task's, aligned with `tokens`) and `settings.answers`: see `score_task`.
+    """
+    policy.check_model(model.n_groups, model.cfg.n_embd)
+    if policy.name == ORACLE:
+        if settings.context_steps is not None and settings.context_steps != policy.max_steps_bound:
+            raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
+                             f"{policy.max_steps_bound}; set context_steps to that or null, got "
+                             f"{settings.context_steps}")
+        ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, settings, first_window)
+        return score_task(model, policy, ev, rec, labels, settings)
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, settings.bos)
+    warm_up(model, tokens, policy, settings)
+
+    parts, t0 = [], time.perf_counter()
+    for b in range(0, len(wins), settings.batch_size):
+        ws = wins[b : b + settings.batch_size]
+        nll, apps, _, ok = decode_windows(model, tokens, ws, policy, settings, first_window=first_window,
+                                          labels=labels)
+        parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok))
+    batch_seconds = time.perf_counter() - t0
+    rec = merge_records(parts)
+    rec["ms"] = np.full(n_tokens, np.nan)
+    ev = _summary(model, policy, rec, settings)
+    ev["tokens_per_s"] = n_tokens / batch_seconds
+
+    n_lat = n_tokens if settings.latency_tokens is None else min(settings.latency_tokens, n_tokens)
+    timed = settings.replace(step=latency_step_for(model, settings, 1)) if n_lat > 0 else settings
+    ev["latency_step"] = timed.step
+    if n_lat > 0 and timed.step != settings.step:  # its first calls (a compile) untimed too
+        warm_up(model, tokens, policy, timed)
+    timings = [time_tokens(model, tokens, policy, n_lat, timed, first_window, labels)
+               for _ in range(settings.repeats)] if n_lat > 0 else []
+    add_latency(ev, rec, timings)
+    model.train(was_training)
+    return score_task(model, policy, ev, rec, labels, settings)
+
+
+@torch.no_grad()
+def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                    settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                    labels: np.ndarray | None = None) -> tuple[list[dict], float]:
+    """`evaluate_exit`'s batched pass for several exit policies at once (a sweep): every
+    (policy, window) pair is a row, up to `settings.batch_size` rows a batch, each row
+    looping under its own policy (`mixed.MixedPolicy`) and keyed by its window's
+    noise, so each policy's records are those it gets decoded alone (exactly in float64;
+    within rounding of the batched matmuls in float32, where a criterion within rounding of
+    τ can flip a row's applications). Returns one record per policy (`engine.records`)
+    and the seconds of the pass."""
+    # `auto` decode and kl direction resolved as the engine reads them (records unchanged), so
+    # the batch knows when the head decodes each row on its own (`MixedMonitor`)
+    policies = [p.check_model(model.n_groups, model.cfg.n_embd).resolve(has_coda(model)) for p in policies]
+    T, bos, max_rows = model.cfg.block_size, settings.bos, settings.batch_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
+    pairs = [(k, w) for k in range(len(policies)) for w in range(len(wins))]
+    parts: list[list[dict]] = [[] for _ in policies]
+    t0 = time.perf_counter()
+    for b in range(0, len(pairs), max_rows):
+        chunk = pairs[b : b + max_rows]
+        ws = [wins[w] for _, w in chunk]
+        mixed = MixedPolicy(tuple(policies), torch.tensor([k for k, _ in chunk], device=tokens.device))
+        nll, apps, _, ok = decode_windows(model, tokens, ws, mixed, settings, first_window=first_window,
+                                          labels=labels)
+        for k in sorted({k for k, _ in chunk}):
+            rows = [i for i, (kk, _) in enumerate(chunk) if kk == k]
+            parts[k].append(records([ws[i] for i in rows], nll[rows], apps[rows], tokens, T, first_window, bos,
+                                     ok[rows]))
+    return [merge_records(p) for p in parts], time.perf_counter() - t0
+
+
+@torch.no_grad()
+def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
+                   settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                   labels: np.ndarray | None = None) -> list[tuple[dict, dict]]:
+    """`evaluate_exit` of every policy in `policies`, the quality of all of them decoded as
+    one batch (`decode_policies`, `settings.batch_size` rows a batch); latency stays a
+    batch-1 measurement per policy, the policies timed round-robin within each of the
+    `repeats` rounds so that drift of the machine spreads over all of them. The oracle (it
+    reads the target) runs on its own. Returns (eval block, record) per policy, in order.
+    An eval block's `batch_size` is the rows a batch, `tokens_per_s` the whole pass's
+    tokens over its seconds and `shared_batch` the number of policies decoded side by
+    side. The timed passes' step: `latency_step_for` the policies timed here."""
+    was_training = model.training
+    model.eval()
+    out: list[tuple[dict, dict] | None] = [None] * len(policies)
+    loops = [k for k, p in enumerate(policies) if p.name != ORACLE]
+    for k, p in enumerate(policies):
+        if p.name == ORACLE:
+            out[k] = evaluate_exit(model, tokens, p, n_tokens, settings.replace(latency_step=None), first_window,
+                                   labels)
+    model.eval()
+    if loops:
+        tokens_d, n_scored, _ = prepare_windows(model, tokens, n_tokens, settings.bos)
+        for k in loops:
+            warm_up(model, tokens_d, policies[k], settings)
+        recs, seconds = decode_policies(model, tokens, [policies[k] for k in loops], n_tokens, settings,
+                                        first_window, labels)
+        n_lat = n_scored if settings.latency_tokens is None else min(settings.latency_tokens, n_scored)
+        timings: dict[int, list] = {k: [] for k in loops}
+        timed = settings.replace(step=latency_step_for(model, settings, len(loops))) if n_lat > 0 else settings
+        for k in loops if n_lat > 0 and timed.step != settings.step else ():  # its first calls untimed too
+            warm_up(model, tokens_d, policies[k], timed)
+        for _ in range(settings.repeats if n_lat > 0 else 0):
+            for k in loops:
+                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, timed, first_window, labels))
+        for k, rec in zip(loops, recs, strict=True):
+            rec["ms"] = np.full(n_scored, np.nan)
+            ev = _summary(model, policies[k], rec, settings)
+            ev["tokens_per_s"] = n_scored * len(loops) / seconds
+            ev["shared_batch"] = len(loops)  # the policies decoded side by side
+            ev["latency_step"] = timed.step
+            add_latency(ev, rec, timings[k])
+            out[k] = score_task(model, policies[k], ev, rec, labels, settings)
+    model.train(was_training)
+    return out
+
+
+def attended(rec: dict, bos: int | None = None) -> np.ndarray:
+    """Positions each scored token attends to: its place in its window + 1 (+ 1 for a BOS
+    input), a window starting at its first scored token (so on a full record only)."""
+    first = {w: p for w, p in zip(rec["window"][::-1].tolist(), rec["position"][::-1].tolist(), strict=True)}
+    start = np.array([first[w] for w in rec["window"].tolist()], dtype=float)
+    return rec["position"] - start + 1 + (bos is not None)
+
+
+def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels: np.ndarray | None,
+               settings: DecodeSettings) -> tuple[dict, dict]:
+    """A task's scoring (docs/spec.md §6). With `labels` (aligned with the held-out tokens:
+    0 = not an answer, d >= 1 = an answer of difficulty d) every record gets its target's
+    `label`, and the eval block `answers` (`tasks.score_answers`). With `answers` (None:
+    whenever there are labels) the record keeps the answer tokens only and the block's
+    quality and cost (ce, applications, layer_applications, ...) are recomputed over
+    them: what the sweep, the frontier, calibration and the report then read. Latency
+    stays that of every decoded token. `answers=True` without labels is an error."""
+    answers, bos = settings.answers, settings.bos
+    if labels is None:
+        if answers:
+            raise ValueError("eval.answers: true scores a task's answer tokens, but this data has no "
+                             "answer labels (data=task has them)")
+        return ev, rec
+    rec["label"] = np.asarray(labels, dtype=np.int64)[rec["position"] + 1]
+    if answers is None or answers:
+        keep = rec["label"] > 0
+        if not keep.any():
+            raise ValueError("eval.tokens: the scored tokens hold no answer (score more tokens)")
+        n = len(keep)
+        rec["context"] = attended(rec, bos)  # before the filter: windows start at their first token
+        rec = {k: (v[keep] if isinstance(v, np.ndarray) and len(v) == n else v) for k, v in rec.items()}
+        rec["kept"] = np.flatnonzero(keep)  # rows of the full record (`add_latency` maps timings by it)
+        latency = {k: v for k, v in ev.items() if k.startswith(("ms_", "latency", "repeats", "batch_check",
+                                                                   "tokens_per_s"))}
+        ev = {**ev, **_summary(model, policy, rec, settings), **latency}
+        if "nll_by_n" in rec:  # the oracle
+            ev["ce_at_max_steps"] = float(rec["nll_by_n"][:, -1].mean())
+    ev["scored"] = "answers" if answers is None or answers else "all"
+    ev["answers"] = tasks.score_answers(rec, rec["label"], model_cost(model).per_token(rec["apps"]))
+    return ev, rec
+
+
+@torch.no_grad()
+def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One timed pass at batch 1 over the first `n_tokens` scored tokens (their windows one
+    after another, SPEC §4 latency) as `settings` decode them (its step: the timed one;
+    under the compiled step the graphs of every attention span are built first, untimed,
+    `engine.warm_up` with no tokens): ms per token,
+    and the NLL and applications of the pass (for `batch_check`). `add_latency` turns
+    repeats of it into the latency fields; `recdepth.report` interleaves the repeats of
+    several policies (round-robin) so that drift of the machine hits them alike."""
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, settings.bos)
+    warm_up(model, tokens, policy, settings.replace(warmup_tokens=0))
+    secs, nll1, apps1 = [], [], []
+    for w in wins:
+        nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, settings, timed=True,
+                                           first_window=first_window, labels=labels)
+        r = records([w], nll, apps, tokens, T, first_window, settings.bos)
+        secs += sec[: w[1]]
+        nll1.append(r["nll"])
+        apps1.append(r["apps"])
+    model.train(was_training)
+    return 1000 * np.asarray(secs), np.concatenate(nll1), np.concatenate(apps1)
+
+
+def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray, np.ndarray]]) -> None:
+    """The latency fields of an `eval` block from repeats of `time_tokens` (in place):
+    ms_per_token = the median over repeats of the mean ms per token, its min, max and every
+    repeat (`ms_per_token_repeats`: the spread the equal-latency verdict includes), each
+    timed token's median ms in rec["ms"], and `batch_check` (timed tokens whose
+    applications differ from the batched pass, and the largest NLL difference)."""
+    if not timings:
+        ev.update(ms_per_token=None, latency_tokens=0, repeats=0)
+        return
+    ms = np.stack([t[0] for t in timings])
+    n_lat = timed = ms.shape[1]
+    per_rep = [float(m.mean()) for m in ms]
+    _, nll1, apps1 = timings[-1]
+    # a record that keeps a task's answers only (`score_task`) maps its rows to the timed tokens
+    idx = np.arange(n_lat) if "kept" not in rec else rec["kept"][rec["kept"] < n_lat]
+    nll1, apps1, n_lat = nll1[idx], apps1[idx], len(idx)
+    rec["ms"][:n_lat] = np.median(ms, axis=0)[idx]
+    ev.update(ms_per_token=float(np.median(per_rep)), ms_per_token_min=min(per_rep), ms_per_token_max=max(per_rep),
+              ms_per_token_repeats=per_rep, latency_tokens=timed, repeats=len(timings))
+    ev["batch_check"] = {"tokens": n_lat, "apps_mismatch": int((apps1 != rec["apps"][:n_lat]).any(axis=1).sum()),
+                         "max_abs_dnll": float(np.abs(nll1 - rec["nll"][:n_lat]).max()) if n_lat else 0.0}
+
+
+@torch.no_grad()
+def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                    settings: DecodeSettings = REFERENCE, first_window: int = 0) -> tuple[dict, dict]:
+    """The oracle of SPEC §4b (best uniform depth per token within ε: it reads the
+    target, and it is no bound on rules that spend different depths per group) at ε = policy.tau, N = policy.max_steps: per token, the
+    smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
+    at N, with every earlier token computed at N.
+
+    Each window is decoded as N rows side by side, row n stopping every group after n
+    applications, all with the window's noise; after each position every row takes the
+    cache entries of row N, so the history is always the N-application one; with
+    `warm_start` every row also starts the next position from row N's final group states.
+    Row N is then exactly `exit=fixed max_steps=N` (with the same `warm_start`). The first
+    group's input is the same in every row of a window, so it loops once per window and
+    each row takes its state after n applications (`engine.loop_shared`; `settings.share_first`
+    False loops it in every row: the same records, 1 + 2 + … + N applications instead of N). The record carries `nll_by_n` [tokens, N], from which
+    the oracle at any other ε follows without decoding again (`recdepth.analysis.stats.oracle_n`).
+    No latency: the oracle reads the target, so it cannot run for real."""
+    was_training = model.training
+    model.eval()
+    N = policy.max_steps
+    T = model.cfg.block_size
+    bos, batch_size = settings.bos, settings.batch_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
+    fixed = build("fixed", None, max_steps=N)
+    parts, by_n, ok_by_n, t0 = [], [], [], time.perf_counter()
+    for b in range(0, len(wins), batch_size):
+        ws = wins[b : b + batch_size]
+        limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
+        nll, _, _, ok = decode_windows(model, tokens, ws, fixed, settings.replace(context_steps=None), reps=N,
+                                       limit=limit, first_window=first_window)
+        nll, ok = nll.view(len(ws), N, -1), ok.view(len(ws), N, -1)  # [window, n, position]
+        by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
+        ok_by_n.append(np.concatenate([ok[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
+        parts.append(records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
+                                                             dtype=torch.long), tokens, T, first_window, bos))
+    seconds = time.perf_counter() - t0
+    rec = merge_records(parts)
+    rec["nll_by_n"] = np.concatenate(by_n)
+    n = stats.oracle_n(rec["nll_by_n"], policy.tau)
+    rec["nll"] = rec["nll_by_n"][np.arange(n_tokens), n - 1]
+    rec["correct"] = np.concatenate(ok_by_n)[np.arange(n_tokens), n - 1]
+    rec["apps"] = np.repeat(n[:, None], model.n_groups, axis=1)
+    rec["ms"] = np.full(n_tokens, np.nan)
+    ev = _summary(model, policy, rec, settings)
+    ev.update(ms_per_token=None, latency_tokens=0, repeats=0, tokens_per_s=n_tokens / seconds,
+              ce_at_max_steps=float(rec["nll_by_n"][:, -1].mean()))
+    model.train(was_training)
+    return ev, rec

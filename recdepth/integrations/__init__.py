@@ -1,0 +1,1 @@
+"""Integrations: Hugging Face (Huginn) checkpoints and the lm-evaluation-harness model."""

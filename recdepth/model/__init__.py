@@ -1,0 +1,1 @@
+"""The looped GPT-2: its configuration, the model, and the fast one-token step."""

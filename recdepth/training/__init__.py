@@ -1,0 +1,1 @@
+"""Training: the LightningModule, callbacks, loop-count samplers, DDP, runs and checkpoints."""
