@@ -91,7 +91,8 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
     dm.setup()
     mcfg = config.model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)  # the vocabulary is the data's
     module = LoopedLM(model=mcfg.to_dict(), sampler=config.sampler_args(cfg), optim=dataclasses.asdict(cfg.optim),
-                      max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops)
+                      max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
+                      loss=dataclasses.asdict(cfg.loss))
     module.data_config = dataclasses.asdict(cfg.data)
     module.training_config = run.training
     if mcfg.logit_bias:

@@ -18,7 +18,7 @@ from recdepth import exits
 from recdepth.data.sources import DataConfig  # noqa: F401  (the `data` group: one class per source)
 from recdepth.decode.settings import DecodeSettings
 from recdepth.model.config import OPTION_DEFAULTS, check_architecture, shape_of
-from recdepth.training import sampler
+from recdepth.training import objective, sampler
 
 CALIBRATION_METHODS = ("empirical", "ltt")
 
@@ -122,6 +122,29 @@ class SamplerConfig:
 
     def __post_init__(self):
         sampler.check_args(self.name, self.mean, self.sigma, self.backprop_depth)
+
+
+@dataclass
+class LossConfig:
+    """`loss`: where the training loss is taken along the loop (recdepth/training/objective.py,
+    docs/spec.md §1c). Validation's val_ce is always the loss after the last application."""
+
+    steps: str = objective.Objective.steps
+    """last (after the last application; Geiping et al.) | all (the final target after every
+    graded application of the last recurrence group) | trajectory (after application t, the
+    data's per-step target: a task that states them, e.g. data=roots)."""
+    weights: str = objective.Objective.weights
+    """How the per-step losses are averaged over applications t: uniform | linear (∝ t)."""
+    anneal_to: str | None = objective.Objective.anneal_to
+    """null, or the objective (last | all | trajectory) the loss anneals to: (1 − λ)·L(steps)
+    + λ·L(anneal_to), λ rising linearly from 0 at anneal_start to 1 at anneal_end."""
+    anneal_start: float = objective.Objective.anneal_start
+    """Where the anneal starts, a fraction of trainer.max_steps in [0, 1]."""
+    anneal_end: float = objective.Objective.anneal_end
+    """Where it ends (λ = 1 from here), a fraction in [anneal_start, 1]."""
+
+    def __post_init__(self):
+        objective.check(self.steps, self.weights, self.anneal_to, self.anneal_start, self.anneal_end)
 
 
 @dataclass

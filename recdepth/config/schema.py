@@ -49,6 +49,7 @@ from recdepth.config.groups import (
     DecodeConfig,
     EvalConfig,
     ExitConfig,
+    LossConfig,
     ModelConfig,
     SamplerConfig,
     check_int,
@@ -80,6 +81,8 @@ class TrainConfig:
     """Sequences per optimiser step, per device (>= 1)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    """Where the training loss is taken along the loop (`loss.steps`: last | all | trajectory)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     data: DataConfig = field(default=MISSING, metadata={"required": "select one with data=<source or task>"})
     """The data: one source's config (recdepth/data/sources/), `data=<source>` or `data=<task>`

@@ -420,13 +420,16 @@ class LoopedGPT(nn.Module):
         backprop_depth: int | None = None,
         generator: torch.Generator | None = None,
         record: list[Tensor] | None = None,
+        graded: list[tuple[int, Tensor]] | None = None,
     ) -> Tensor:
         """Apply group g n times from a fresh initial state; return the final state.
 
         Truncated backprop: only the last `backprop_depth` applications carry gradient,
         the first n - k run under no_grad (the gradient still reaches e through the
         adapter of every graded application). `record`, if given, receives every state
-        x^(0) .. x^(n-1) the group computes (the trajectory of SPEC §2).
+        x^(0) .. x^(n-1) the group computes (the trajectory of SPEC §2); `graded`, if
+        given, (t, state after application t) of the applications that carry gradient
+        (the per-step losses' inputs, recdepth/training/objective.py).
         """
         if n < 1:
             raise ValueError(f"loops: group {g} needs at least 1 application, got {n}")
@@ -440,10 +443,12 @@ class LoopedGPT(nn.Module):
                     s = self.apply_group(g, s, e_free)
                     if record is not None:
                         record.append(s)
-        for _ in range(n - free):
+        for t in range(free + 1, n + 1):
             s = self.apply_group(g, s, e_proj)
             if record is not None:
                 record.append(s)
+            if graded is not None:
+                graded.append((t, s))
         return s
 
     def leave_group(self, g: int, s: Tensor) -> Tensor:
@@ -491,9 +496,18 @@ class LoopedGPT(nn.Module):
         backprop_depth: int | None = None,
         generator: torch.Generator | None = None,
         trace: list[tuple[str, int, list[Tensor]]] | None = None,
+        objective=None,
+        step_targets: Tensor | None = None,
+        mix: dict[str, float] | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """Parallel forward over [B, T] token ids with `loops[g]` applications of group g
         (default: round(mean_recurrence)). Returns (logits, mean cross-entropy or None).
+
+        `objective` (recdepth/training/objective.py, with its `mix` of objectives at this
+        step and the data's `step_targets` [B, T, S]): the loss it says, from the logits
+        after each graded application of the last recurrence group (each run through the
+        layers after the group and the head); without one, or `last` alone, the loss after
+        the last application.
 
         `trace`, if given, receives the hidden states in depth order, one entry per step of
         the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
@@ -502,23 +516,41 @@ class LoopedGPT(nn.Module):
         loops = self.default_loops() if loops is None else list(loops)
         if len(loops) != self.n_groups:
             raise ValueError(f"loops: expected {self.n_groups} loop counts (one per group), got {loops}")
+        mix = None if objective is None else (mix or {objective.steps: 1.0})
+        per_step = targets is not None and mix is not None and any(w and k != "last" for k, w in mix.items())
+        if per_step and not self.n_groups:
+            raise ValueError("loss.steps: a per-step objective needs a recurrence group (model=baseline has none)")
+        last_group = max((k for k, (kind, _) in enumerate(self.plan) if kind == "group"), default=-1)
+        graded: list[tuple[int, Tensor]] = []
         x = self.embed(idx)
-        for kind, i in self.plan:
+        for k, (kind, i) in enumerate(self.plan):
             rec = None if trace is None else []
             if kind == "layer":
                 x = self.h[i](x)
                 if rec is not None:
                     rec.append(x)
             else:
-                x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec))
+                x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec,
+                                                       graded if per_step and k == last_group else None))
             if trace is not None:
                 trace.append((kind, i, rec))
         logits = self.decode_logits(x)
         loss = None
-        if targets is not None:  # mean token_nll over the scored targets (-1: not scored)
+        if targets is not None and not per_step:  # mean token_nll over the scored targets (-1: not scored)
             scored = (targets >= 0).sum().clamp(min=1)
             loss = self.nll(logits, targets).sum() / scored
+        elif targets is not None:
+            after = self.plan[last_group + 1 :]  # the layers after the last group (its coda)
+            n = loops[self.plan[last_group][1]]
+            steps = [(t, logits if t == n else self.decode_logits(self._run_layers(after, self.leave_group(
+                self.plan[last_group][1], s)))) for t, s in graded]
+            loss = objective.loss(mix, logits, steps, targets, step_targets, self.nll)
         return logits, loss
+
+    def _run_layers(self, plan: Sequence[tuple[str, int]], x: Tensor) -> Tensor:
+        for _, i in plan:  # layers only: nothing follows the last group but layers
+            x = self.h[i](x)
+        return x
 
     def default_loops(self) -> list[int]:
         return [round(self.cfg.mean_recurrence)] * self.n_groups

@@ -26,6 +26,7 @@ from torchmetrics.aggregation import MeanMetric
 
 from recdepth.core.runtime import peak_flops
 from recdepth.model.looped import GPTConfig, LoopedGPT
+from recdepth.training.objective import Objective
 from recdepth.training.sampler import LoopSampler
 
 log = logging.getLogger("recdepth.training.lit")
@@ -45,12 +46,13 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 class LoopedLM(L.LightningModule):
     def __init__(self, model: dict, sampler: dict, optim: dict, max_steps: int,
-                 seed: int = 0, peak_flops: float | None = None):
+                 seed: int = 0, peak_flops: float | None = None, loss: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(**model)
         self.model = LoopedGPT(self.config)
         self.sampler = LoopSampler(n_groups=self.model.n_groups, seed=seed, **sampler)
+        self.objective = Objective(**(loss or {}))  # where the loss is taken along the loop (loss.*)
         self.val_ce = MeanMetric()
         self._peak: float | None = None
         self._t_last: float | None = None
@@ -76,10 +78,16 @@ class LoopedLM(L.LightningModule):
 
     # ------------------------------------------------------------ training
     def training_step(self, batch, batch_idx):
-        x, y = batch
+        x, y, z = batch if len(batch) == 3 else (*batch, None)  # z: a task's per-step targets
         self._loops = self.sampler.sample() if self.model.n_groups else []
+        mix = self.objective.mix(self.global_step, self.hparams.max_steps)
+        if z is None and mix.get("trajectory"):
+            raise ValueError("loss.steps: trajectory needs per-step targets, and this data has none (a task that "
+                             "states them, e.g. data=roots; else loss.steps=all or last)")
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
-                             generator=self.noise)
+                             generator=self.noise, objective=self.objective, step_targets=z, mix=mix)
+        if self.objective.anneal_to is not None:
+            self.log("train/anneal", mix[self.objective.anneal_to])
         bad = (~torch.isfinite(loss.detach())).float()
         if self.trainer.world_size > 1:  # every rank stops together, with this message (not a killed peer)
             bad = self.trainer.strategy.reduce(bad, reduce_op="sum")
@@ -143,7 +151,7 @@ class LoopedLM(L.LightningModule):
 
     # ---------------------------------------------------------- validation
     def validation_step(self, batch, batch_idx):
-        x, y = batch
+        x, y = batch[0], batch[1]  # (x, y) or, with per-step targets, (x, y, z)
         _, loss = self.model(x, y, generator=self._val_noise)  # the fixed n = round(r) of every group (SPEC §1)
         self.val_ce.update(loss, weight=(y >= 0).sum())  # a task's answers only: the others are -1
 

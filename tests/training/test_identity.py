@@ -26,6 +26,7 @@ DEFAULT = identity()
     ((), ("exit=argmax_stability", "exit.patience=2")),  # ... SPEC §3b rules
     ((), ("exit=cosine", "exit.tau=[1e-3,1e-2,1e-3]", "exit.max_steps=[4,5,6]")),  # ... one value per group
     ((), ("trainer.val_check_interval=7", "trainer.enable_progress_bar=false")),  # reporting cadence
+    ((), ("loss.steps=last", "loss.weights=linear")),  # the loss after the last application: runs before `loss`
 ])
 def test_same_weights_same_identity(a, b):
     assert identity(*a) == identity(*b)
@@ -34,6 +35,7 @@ def test_same_weights_same_identity(a, b):
 @pytest.mark.parametrize("change", [
     ("model.n_embd=64",), ("model.groups=[[4,5,6,7]]",), ("model=single",), ("sampler.sigma=0.9",),
     ("sampler.mean=8",), ("seed=1",), ("optim.lr=0.01",), ("model.size=paper",), ("trainer.max_steps=10",),
+    ("loss.steps=all",), ("loss.anneal_to=all",),
 ])
 def test_what_changes_the_weights_changes_the_identity(change):
     assert identity(*change) != DEFAULT
@@ -48,6 +50,7 @@ def test_what_trains_normalises_an_older_checkpoints_config():
     new = {"model": {"n_layer": 12, "n_head": 4, "n_embd": 128, "block_size": 128, "groups": [[4]]},
            "sampler": {"name": "fixed", "mean": 4, "backprop_depth": 2}, "trainer": {"max_steps": 10}}
     assert what_trains(old) == new
+    assert what_trains({**old, "loss": {"steps": "last", "weights": "uniform", "anneal_to": None}}) == new
     assert old["model"]["name"] == "grouped"  # a copy: the input is left as it was
 
 
