@@ -91,6 +91,9 @@ class ModelConfig:
     """The final norm applied to each recurrence group's final state as it leaves the loop (Huginn)."""
     norm_eps: float = 1.0e-6
     """ε of every RMSNorm (> 0)."""
+    attention_window: int | None = None
+    """Sliding-window attention: each position attends to the last W positions, its own
+    included (null: all earlier ones, SPEC §1)."""
 
     def shape(self) -> dict:
         """n_layer, n_head, n_embd, block_size (and intermediate_size where the preset or

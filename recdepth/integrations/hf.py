@@ -249,7 +249,8 @@ def raven_config(cfg: GPTConfig, dtype: torch.dtype) -> dict:
 def check_saveable(cfg: GPTConfig) -> None:
     """Refuse, in one line, a model whose architecture Huginn's RavenForCausalLM cannot express."""
     layer_names(cfg)  # exactly one recurrence group
-    want = dict(position="rope", mlp="gated_silu", scale_embeddings=True, latent_norm=True, logit_bias=False)
+    want = dict(position="rope", mlp="gated_silu", scale_embeddings=True, latent_norm=True, logit_bias=False,
+                attention_window=None)
     for key, v in want.items():
         if getattr(cfg, key) != v:
             raise ValueError(f"save_hf: model.{key}: {getattr(cfg, key)!r} has no counterpart in Huginn's "

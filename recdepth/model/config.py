@@ -26,7 +26,8 @@ MLPS = ("silu", "gated_silu")
 # of SPEC §1 (GPTConfig documents each). intermediate_size belongs with the shape (a
 # size preset may set it).
 OPTION_DEFAULTS: dict[str, object] = dict(position="learned", rope_base=10000.0, mlp="silu", qk_bias=False,
-                                          scale_embeddings=False, latent_norm=False, norm_eps=1e-6)
+                                          scale_embeddings=False, latent_norm=False, norm_eps=1e-6,
+                                          attention_window=None)
 
 
 def shape_of(size: str, **overrides) -> dict:
@@ -104,6 +105,11 @@ class GPTConfig:
     with several groups every group's exit passes through it."""
     norm_eps: float = 1e-6
     """ε of every RMSNorm (> 0)."""
+    attention_window: int | None = None
+    """Sliding-window attention in every layer: position p attends to positions
+    p − W + 1 .. p only (W >= 1; None: every earlier position, SPEC §1). With W = 2
+    information moves one position per layer application, so a looped group propagates it
+    one position per application (the carry task of docs/tasks.md)."""
 
     def __post_init__(self):
         self.groups = check_architecture(self.n_layer, self.n_head, self.n_embd, self.block_size, self.groups,
@@ -168,7 +174,7 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
                        state_init: str, intermediate_size: int | None = None, *, position: str = "learned",
                        rope_base: float = 10000.0, mlp: str = "silu", qk_bias: bool = False,
                        scale_embeddings: bool = False, latent_norm: bool = False,
-                       norm_eps: float = 1e-6) -> list[list[int]]:
+                       norm_eps: float = 1e-6, attention_window: int | None = None) -> list[list[int]]:
     """The fields of a GPTConfig that do not depend on the data (shape, recurrence groups,
     initial state, architecture options), checked with one line naming the field each;
     returns the groups as lists of ints. GPTConfig checks itself with it, and the run
@@ -195,6 +201,10 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
             raise ValueError(f"model.{name}: expected true or false, got {v!r}")
     if not _finite(norm_eps) or norm_eps <= 0:
         raise ValueError(f"model.norm_eps: expected a finite number > 0, got {norm_eps!r}")
+    if attention_window is not None and (isinstance(attention_window, bool) or not isinstance(attention_window, int)
+                                         or attention_window < 1):
+        raise ValueError(f"model.attention_window: expected null or an integer >= 1 (positions attended, the "
+                         f"token's own included), got {attention_window!r}")
     return validate_groups(groups, n_layer)
 
 

@@ -49,11 +49,19 @@ from torch import Tensor
 
 from recdepth.exits.monitor import history0, observe_step
 from recdepth.exits.policy import ExitPolicy
-from recdepth.model.looped import BlockWeights, LoopedGPT, attend_rows, block_out, linear, qkv_of
+from recdepth.model.looped import (
+    BlockWeights,
+    LoopedGPT,
+    attend_rows,
+    block_out,
+    first,
+    linear,
+    qkv_of,
+)
 
 
 def attend_shared(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, pos: int, rows: Tensor,
-                  reps: int) -> Tensor:
+                  reps: int, lo: int = 0) -> Tensor:
     """One token's attention at `pos` for rows whose history is shared in blocks of `reps`
     (the oracle's N rows of a window: after each position every row of a block holds its
     last row's entries, `recdepth.decode.engine.decode_windows`). q, k, v [b, H, 1, hd] are the cache rows
@@ -63,17 +71,17 @@ def attend_shared(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, pos: 
     another order). Reading the history once per block, not once per row, is what pays:
     the oracle's attention is bound by reading the cache (N = 32 rows per window)."""
     R, H, _, hd = ck.shape
-    W, scale = R // reps, hd**-0.5
-    kp, vp = ck[reps - 1 :: reps, :, :pos], cv[reps - 1 :: reps, :, :pos]  # [W, H, pos, hd], views
+    W, scale, n = R // reps, hd**-0.5, pos - lo  # n: the earlier positions read (lo .. pos − 1; a window's)
+    kp, vp = ck[reps - 1 :: reps, :, lo:pos], cv[reps - 1 :: reps, :, lo:pos]  # [W, H, n, hd], views
     qd = q.new_zeros(R, H, hd)
     qd[rows] = q[:, :, 0]
-    scores = qd.view(W, reps, H, hd).transpose(1, 2) @ kp.transpose(-1, -2) * scale  # [W, H, reps, pos]
-    scores = scores.transpose(1, 2).reshape(R, H, pos)[rows]
+    scores = qd.view(W, reps, H, hd).transpose(1, 2) @ kp.transpose(-1, -2) * scale  # [W, H, reps, n]
+    scores = scores.transpose(1, 2).reshape(R, H, n)[rows]
     p = torch.softmax(torch.cat([scores, (q[:, :, 0] * k[:, :, 0]).sum(-1, keepdim=True) * scale], -1), -1)
-    pd = q.new_zeros(R, H, pos)
-    pd[rows] = p[..., :pos]
-    y = (pd.view(W, reps, H, pos).transpose(1, 2) @ vp).transpose(1, 2).reshape(R, H, hd)[rows]  # [b, H, hd]
-    return (y + p[..., pos:] * v[:, :, 0])[:, :, None]
+    pd = q.new_zeros(R, H, n)
+    pd[rows] = p[..., :n]
+    y = (pd.view(W, reps, H, n).transpose(1, 2) @ vp).transpose(1, 2).reshape(R, H, hd)[rows]  # [b, H, hd]
+    return (y + p[..., n:] * v[:, :, 0])[:, :, None]
 
 
 _STATIC: dict[str, types.FunctionType] = {}
@@ -119,6 +127,7 @@ class LeanSteps:
             self.cos, self.sin = self.rotary(0, cfg.block_size, device)
         else:
             self.cos = self.sin = None
+        self.window = cfg.attention_window  # sliding-window attention (model.first): None, or the last W positions
         self._block, self._group = self._block1, self._group1 = self.block_token, self.group_token
         if compile:
             # A graph per group length, qk_bias/keep present or not, and model (dynamo keys its
@@ -162,17 +171,18 @@ class LeanSteps:
             v = torch.where(m, v, vc.index_select(2, pos))
         kc.index_copy_(2, pos, k)
         vc.index_copy_(2, pos, v)
-        kc, vc = kc[:, :, :n_ctx], vc[:, :, :n_ctx]
         if masked:  # static shapes (compiled): a span of the block, positions after pos masked
             # Written out rather than F.scaled_dot_product_attention: for one query the CPU
             # flash-attention kernel is an opaque call with its own buffers and threads, while
             # these few ops inductor fuses into its loops (faster, measured; the same
             # softmax(q k^T / sqrt(hd)) v, masked).
+            kc, vc = kc[:, :, :n_ctx], vc[:, :, :n_ctx]
             scores = (q @ kc.transpose(-1, -2)) * self.head_dim**-0.5  # [B, H, 1, n_ctx]
-            scores = scores.masked_fill(self.positions[:n_ctx] > pos, float("-inf"))
+            scores = scores.masked_fill(self._unread(self.positions[:n_ctx], pos, True), float("-inf"))
             y = torch.softmax(scores, -1) @ vc
-        else:  # eager: positions 0 .. pos only (n_ctx = pos + 1)
-            y = F.scaled_dot_product_attention(q, kc, vc)
+        else:  # eager: positions first(pos) .. pos only (n_ctx = pos + 1)
+            lo = first(n_ctx - 1, self.window)
+            y = F.scaled_dot_product_attention(q, kc[:, :, lo:n_ctx], vc[:, :, lo:n_ctx])
         return self._block_out(x, y, w)
 
     def _qkv(self, x: Tensor, w: BlockWeights, pos: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -192,7 +202,7 @@ class LeanSteps:
         q, k, v = self._qkv(x, w, pos)
         scale = self.head_dim**-0.5
         scores = (q @ kc.transpose(-1, -2)) * scale  # [1, H, 1, block]
-        scores = scores.masked_fill(self.positions >= pos, float("-inf"))
+        scores = scores.masked_fill(self._unread(self.positions, pos, False), float("-inf"))
         p = torch.softmax(torch.cat([scores, (q * k).sum(-1, keepdim=True) * scale], -1), -1)
         y = p[..., :-1] @ vc + p[..., -1:] * v
         return self._block_out(x, y, w), k, v
@@ -245,9 +255,19 @@ class LeanSteps:
         (`attend_shared`: the same attention to float rounding)."""
         q, k, v = self._qkv(x, w, self.pos[pos])
         kc[:, :, pos][rows], vc[:, :, pos][rows] = k[:, :, 0], v[:, :, 0]
+        lo = first(pos, self.window)
         if reps is not None:
-            return self._block_out(x, attend_shared(q, k, v, kc, vc, pos, rows, reps), w)
-        return self._block_out(x, attend_rows(q, kc[:, :, : pos + 1], vc[:, :, : pos + 1], rows), w)
+            return self._block_out(x, attend_shared(q, k, v, kc, vc, pos, rows, reps, lo), w)
+        return self._block_out(x, attend_rows(q, kc[:, :, lo : pos + 1], vc[:, :, lo : pos + 1], rows), w)
+
+    def _unread(self, positions: Tensor, pos: Tensor, own: bool) -> Tensor:
+        """Which cache positions a query at `pos` does not read (masked): those after it
+        (with `own` False, its own too: `block_looping` adds it apart) and, under a sliding
+        window W, those before pos − W + 1 (`model.first`)."""
+        out = positions > pos if own else positions >= pos
+        if self.window is not None:
+            out = out | (positions <= pos - self.window)
+        return out
 
     def group_token(self, s: Tensor, e_proj: Tensor, adapter_w: Tensor, kvs: list[tuple[Tensor, Tensor]],
                     pos: Tensor, keep: Tensor | None, ws: list[BlockWeights], n_ctx: int, masked: bool = False) -> Tensor:

@@ -136,26 +136,46 @@ class CausalSelfAttention(nn.Module):
         self.qk_bias = nn.Parameter(torch.zeros(2, 1, cfg.n_head, cfg.head_dim)) if cfg.qk_bias else None
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.rotary = rotary  # shared by every layer (position=rope), else None
+        self.window = cfg.attention_window  # sliding-window attention: the last W positions, or None
 
-    @staticmethod
-    def attend(q: Tensor, k: Tensor, v: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
         """softmax(q kᵀ / sqrt(hd)) v, causal, for q, k, v [B, H, T, hd] of positions pos ..
-        pos + T − 1. cache: None (the parallel pass) or one layer's decoding cache
-        (recdepth/decode/kv_cache.py), which this chunk's k/v are written to and the attended
-        k/v read from (positions 0 .. each query's own)."""
+        pos + T − 1, each query reading positions `first(p)` .. p (`window_mask`). cache:
+        None (the parallel pass) or one layer's decoding cache (recdepth/decode/kv_cache.py),
+        which this chunk's k/v are written to and the attended k/v read from."""
+        W = self.window
         if cache is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            if W is None:
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(0, q.shape[2], 0, W, q.device))
         T = q.shape[2]
         cache.write(pos, k, v, rows)
-        if T > 1:  # a chunk: T new tokens at positions pos..pos+T-1, each attending to 0..its own
+        if T > 1:  # a chunk: T new tokens at positions pos..pos+T-1, each attending up to its own
             # position (recdepth/decode/generation.py's verify pass; its chunk caches write all T entries)
             ck, cv = cache.read(pos + T - 1)
-            mask = torch.arange(pos + T, device=q.device) <= torch.arange(pos, pos + T, device=q.device)[:, None]
-            return F.scaled_dot_product_attention(q, ck, cv, attn_mask=mask)
-        ck, cv = cache.read(pos)  # one new token at position `pos`, attending to positions 0..pos
+            return F.scaled_dot_product_attention(q, ck, cv, attn_mask=window_mask(pos, T, 0, W, q.device))
+        ck, cv = cache.read(pos)  # one new token at position `pos`, attending to positions first(pos)..pos
+        lo = first(pos, W)
+        ck, cv = ck[:, :, lo:], cv[:, :, lo:]
         if rows is None or rows.dtype == torch.bool:
             return F.scaled_dot_product_attention(q, ck, cv)
         return attend_rows(q, ck, cv, rows)
+
+
+def first(pos: int, window: int | None) -> int:
+    """The first position a query at `pos` attends to: 0, or pos − W + 1 under a window W."""
+    return 0 if window is None else max(0, pos - window + 1)
+
+
+def window_mask(pos: int, T: int, lo: int, window: int | None, device) -> Tensor:
+    """[T, pos + T − lo] bool: may the query at position pos + i read the key at position
+    lo + j (j <= i + pos − lo, and within the window)."""
+    q = torch.arange(pos, pos + T, device=device)[:, None]
+    k = torch.arange(lo, pos + T, device=device)
+    mask = k <= q
+    if window is not None:
+        mask = mask & (k > q - window)
+    return mask
 
 
 def attend_rows(q: Tensor, ck: Tensor, cv: Tensor, rows: Tensor) -> Tensor:
@@ -563,9 +583,10 @@ class LoopedGPT(nn.Module):
         attention (nanoGPT's 2·2·T·d per layer application, forward) and the LM head.
         Training counts 3x (forward + backward) for graded work and 1x for the
         applications that truncated backprop ran under no_grad. Element-wise work (norms,
-        activations, RoPE, biases) is not counted.
+        activations, RoPE, biases) is not counted. Under a sliding window W the attention
+        reads min(T, W) positions.
         """
-        d, T = self.cfg.n_embd, seq_len
+        d, T = self.cfg.n_embd, seq_len if self.cfg.attention_window is None else min(seq_len, self.cfg.attention_window)
         mlp = (3 if self.cfg.mlp == "gated_silu" else 2) * d * self.cfg.mlp_hidden  # fc d->(2)I, proj I->d
         layer = 2 * (4 * d * d + mlp) + 4 * T * d  # qkv 3d², proj d², mlp (8d² at I = 4d); attention
         fwd_graded = (self.cfg.n_layer - sum(len(g) for g in self.cfg.groups)) * layer
