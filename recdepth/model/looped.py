@@ -1,5 +1,9 @@
 """The looped GPT-2 of SPEC §1, in one file (nanoGPT lineage).
 
+Over 600 lines: the whole model is kept readable in one file, as nanoGPT's model.py is: the
+block's math (written once, for every path), the attention with its sliding window, the
+recurrence, the per-step objective's forward and the FLOP count belong together.
+
 A GPT-2-style decoder (learned absolute positions, tied embeddings, SiLU MLP, sandwich
 RMSNorm as in Huginn) in which some contiguous runs of layers — *recurrence groups* —
 are applied several times. The paper's pattern is groups = [[4], [5, 6], [7]]; the
