@@ -101,6 +101,9 @@ class TrainConfig:
     def __post_init__(self):
         check_int("seed", self.seed, 0)
         check_int("batch_size", self.batch_size, 1)
+        if "trajectory" in {self.loss.steps, self.loss.anneal_to} and not self.data.step_width():
+            raise ValueError(f"loss.steps: trajectory needs per-step targets, and data={self.data.source} has none "
+                             "(a task that states them, e.g. data=roots; else loss.steps=all or last)")
         e = self.exit  # per-group values: one per recurrence group of the model
         exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups),
                        decode=e.decode, kl_direction=e.kl_direction)

@@ -17,6 +17,7 @@ import numpy as np
 from torch.utils.data import DataLoader
 
 from recdepth.data.sources import DataConfig
+from recdepth.data.tasks import NO_STEP
 from recdepth.data.token_cache import TokenCache
 from recdepth.data.vocabulary import Vocab
 from recdepth.data.windows import ResumableLoader, TrainOrder, WindowBatches
@@ -38,6 +39,10 @@ class TokenDataModule(L.LightningDataModule):
     After setup, `vocab` maps model ids to GPT-2 ids and back (`recdepth.data.vocabulary`);
     vocab_size, id_map, n_other, other_id and eot_id are its, for the model's config.
     The attribute `val_tokens` is the val split memmap (set by setup), not the config's cap.
+
+    Batches are (x, y) (`windows.WindowBatches`); over a task with per-step targets they are
+    (x, y, z), z [B, T, S] with S = `step_width` (0: no per-step targets, `has_step_targets`
+    False; known before setup from the config, `data.step_width()`).
     """
 
     def __init__(self, data: DataConfig, block_size: int, batch_size: int, max_steps: int, seed: int = 1337):
@@ -74,6 +79,13 @@ class TokenDataModule(L.LightningDataModule):
         self.eot_id: int | None = None
         self.train_offsets: np.ndarray | None = None
         self.val_offsets: np.ndarray | None = None
+        # S, the per-step targets of each token (a batch's z is [B, T, S]); 0: none, batches (x, y)
+        self.step_width = int(data.step_width())
+
+    @property
+    def has_step_targets(self) -> bool:
+        """Whether the batches carry per-step targets (x, y, z) (`loss.steps=trajectory` needs them)."""
+        return self.step_width > 0
 
     # -- building / opening -------------------------------------------------------------
 
@@ -103,6 +115,9 @@ class TokenDataModule(L.LightningDataModule):
                 f"data: block_size={T} is longer than the val split ({n_val_used} tokens{capped}); "
                 f"need at least block_size+1"
             )
+        if cache.step_width != self.step_width:  # only if a cache's meta.json disagrees with its task
+            raise ValueError(f"data: the token cache {cache.path} holds {cache.step_width} per-step targets a token, "
+                             f"the task states {self.step_width}")
         self.cache, self.cache_path = cache, cache.path
         self.train_tokens, self.val_tokens = cache.train, cache.val
         v = self.vocab = Vocab(cache.id_map, cache.n_other)
@@ -150,16 +165,20 @@ class TokenDataModule(L.LightningDataModule):
             raise ValueError(f"data: rank {r} outside a world of {W} processes")
         offsets = self.train_offsets if W == 1 else self.train_order(W).offsets(r)
         return WindowBatches(cache.path / "train.bin", len(cache.train), offsets, self.block_size,
-                             self.batch_size, self._labels_file("train"))
+                             self.batch_size, self._labels_file("train"), *self._steps_file("train"))
 
     def val_dataset(self) -> WindowBatches:
         cache = self._require_setup()
         return WindowBatches(cache.path / "val.bin", len(cache.val), self.val_offsets, self.block_size,
-                             self.batch_size, self._labels_file("val"))
+                             self.batch_size, self._labels_file("val"), *self._steps_file("val"))
 
     def _labels_file(self, split: str) -> Path | None:
         """The labels that mask the loss to answers (data.loss=answers), else None."""
         return self.cache_path / f"{split}.labels.bin" if self.data.answers_only() else None
+
+    def _steps_file(self, split: str) -> tuple[Path | None, int]:
+        """The per-step targets and their width S (None, 0 without them)."""
+        return (self.cache_path / f"{split}.steps.bin", self.step_width) if self.step_width else (None, 0)
 
     def train_dataloader(self, start_step: int | None = None) -> ResumableLoader:
         """Batches in a fixed order, from start_step (default self.start_step) on. The
@@ -229,6 +248,18 @@ class TokenDataModule(L.LightningDataModule):
         cache = self._require_setup()
         self.heldout_tokens(n, start)  # the same range checks
         return None if cache.val_labels is None else np.asarray(cache.val_labels[start : start + n], dtype=np.int64)
+
+    def heldout_steps(self, n: int, start: int = 0) -> np.ndarray | None:
+        """The per-step targets of `heldout_tokens(n, start)`, int64 [n, S] model ids: row i,
+        column t - 1 the target of token start + i after loop application t, -1 where it has
+        none (its own id from there); None for data without per-step targets. Like the
+        labels they belong to the tokens: the prediction at position p targets token p + 1's."""
+        cache = self._require_setup()
+        self.heldout_tokens(n, start)  # the same range checks
+        if cache.val_steps is None:
+            return None
+        z = np.asarray(cache.val_steps[start : start + n], dtype=np.int64)
+        return np.where(z == NO_STEP, -1, z)
 
     def region(self, name: str) -> tuple[int, int]:
         """A task's val-split region (test, validation, extrapolation): (first token, tokens)."""

@@ -41,7 +41,9 @@ compact ids 0..V_c: the sorted GPT-2 ids of the train split, then V_c = "other" 
 other GPT-2 id; vocab.npy maps them back (`recdepth.data.vocabulary` explains the scoring).
 
 A generated task's cache (`prepare_task_tokens`) holds its records (recdepth/data/tasks/)
-and their per-token labels beside the tokens.
+and their per-token labels beside the tokens (train.labels.bin, val.labels.bin, uint8), and
+for a task with per-step targets those too (train.steps.bin, val.steps.bin: uint16, S =
+meta.json's `step_width` per token, compact ids like the tokens, NO_STEP where none).
 """
 
 from __future__ import annotations
@@ -123,6 +125,15 @@ class TokenCache:
     # (0 = not an answer, d >= 1 = an answer of difficulty d)
     train_labels: np.memmap | None = None
     val_labels: np.memmap | None = None
+    # a task with per-step targets only: [tokens, step_width] model ids aligned with train /
+    # val, column t - 1 the token's target after loop application t (tasks.NO_STEP: none)
+    train_steps: np.memmap | None = None
+    val_steps: np.memmap | None = None
+
+    @property
+    def step_width(self) -> int:
+        """S, the per-step targets kept per token (0: none; a task's `step_width()`)."""
+        return int(self.meta.get("step_width", 0))
 
     @property
     def regions(self) -> dict[str, list[int]]:
@@ -156,17 +167,20 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
         )
         compact = bool(meta["compact_vocab"])
         int(meta["n_other"])
+        width = int(meta.get("step_width", 0))  # a task's per-step targets per token (0: none)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"{meta_path} is unreadable ({type(e).__name__}: {e})"
     labelled = bool(meta.get("labels", False))
     files = [("train.bin", n_train, 2), ("val.bin", n_val, 2)]
     if labelled:
         files += [("train.labels.bin", n_train, 1), ("val.labels.bin", n_val, 1)]
-    for name, n, width in files:
+    if width:
+        files += [("train.steps.bin", n_train, 2 * width), ("val.steps.bin", n_val, 2 * width)]
+    for name, n, item in files:
         f = path / name
-        if not f.exists() or f.stat().st_size != width * n:
+        if not f.exists() or f.stat().st_size != item * n:
             size = f.stat().st_size if f.exists() else "missing"
-            return None, f"{f} has size {size}, meta.json says {width * n} bytes"
+            return None, f"{f} has size {size}, meta.json says {item * n} bytes"
     id_map = None
     if compact:
         try:
@@ -181,6 +195,9 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     if labelled:
         cache.train_labels = np.memmap(path / "train.labels.bin", dtype=np.uint8, mode="r", shape=(n_train,))
         cache.val_labels = np.memmap(path / "val.labels.bin", dtype=np.uint8, mode="r", shape=(n_val,))
+    if width:
+        cache.train_steps = np.memmap(path / "train.steps.bin", dtype=np.uint16, mode="r", shape=(n_train, width))
+        cache.val_steps = np.memmap(path / "val.steps.bin", dtype=np.uint16, mode="r", shape=(n_val, width))
     return cache, ""
 
 
@@ -420,8 +437,11 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
     one's last target: test at 0 (`recdepth.evaluate`'s split), validation at
     test + 1 (where `recdepth.calibrate` starts when eval.tokens is the test region's size).
     `train.labels.bin` / `val.labels.bin` (uint8) label every token (0 = not an answer,
-    d >= 1 = answer of difficulty d). The vocabulary is compact: the symbols the train
-    split uses, EOT among them, plus "other"."""
+    d >= 1 = answer of difficulty d). A task with per-step targets (`task.step_width()` =
+    S > 0) adds `train.steps.bin` / `val.steps.bin` (uint16, [tokens, S] row-major): token
+    i's target after loop application t at column t - 1, in the cache's ids like the
+    tokens, `tasks.NO_STEP` where it has none (past its last step: its own id). The
+    vocabulary is compact: the symbols the train split uses, EOT among them, plus "other"."""
     for split in ("train", *TASK_REGIONS):
         if int(counts.get(split, 0)) < 1:
             raise ValueError(f"data.{split}_records: expected a number of records >= 1, got {counts.get(split)}")
@@ -436,28 +456,36 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
         log.warning("rebuilding token cache %s: %s", path, why)
     t0 = time.time()
     ids = tasks.symbol_ids(gpt2().encode_ordinary)
-    eot = np.array([EOT_ID], dtype=np.uint16)
-    zero = np.zeros(1, dtype=np.uint8)
+    width = task.step_width()
+    # the EOT closing each split / region: its label 0, no per-step target
+    tail = (np.array([EOT_ID], dtype=np.uint16), np.zeros(1, dtype=np.uint8),
+            np.full((1, width), tasks.NO_STEP, dtype=np.uint16))
     streams, regions = {}, {}
-    tr, tl = tasks.records(task, "train", seed, int(counts["train"]), length, ids, EOT_ID)
-    streams["train"] = (np.concatenate([tr, eot]), np.concatenate([tl, zero]))
+    tr = tasks.records(task, "train", seed, int(counts["train"]), length, ids, EOT_ID)
+    streams["train"] = tuple(np.concatenate([a, b]) for a, b in zip(tr, tail[: len(tr)], strict=True))
     parts, start = [], 0
     for name in TASK_REGIONS:
-        t, lab = tasks.records(task, name, seed, int(counts[name]), length, ids, EOT_ID)
-        regions[name] = [start, len(t)]
-        parts.append((np.concatenate([t, eot]), np.concatenate([lab, zero])))
-        start += len(t) + 1
+        part = tasks.records(task, name, seed, int(counts[name]), length, ids, EOT_ID)
+        regions[name] = [start, len(part[0])]
+        parts.append(tuple(np.concatenate([a, b]) for a, b in zip(part, tail[: len(part)], strict=True)))
+        start += len(part[0]) + 1
     streams["val"] = tuple(np.concatenate(x) for x in zip(*parts, strict=True))
     vocab = np.unique(streams["train"][0])  # the train split chooses the vocabulary
     lut = np.full(GPT2_VOCAB_SIZE, len(vocab), dtype=np.uint16)
     lut[vocab] = np.arange(len(vocab), dtype=np.uint16)
+
+    def compact_steps(st: np.ndarray) -> np.ndarray:  # GPT-2 ids -> the cache's, NO_STEP kept
+        return np.where(st == tasks.NO_STEP, st, lut[np.minimum(st, GPT2_VOCAB_SIZE - 1)]).astype(np.uint16)
+
     path.mkdir(parents=True, exist_ok=True)
     (path / "meta.json").unlink(missing_ok=True)
     tag = f".tmp-{os.getpid()}"
     written = []
     try:
-        for split, (t, lab) in streams.items():
-            for name, arr in ((f"{split}.bin", lut[t]), (f"{split}.labels.bin", lab)):
+        for split, (t, lab, *st) in streams.items():
+            files = [(f"{split}.bin", lut[t]), (f"{split}.labels.bin", lab)]
+            files += [(f"{split}.steps.bin", compact_steps(st[0]))] if st else []
+            for name, arr in files:
                 arr.tofile(path / f"{name}{tag}")
                 written.append(name)
         with open(path / f"vocab.npy{tag}", "wb") as fh:
@@ -467,11 +495,12 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
             os.replace(path / f"{name}{tag}", path / name)
         fields = dict(fields)
         meta = {"format": fields.pop("format"), "key": key, **fields,
-                "n_tokens": sum(len(t) for t, _ in streams.values()), "n_train": len(streams["train"][0]),
+                "n_tokens": sum(len(arrays[0]) for arrays in streams.values()), "n_train": len(streams["train"][0]),
                 "n_val": len(streams["val"][0]), "dtype": "uint16", "vocab_size": len(vocab) + 1,
                 "n_other": GPT2_VOCAB_SIZE - len(vocab), "val_other_tokens": int((lut[streams["val"][0]] == len(vocab)).sum()),
                 "gpt2_vocab_size": GPT2_VOCAB_SIZE, "eot_gpt2_id": EOT_ID, "labels": True, "regions": regions,
-                "answers": {s: int((lab > 0).sum()) for s, (_, lab) in streams.items()},
+                "answers": {s: int((arrays[1] > 0).sum()) for s, arrays in streams.items()},
+                "step_width": width,
                 "build_seconds": round(time.time() - t0, 3)}
         (path / f"meta.json{tag}").write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(path / f"meta.json{tag}", path / "meta.json")

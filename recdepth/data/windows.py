@@ -3,6 +3,12 @@
 Train: step k trains on batch_size windows of block_size + 1 tokens at offsets that are
 a pure function of (seed, k) (`TrainOrder`). Val: non-overlapping windows in order. The
 loader's state is the step: a resumed run recomputes the batches it has not seen.
+
+A batch is (x, y): inputs and targets, LongTensors [B, T] (y = -1 where a task's
+answers-only loss masks a target). Over a task cache with per-step targets
+(`TokenCache.step_width` = S > 0) it is (x, y, z), z a LongTensor [B, T, S]: z[b, p, t - 1]
+the model id the prediction at input position p should give after loop application t,
+-1 where there is none (the final target y applies; z is -1 wherever y is).
 """
 
 from __future__ import annotations
@@ -16,23 +22,33 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from recdepth.data.tasks import NO_STEP
+
 
 class WindowBatches(Dataset):
     """Map-style dataset whose item k is batch k: the windows of block_size + 1 tokens
     starting at offsets[k*B : (k+1)*B], as (x, y) LongTensors [B, block_size], y = x
-    shifted by one. Batches (not single windows) are the items so one fancy-index read
-    of the memmap serves a whole batch, and skipping k batches is just slicing offsets.
-    The memmap is reopened lazily in each worker instead of being pickled."""
+    shifted by one; with `steps`, (x, y, z) (the module's docstring). Batches (not single
+    windows) are the items so one fancy-index read of the memmap serves a whole batch, and
+    skipping k batches is just slicing offsets. The memmaps are reopened lazily in each
+    worker instead of being pickled."""
 
     def __init__(
         self, file: Path, n_tokens: int, offsets: np.ndarray, block_size: int, batch_size: int,
-        labels: Path | None = None,
+        labels: Path | None = None, steps: Path | None = None, step_width: int = 0,
     ):
         self.file = Path(file)
         # A task's labels (uint8, aligned with the tokens): targets that are not answers
         # become -1, which the loss ignores (`model.token_nll`): the answers-only loss.
         self.labels = None if labels is None else Path(labels)
         self._labels: np.memmap | None = None
+        # A task's per-step targets (uint16 [n_tokens, step_width], NO_STEP: none): z.
+        if (steps is None) != (int(step_width) == 0):
+            raise ValueError(f"data: per-step targets need both their file and their width (got {steps}, "
+                             f"step_width={step_width})")
+        self.steps = None if steps is None else Path(steps)
+        self.step_width = int(step_width)
+        self._steps: np.memmap | None = None
         self.n_tokens = int(n_tokens)
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.block_size = int(block_size)
@@ -42,13 +58,13 @@ class WindowBatches(Dataset):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_tokens"] = state["_labels"] = None
+        state["_tokens"] = state["_labels"] = state["_steps"] = None
         return state
 
     def __len__(self) -> int:
         return math.ceil(len(self.offsets) / self.batch_size)
 
-    def __getitem__(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def __getitem__(self, k: int) -> tuple[torch.Tensor, ...]:
         if not 0 <= k < len(self):
             raise IndexError(k)
         if self._tokens is None:
@@ -61,7 +77,13 @@ class WindowBatches(Dataset):
                 self._labels = np.memmap(self.labels, dtype=np.uint8, mode="r", shape=(self.n_tokens,))
             answer = torch.from_numpy(self._labels[starts[:, None] + self._span[1:]] > 0)
             y = y.masked_fill(~answer, -1)
-        return w[:, :-1].contiguous(), y
+        if self.steps is None:
+            return w[:, :-1].contiguous(), y
+        if self._steps is None:
+            self._steps = np.memmap(self.steps, dtype=np.uint16, mode="r", shape=(self.n_tokens, self.step_width))
+        z = torch.from_numpy(self._steps[starts[:, None] + self._span[1:]].astype(np.int64))  # [B, T, S]
+        z = z.masked_fill((z == NO_STEP) | (y < 0)[..., None], -1)
+        return w[:, :-1].contiguous(), y, z
 
 
 @dataclass(frozen=True)

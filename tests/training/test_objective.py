@@ -157,3 +157,17 @@ def test_trajectory_without_per_step_targets_is_one_line():
         module.training_step((x, y), 0)
     assert "\n" not in str(e.value)
     assert math.isfinite(float(module.model(x, y, loops=[2])[1]))
+
+
+def test_trajectory_on_data_without_per_step_targets_is_refused_by_the_config():
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.config.build import conf_dir
+    from recdepth.config.schema import validated
+
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        text = compose("config", overrides=["loss.steps=trajectory", "run_dir=/tmp/unused"])
+        roots = compose("config", overrides=["loss.steps=trajectory", "data=roots", "run_dir=/tmp/unused"])
+    with pytest.raises(ValueError, match="^loss.steps: trajectory needs per-step targets, and data=shakespeare"):
+        validated(text)
+    assert validated(roots).loss.steps == "trajectory"

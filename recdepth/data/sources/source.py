@@ -78,6 +78,12 @@ class DataConfig:
         """Whether the training loss counts answer tokens only (a task's data.loss=answers)."""
         return False
 
+    def step_width(self) -> int:
+        """S, the per-step targets the batches carry for each token (a batch is then (x, y, z),
+        z [B, T, S]; recdepth/data/windows.py); 0, the default: none, batches are (x, y).
+        Known from the config alone, before any cache is built."""
+        return 0
+
     def prepare(self, block_size: int, progress: bool = True) -> TokenCache:
         """The source's token cache (built first if there is no valid one); `block_size`:
         the windows' length (a task's records are one window each)."""

@@ -17,7 +17,7 @@ LOSSES = ("all", "answers")
 
 @dataclass
 class TaskData(DataConfig):
-    """`data=<task>` (hops | addition | modsum | a task of your own): records of block_size
+    """`data=<task>` (hops | addition | modsum | roots | a task of your own): records of block_size
     tokens, one window each, of the task's instances; the loss and the evaluations count
     the answer tokens."""
 
@@ -61,6 +61,9 @@ class TaskData(DataConfig):
 
     def answers_only(self) -> bool:
         return self.loss == "answers"
+
+    def step_width(self) -> int:
+        return self.task.step_width()  # a task that states per-step targets (data=roots): S > 0
 
     def records(self) -> dict[str, int]:
         """Records per split (train, test, validation, extrapolation)."""

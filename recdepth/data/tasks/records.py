@@ -1,5 +1,6 @@
 """A task's instances as token records: each symbol's GPT-2 id, and records of `length`
-tokens (one training/evaluation window's inputs each) with their per-token labels."""
+tokens (one training/evaluation window's inputs each) with their per-token labels and, for a
+task with per-step targets, each token's per-step targets (NO_STEP where it has none)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from collections.abc import Callable
 import numpy as np
 
 from recdepth.data.tasks.task import SYMBOLS, Task, instances
+
+NO_STEP = 0xFFFF  # a per-step target slot without a target (no GPT-2 or model id is this large)
 
 
 def symbol_ids(encode: Callable[[str], list[int]]) -> dict[str, int]:
@@ -22,15 +25,20 @@ def symbol_ids(encode: Callable[[str], list[int]]) -> dict[str, int]:
 
 
 def records(task: Task, split: str, seed: int, n_records: int, length: int, ids: dict[str, int],
-            eot: int) -> tuple[np.ndarray, np.ndarray]:
+            eot: int) -> tuple[np.ndarray, ...]:
     """n_records records of `length` tokens: EOT, then whole instances (each ending in a
     newline) packed greedily (one a record where `task.one_per_record()`), the rest EOT.
-    Returns GPT-2 ids and labels (uint8), both [n_records * length]. A record is one
-    training/evaluation window's inputs: windows of block_size = length tokens at multiples
-    of length see one record each, from its EOT."""
+    Returns GPT-2 ids and labels (uint8), both [n_records * length], and for a task with
+    per-step targets (`task.step_width()` = S > 0) a third array, their GPT-2 ids
+    [n_records * length, S] (uint16): row i, column t - 1 the target of token i after loop
+    application t, NO_STEP past the token's last step (its own id is the target from there).
+    A record is one training/evaluation window's inputs: windows of block_size = length
+    tokens at multiples of length see one record each, from its EOT."""
     one_each = task.one_per_record()
+    width = task.step_width()
     tokens = np.full((n_records, length), eot, dtype=np.uint16)
     labels = np.zeros((n_records, length), dtype=np.uint8)
+    steps = np.full((n_records, length, width), NO_STEP, dtype=np.uint16) if width else None
     it = instances(task, split, seed)
     pending = None
     for r in range(n_records):
@@ -45,9 +53,16 @@ def records(task: Task, split: str, seed: int, n_records: int, length: int, ids:
             if pos + n > length or (one_each and pos > 1):
                 pending = inst
                 break
-            for j, (s, lab) in enumerate(inst):
+            for j, (s, lab, *more) in enumerate(inst):
                 tokens[r, pos + j] = ids[s]
                 labels[r, pos + j] = min(lab, 255)
+                if more and more[0]:
+                    if len(more[0]) > width:
+                        raise ValueError(f"data.task: a {task.name} token states {len(more[0])} per-step targets, "
+                                         f"more than the task's step_width() = {width}")
+                    steps[r, pos + j, : len(more[0])] = [ids[x] for x in more[0]]
             tokens[r, pos + n - 1] = ids["\n"]
             pos += n
-    return tokens.reshape(-1), labels.reshape(-1)
+    if steps is None:
+        return tokens.reshape(-1), labels.reshape(-1)
+    return tokens.reshape(-1), labels.reshape(-1), steps.reshape(-1, width)

@@ -2,16 +2,25 @@
 registry of tasks, and the splits every task's instances are drawn into.
 
 A task is one dataclass subclass of `Task` in a file of its own (the built-in ones:
-hops.py, addition.py, modsum.py beside this one): its name, its options as fields (each
-with a docstring; `data.task.<field>`), their checks in `__post_init__` (one line naming
-the dotted field), and `generate`, which draws one instance with the difficulty of each
-answer token. Defining the subclass registers it: from then on `data=<name>` selects it
-(recdepth/config/schema.py stores one `data` option per registered task), and a stored
-config naming it (`data.task.name`) reads back as it.
+hops.py, addition.py, modsum.py, roots.py beside this one): its name, its options as
+fields (each with a docstring; `data.task.<field>`), their checks in `__post_init__` (one
+line naming the dotted field), and `generate`, which draws one instance with the
+difficulty of each answer token. Defining the subclass registers it: from then on
+`data=<name>` selects it (recdepth/config/schema.py stores one `data` option per
+registered task), and a stored config naming it (`data.task.name`) reads back as it.
 
 Every task writes instances as runs of single GPT-2 tokens (" a", " 7", " =", ...), so the
 token pipeline (recdepth/data/: compact vocabulary, cache, windows) carries them like
 text, and labels each token: 0 = not an answer, d >= 1 = an answer of difficulty d.
+
+Per-step targets (a task may state them; roots.py does): beside its label a token may carry
+`steps`, a tuple of symbols: what the prediction of that token should be after loop
+application 1, 2, ..., len(steps), and after the last one the token itself (its final
+target). A task that states them returns (symbol, label, steps) triples from `generate`
+(steps () where a token has none) and says the most steps any token has,
+`step_width()` (S >= 1); a task without them returns (symbol, label) pairs and its
+`step_width()` is 0. The token cache keeps them beside the labels (`<split>.steps.bin`,
+S per token) and the batches carry them as a third tensor (recdepth/data/windows.py).
 
 Splits: train, validation, test and extrapolation are drawn from disjoint seeds, and an
 instance belongs to exactly one of train / validation / test by a hash of its tokens
@@ -40,7 +49,10 @@ SYMBOLS = [*NAMES, *DIGITS, "=", "?", "+"]  # what an instance may write (each o
 TASK_VERSION = 2  # 2: hops' unqueried distractor chains
 
 MAX_REDRAWS = 10_000
-Instance = list[tuple[str, int]]  # (symbol, label): label 0 = not an answer, d >= 1 = difficulty
+# (symbol, label), or (symbol, label, steps) for a task with per-step targets: label 0 = not
+# an answer, d >= 1 = difficulty; steps = the targets after applications 1..len(steps)
+Token = tuple[str, int] | tuple[str, int, tuple[str, ...]]
+Instance = list[Token]
 
 _REGISTRY: Registry[type[Task]] = Registry("data.task.name", "task")  # name -> the task's class
 
@@ -60,7 +72,7 @@ class Task:
     """The task (set by `data=<task>`; a stored config names its task here)."""
     size: list[int] = field(default_factory=lambda: [1, 4])
     """Instance sizes of train/validation/test, [lo, hi] inclusive (a hops chain's length,
-    an addend's digits, a modsum's terms)."""
+    an addend's digits, a modsum's terms, a roots query's hops)."""
     extrapolation: list[int] = field(default_factory=lambda: [5, 8])
     """Instance sizes of the extrapolation split, [lo, hi], above `size`."""
 
@@ -80,8 +92,9 @@ class Task:
             if not (isinstance(v, list | tuple) and len(v) == 2 and all(_is_int(x) for x in v)):
                 raise ValueError(f"data.task.{key}: expected [lo, hi] (two integers), got {v!r}")
             lo, hi = v
-            if not 1 <= lo <= hi:
-                raise ValueError(f"data.task.{key}: expected [lo, hi] with 1 <= lo <= hi, got [{lo}, {hi}]")
+            if not self.min_size() <= lo <= hi:
+                raise ValueError(f"data.task.{key}: expected [lo, hi] with {self.min_size()} <= lo <= hi, got "
+                                 f"[{lo}, {hi}]")
             setattr(self, key, [int(lo), int(hi)])
         if self.extrapolation[0] <= self.size[1]:
             raise ValueError(f"data.task.extrapolation: sizes must exceed the training range data.task.size="
@@ -90,8 +103,24 @@ class Task:
     # ------------------------------------------------------------------ the task
     def generate(self, rng: random.Random, sizes: tuple[int, int]) -> Instance:
         """One instance with sizes in [lo, hi] (`sizes`), drawn from `rng` only: its symbols
-        (each in SYMBOLS) and each one's label (0, or the answer's difficulty >= 1)."""
+        (each in SYMBOLS) and each one's label (0, or the answer's difficulty >= 1); a task
+        with per-step targets (`step_width() > 0`) gives each token its steps too, a tuple of
+        at most step_width() symbols: (symbol, label, steps)."""
         raise NotImplementedError
+
+    def step_width(self) -> int:
+        """S, the most per-step targets any token of any split states (the width of the
+        cache's steps files and of a batch's third tensor); 0, the default: the task states
+        none, and its `generate` returns (symbol, label) pairs."""
+        return 0
+
+    def has_step_targets(self) -> bool:
+        """Whether the task states per-step targets (its data can train `loss.steps=trajectory`)."""
+        return self.step_width() > 0
+
+    def min_size(self) -> int:
+        """The smallest `size` / `extrapolation` low end the task accepts (1; roots: 0 hops)."""
+        return 1
 
     def one_per_record(self) -> bool:
         """Whether each record holds one instance, right after its EOT (a layout whose
@@ -121,7 +150,7 @@ def lookup(name: str) -> type[Task]:
 
 def bucket(inst: Instance) -> int:
     """The instance's hash bucket 0..99 (over its symbols only): which split may hold it."""
-    h = hashlib.blake2b(" ".join(s for s, _ in inst).encode(), digest_size=8).digest()
+    h = hashlib.blake2b(" ".join(tok[0] for tok in inst).encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") % 100
 
 
