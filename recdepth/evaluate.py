@@ -51,9 +51,10 @@ def evaluate(cfg: DictConfig, record: dict | None = None, opened=None,
     start = split_start(opened, OmegaConf.select(cfg, "eval.split") or "test")
     n = cfg.eval.tokens + 1
     tokens, labels = (None, None) if shared else (opened.heldout(n, start), opened.labels(n, start))
+    targets = None if shared else opened.targets(n, start)  # a task's scored stream (in-place targets)
     start_job(run_dir, cfg)
     ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels,
-                  shared=shared[1] if shared else None)
+                  shared=shared[1] if shared else None, targets=targets)
     metrics = {**(record or {}), opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)

@@ -68,6 +68,9 @@ def train_gate(cfg: DictConfig) -> dict:
     model = opened.model
     if model.n_groups == 0:
         raise ValueError(f"{opened.kind}: {opened.source} has no recurrence groups (nothing to gate)")
+    if opened.targets(2, 0) is not None:  # the gate's labels are next-token NLLs; carry scores a scored stream
+        raise ValueError("data: this checkpoint's task scores in-place targets (data=carry), which train-gate does "
+                         "not read yet (it would fit the gate to next-token losses)")
     T = model.cfg.block_size
     train_tokens, task_labels = opened.train()  # a task's per-token labels (0 = not an answer), else None
     S = span(T, opened.bos)  # stream tokens a window scores (after BOS, if any)

@@ -42,7 +42,9 @@ class TokenDataModule(L.LightningDataModule):
 
     Batches are (x, y) (`windows.WindowBatches`); over a task with per-step targets they are
     (x, y, z), z [B, T, S] with S = `step_width` (0: no per-step targets, `has_step_targets`
-    False; known before setup from the config, `data.step_width()`).
+    False; known before setup from the config, `data.step_width()`). Over a task with
+    in-place targets (a scored stream in its cache, `has_scored_stream`) y is the scored
+    stream's, and `heldout_targets` gives it for the held-out tokens.
     """
 
     def __init__(self, data: DataConfig, block_size: int, batch_size: int, max_steps: int, seed: int = 1337):
@@ -86,6 +88,12 @@ class TokenDataModule(L.LightningDataModule):
     def has_step_targets(self) -> bool:
         """Whether the batches carry per-step targets (x, y, z) (`loss.steps=trajectory` needs them)."""
         return self.step_width > 0
+
+    @property
+    def has_scored_stream(self) -> bool:
+        """Whether the cache holds a scored stream (a task with in-place targets, data=carry):
+        y and every evaluation score against it instead of the next token."""
+        return self._require_setup().train_targets is not None
 
     # -- building / opening -------------------------------------------------------------
 
@@ -165,12 +173,14 @@ class TokenDataModule(L.LightningDataModule):
             raise ValueError(f"data: rank {r} outside a world of {W} processes")
         offsets = self.train_offsets if W == 1 else self.train_order(W).offsets(r)
         return WindowBatches(cache.path / "train.bin", len(cache.train), offsets, self.block_size,
-                             self.batch_size, self._labels_file("train"), *self._steps_file("train"))
+                             self.batch_size, self._labels_file("train"), *self._steps_file("train"),
+                             targets=self._targets_file("train"))
 
     def val_dataset(self) -> WindowBatches:
         cache = self._require_setup()
         return WindowBatches(cache.path / "val.bin", len(cache.val), self.val_offsets, self.block_size,
-                             self.batch_size, self._labels_file("val"), *self._steps_file("val"))
+                             self.batch_size, self._labels_file("val"), *self._steps_file("val"),
+                             targets=self._targets_file("val"))
 
     def _labels_file(self, split: str) -> Path | None:
         """The labels that mask the loss to answers (data.loss=answers), else None."""
@@ -179,6 +189,18 @@ class TokenDataModule(L.LightningDataModule):
     def _steps_file(self, split: str) -> tuple[Path | None, int]:
         """The per-step targets and their width S (None, 0 without them)."""
         return (self.cache_path / f"{split}.steps.bin", self.step_width) if self.step_width else (None, 0)
+
+    def _targets_file(self, split: str) -> Path | None:
+        """The scored stream y is read from (a task with in-place targets), else None."""
+        return self.cache_path / f"{split}.targets.bin" if self.cache.train_targets is not None else None
+
+    def _scored(self, split: str) -> np.memmap:
+        """What the predictions of a split are scored against: its scored stream, else its tokens."""
+        cache = self._require_setup()
+        stream = cache.train_targets if split == "train" else cache.val_targets
+        if stream is not None:
+            return stream
+        return self.train_tokens if split == "train" else self.val_tokens
 
     def train_dataloader(self, start_step: int | None = None) -> ResumableLoader:
         """Batches in a fixed order, from start_step (default self.start_step) on. The
@@ -200,16 +222,17 @@ class TokenDataModule(L.LightningDataModule):
 
     def val_targets(self) -> np.ndarray:
         """The val tokens that val_dataloader scores as targets, in order (each once):
-        val[1 : n_windows * block_size + 1]."""
+        val[1 : n_windows * block_size + 1] (of the scored stream, where the data has one)."""
         self._require_setup()
         first = int(self.val_offsets[0]) if len(self.val_offsets) else 0
-        return np.asarray(self.val_tokens[first + 1 : first + len(self.val_offsets) * self.block_size + 1])
+        return np.asarray(self._scored("val")[first + 1 : first + len(self.val_offsets) * self.block_size + 1])
 
     def unigram_log_prior(self) -> np.ndarray:
         """log p(t) of the train split's add-one smoothed unigram over all 50257 GPT-2 ids,
-        in the model vocabulary (`Vocab.unigram_log_prior`)."""
+        in the model vocabulary (`Vocab.unigram_log_prior`); of its scored stream, where the
+        data has one (what the predictions target)."""
         self._require_setup()
-        return self.vocab.unigram_log_prior(self.train_tokens)
+        return self.vocab.unigram_log_prior(self._scored("train"))
 
     def unigram_ce(self) -> float:
         """Cross-entropy (nats/token, over all GPT-2 ids) of exactly the targets
@@ -222,9 +245,9 @@ class TokenDataModule(L.LightningDataModule):
             first = int(self.val_offsets[0]) if len(self.val_offsets) else 0
             n = len(self.val_offsets) * self.block_size
             answer = np.asarray(cache.val_labels[first + 1 : first + n + 1]) > 0
-            train = np.asarray(self.train_tokens)[np.asarray(cache.train_labels) > 0]
+            train = np.asarray(self._scored("train"))[np.asarray(cache.train_labels) > 0]
             return self.vocab.unigram_ce(train, self.val_targets()[answer])
-        return self.vocab.unigram_ce(self.train_tokens, self.val_targets())
+        return self.vocab.unigram_ce(self._scored("train"), self.val_targets())
 
     def heldout_tokens(self, n: int, start: int = 0) -> np.ndarray:
         """n val tokens from offset `start` (model ids, int64), for token-by-token evaluation:
@@ -260,6 +283,14 @@ class TokenDataModule(L.LightningDataModule):
             return None
         z = np.asarray(cache.val_steps[start : start + n], dtype=np.int64)
         return np.where(z == NO_STEP, -1, z)
+
+    def heldout_targets(self, n: int, start: int = 0) -> np.ndarray | None:
+        """The scored stream of `heldout_tokens(n, start)` (model ids, int64: the tokens, each
+        scored symbol in place of its token; the prediction at position p is scored against
+        entry p + 1), or None for data without in-place targets (scored against the tokens)."""
+        cache = self._require_setup()
+        self.heldout_tokens(n, start)  # the same range checks
+        return None if cache.val_targets is None else np.asarray(cache.val_targets[start : start + n], dtype=np.int64)
 
     def region(self, name: str) -> tuple[int, int]:
         """A task's val-split region (test, validation, extrapolation): (first token, tokens)."""

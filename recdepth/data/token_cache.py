@@ -43,7 +43,10 @@ other GPT-2 id; vocab.npy maps them back (`recdepth.data.vocabulary` explains th
 A generated task's cache (`prepare_task_tokens`) holds its records (recdepth/data/tasks/)
 and their per-token labels beside the tokens (train.labels.bin, val.labels.bin, uint8), and
 for a task with per-step targets those too (train.steps.bin, val.steps.bin: uint16, S =
-meta.json's `step_width` per token, compact ids like the tokens, NO_STEP where none).
+meta.json's `step_width` per token, compact ids like the tokens, NO_STEP where none), and for
+a task with in-place targets its scored stream (train.targets.bin, val.targets.bin: uint16,
+compact ids, the tokens with each scored symbol in place of its token; meta.json's
+`targets`: true).
 """
 
 from __future__ import annotations
@@ -129,6 +132,10 @@ class TokenCache:
     # val, column t - 1 the token's target after loop application t (tasks.NO_STEP: none)
     train_steps: np.memmap | None = None
     val_steps: np.memmap | None = None
+    # a task with in-place targets only: the scored stream aligned with train / val (the
+    # tokens, each scored symbol in place of its token): what each prediction is scored against
+    train_targets: np.memmap | None = None
+    val_targets: np.memmap | None = None
 
     @property
     def step_width(self) -> int:
@@ -171,9 +178,12 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         return None, f"{meta_path} is unreadable ({type(e).__name__}: {e})"
     labelled = bool(meta.get("labels", False))
+    in_place = bool(meta.get("targets", False))  # a task's scored stream (in-place targets)
     files = [("train.bin", n_train, 2), ("val.bin", n_val, 2)]
     if labelled:
         files += [("train.labels.bin", n_train, 1), ("val.labels.bin", n_val, 1)]
+    if in_place:
+        files += [("train.targets.bin", n_train, 2), ("val.targets.bin", n_val, 2)]
     if width:
         files += [("train.steps.bin", n_train, 2 * width), ("val.steps.bin", n_val, 2 * width)]
     for name, n, item in files:
@@ -198,6 +208,9 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     if width:
         cache.train_steps = np.memmap(path / "train.steps.bin", dtype=np.uint16, mode="r", shape=(n_train, width))
         cache.val_steps = np.memmap(path / "val.steps.bin", dtype=np.uint16, mode="r", shape=(n_val, width))
+    if in_place:
+        cache.train_targets = np.memmap(path / "train.targets.bin", dtype=np.uint16, mode="r", shape=(n_train,))
+        cache.val_targets = np.memmap(path / "val.targets.bin", dtype=np.uint16, mode="r", shape=(n_val,))
     return cache, ""
 
 
@@ -440,8 +453,11 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
     d >= 1 = answer of difficulty d). A task with per-step targets (`task.step_width()` =
     S > 0) adds `train.steps.bin` / `val.steps.bin` (uint16, [tokens, S] row-major): token
     i's target after loop application t at column t - 1, in the cache's ids like the
-    tokens, `tasks.NO_STEP` where it has none (past its last step: its own id). The
-    vocabulary is compact: the symbols the train split uses, EOT among them, plus "other"."""
+    tokens, `tasks.NO_STEP` where it has none (past its last step: its own id). A task with
+    in-place targets (`task.in_place()`) adds `train.targets.bin` / `val.targets.bin`
+    (uint16, the cache's ids), the scored stream: the tokens, each scored symbol in place of
+    its token (meta.json's `targets`: true). The vocabulary is compact: the symbols the train
+    split uses (its tokens and its scored symbols), EOT among them, plus "other"."""
     for split in ("train", *TASK_REGIONS):
         if int(counts.get(split, 0)) < 1:
             raise ValueError(f"data.{split}_records: expected a number of records >= 1, got {counts.get(split)}")
@@ -456,10 +472,11 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
         log.warning("rebuilding token cache %s: %s", path, why)
     t0 = time.time()
     ids = tasks.symbol_ids(gpt2().encode_ordinary)
-    width = task.step_width()
-    # the EOT closing each split / region: its label 0, no per-step target
-    tail = (np.array([EOT_ID], dtype=np.uint16), np.zeros(1, dtype=np.uint8),
-            np.full((1, width), tasks.NO_STEP, dtype=np.uint16))
+    width, in_place = task.step_width(), task.in_place()
+    # the EOT closing each split / region: its label 0, no per-step target, scored as itself
+    tail = (np.array([EOT_ID], dtype=np.uint16), np.zeros(1, dtype=np.uint8))
+    tail += (np.full((1, width), tasks.NO_STEP, dtype=np.uint16),) if width else ()
+    tail += (np.array([EOT_ID], dtype=np.uint16),) if in_place else ()
     streams, regions = {}, {}
     tr = tasks.records(task, "train", seed, int(counts["train"]), length, ids, EOT_ID)
     streams["train"] = tuple(np.concatenate([a, b]) for a, b in zip(tr, tail[: len(tr)], strict=True))
@@ -470,7 +487,8 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
         parts.append(tuple(np.concatenate([a, b]) for a, b in zip(part, tail[: len(part)], strict=True)))
         start += len(part[0]) + 1
     streams["val"] = tuple(np.concatenate(x) for x in zip(*parts, strict=True))
-    vocab = np.unique(streams["train"][0])  # the train split chooses the vocabulary
+    # the train split chooses the vocabulary: its tokens and, in place, the symbols scored
+    vocab = np.unique(np.concatenate([streams["train"][0], streams["train"][-1]]) if in_place else streams["train"][0])
     lut = np.full(GPT2_VOCAB_SIZE, len(vocab), dtype=np.uint16)
     lut[vocab] = np.arange(len(vocab), dtype=np.uint16)
 
@@ -482,9 +500,10 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
     tag = f".tmp-{os.getpid()}"
     written = []
     try:
-        for split, (t, lab, *st) in streams.items():
+        for split, (t, lab, *more) in streams.items():
             files = [(f"{split}.bin", lut[t]), (f"{split}.labels.bin", lab)]
-            files += [(f"{split}.steps.bin", compact_steps(st[0]))] if st else []
+            files += [(f"{split}.steps.bin", compact_steps(more[0]))] if width else []
+            files += [(f"{split}.targets.bin", lut[more[-1]])] if in_place else []
             for name, arr in files:
                 arr.tofile(path / f"{name}{tag}")
                 written.append(name)
@@ -500,7 +519,7 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
                 "n_other": GPT2_VOCAB_SIZE - len(vocab), "val_other_tokens": int((lut[streams["val"][0]] == len(vocab)).sum()),
                 "gpt2_vocab_size": GPT2_VOCAB_SIZE, "eot_gpt2_id": EOT_ID, "labels": True, "regions": regions,
                 "answers": {s: int((arrays[1] > 0).sum()) for s, arrays in streams.items()},
-                "step_width": width,
+                "step_width": width, **({"targets": True} if in_place else {}),
                 "build_seconds": round(time.time() - t0, 3)}
         (path / f"meta.json{tag}").write_text(json.dumps(meta, indent=2) + "\n")
         os.replace(path / f"meta.json{tag}", path / "meta.json")

@@ -8,7 +8,10 @@ A batch is (x, y): inputs and targets, LongTensors [B, T] (y = -1 where a task's
 answers-only loss masks a target). Over a task cache with per-step targets
 (`TokenCache.step_width` = S > 0) it is (x, y, z), z a LongTensor [B, T, S]: z[b, p, t - 1]
 the model id the prediction at input position p should give after loop application t,
--1 where there is none (the final target y applies; z is -1 wherever y is).
+-1 where there is none (the final target y applies; z is -1 wherever y is). Over a task
+cache with in-place targets (a scored stream, `TokenCache.train_targets`) y is read from the
+scored stream instead of the tokens: y[b, p] the scored symbol the token after p carries,
+else that token; x stays the tokens.
 """
 
 from __future__ import annotations
@@ -28,14 +31,15 @@ from recdepth.data.tasks import NO_STEP
 class WindowBatches(Dataset):
     """Map-style dataset whose item k is batch k: the windows of block_size + 1 tokens
     starting at offsets[k*B : (k+1)*B], as (x, y) LongTensors [B, block_size], y = x
-    shifted by one; with `steps`, (x, y, z) (the module's docstring). Batches (not single
+    shifted by one (or the scored stream `targets`, shifted by one); with `steps`, (x, y, z)
+    (the module's docstring). Batches (not single
     windows) are the items so one fancy-index read of the memmap serves a whole batch, and
     skipping k batches is just slicing offsets. The memmaps are reopened lazily in each
     worker instead of being pickled."""
 
     def __init__(
         self, file: Path, n_tokens: int, offsets: np.ndarray, block_size: int, batch_size: int,
-        labels: Path | None = None, steps: Path | None = None, step_width: int = 0,
+        labels: Path | None = None, steps: Path | None = None, step_width: int = 0, targets: Path | None = None,
     ):
         self.file = Path(file)
         # A task's labels (uint8, aligned with the tokens): targets that are not answers
@@ -49,6 +53,9 @@ class WindowBatches(Dataset):
         self.steps = None if steps is None else Path(steps)
         self.step_width = int(step_width)
         self._steps: np.memmap | None = None
+        # A task's scored stream (uint16, aligned with the tokens): y is read from it.
+        self.targets = None if targets is None else Path(targets)
+        self._targets: np.memmap | None = None
         self.n_tokens = int(n_tokens)
         self.offsets = np.asarray(offsets, dtype=np.int64)
         self.block_size = int(block_size)
@@ -58,7 +65,7 @@ class WindowBatches(Dataset):
 
     def __getstate__(self):
         state = self.__dict__.copy()
-        state["_tokens"] = state["_labels"] = state["_steps"] = None
+        state["_tokens"] = state["_labels"] = state["_steps"] = state["_targets"] = None
         return state
 
     def __len__(self) -> int:
@@ -72,6 +79,10 @@ class WindowBatches(Dataset):
         starts = self.offsets[k * self.batch_size : (k + 1) * self.batch_size]
         w = torch.from_numpy(self._tokens[starts[:, None] + self._span].astype(np.int64))
         y = w[:, 1:].contiguous()
+        if self.targets is not None:
+            if self._targets is None:
+                self._targets = np.memmap(self.targets, dtype=np.uint16, mode="r", shape=(self.n_tokens,))
+            y = torch.from_numpy(self._targets[starts[:, None] + self._span[1:]].astype(np.int64))
         if self.labels is not None:
             if self._labels is None:
                 self._labels = np.memmap(self.labels, dtype=np.uint8, mode="r", shape=(self.n_tokens,))

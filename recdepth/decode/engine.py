@@ -347,7 +347,8 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
                     settings: DecodeSettings = REFERENCE, *, reps: int = 1, limit: Tensor | None = None,
                     timed: bool = False, first_window: int = 0,
                     trace: list[Tensor] | None = None, labels: np.ndarray | None = None,
-                    keys: Sequence[int] | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
+                    keys: Sequence[int] | None = None,
+                    targets: Tensor | np.ndarray | None = None) -> tuple[Tensor, Tensor, list[float], Tensor]:
     """Decode windows side by side, `reps` rows per window (row r is window r // reps), as
     `settings` says (its cache, seed, warm_start, bos, context_steps, step, share_first).
     Returns nll [R, L], applications [R, L, G], with `timed` the seconds of each
@@ -365,7 +366,10 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
     is not an answer (and BOS) loops exactly that many applications, the rule deciding at
     answer positions only (`eval.context_steps`, docs/spec.md §6). `keys`: each window's noise
     key (SPEC §4's "sequence"), in place of first_window + its offset // span: windows of
-    separate texts laid side by side in one stream, each keyed as it would be alone."""
+    separate texts laid side by side in one stream, each keyed as it would be alone.
+    `targets` (a task's scored stream, aligned with `tokens`: in-place targets, docs/tasks.md):
+    the prediction at stream position p is scored (nll, correct) against targets[p + 1]
+    instead of tokens[p + 1]; the inputs stay `tokens`."""
     device, T = tokens.device, model.cfg.block_size
     cache, seed, bos, context_steps = settings.cache, settings.seed, settings.bos, settings.context_steps
     lead = int(bos is not None)
@@ -379,6 +383,11 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
         idx[w * reps : (w + 1) * reps, lead : lead + n + 1] = tokens[start : start + n + 1]
     if lead:
         idx[:, 0] = bos
+    tgt = idx  # what position p's prediction is scored against: tgt[:, p + 1]
+    if targets is not None:
+        targets, tgt = torch.as_tensor(targets).to(device=device, dtype=torch.long), idx.clone()
+        for w, (start, n) in enumerate(wins):
+            tgt[w * reps : (w + 1) * reps, lead : lead + n + 1] = targets[start : start + n + 1]
     if keys is None:
         keys = [first_window + start // span(T, bos) for start, _ in wins]
     elif len(keys) != len(wins):
@@ -408,8 +417,8 @@ def decode_windows(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]]
             if warm is not None:
                 warm[:] = [w[src] for w in warm]
         if pos >= lead:
-            nll[:, pos - lead] = model.nll(logits, idx[:, pos + 1]).double().cpu()
-            correct[:, pos - lead] = (logits.argmax(-1) == idx[:, pos + 1]).cpu()
+            nll[:, pos - lead] = model.nll(logits, tgt[:, pos + 1]).double().cpu()
+            correct[:, pos - lead] = (logits.argmax(-1) == tgt[:, pos + 1]).cpu()
             apps[:, pos - lead] = a.cpu()
             if trace is not None:
                 trace.append(torch.cat(states, 1).float().cpu())
@@ -447,20 +456,23 @@ def context_rows(wins: list[tuple[int, int]], labels: np.ndarray | None, reps: i
 
 
 def records(wins: list[tuple[int, int]], nll: Tensor, apps: Tensor, tokens: Tensor, block_size: int,
-             first_window: int = 0, bos: int | None = None, correct: Tensor | None = None) -> dict:
+             first_window: int = 0, bos: int | None = None, correct: Tensor | None = None,
+             targets: Tensor | np.ndarray | None = None) -> dict:
     """One row per scored token, in stream order: window (its noise key: first_window + the
     window's index in the stream), position (of the input token in the held-out stream),
     target (model id), nll, applications per group [N, G], correct (argmax = target; with
     `correct`). With `bos` the windows are
-    `span(block_size, bos)` tokens apart; positions and targets are the stream's either way."""
+    `span(block_size, bos)` tokens apart; positions and targets are the stream's either way.
+    `targets` (a scored stream, as `decode_windows`'): the targets are its, not the tokens'."""
     cat = lambda parts: np.concatenate(parts) if parts else np.zeros(0)  # noqa: E731
+    scored = tokens if targets is None else torch.as_tensor(targets)
     stride = span(block_size, bos)
     rec = {} if correct is None else {"correct": cat([correct[w, :n].numpy() for w, (_, n) in enumerate(wins)])
                                       .astype(bool)}
     return rec | {
         "window": cat([np.full(n, first_window + start // stride) for start, n in wins]).astype(np.int64),
         "position": cat([np.arange(start, start + n) for start, n in wins]).astype(np.int64),
-        "target": cat([tokens[start + 1 : start + n + 1].cpu().numpy() for start, n in wins]).astype(np.int64),
+        "target": cat([scored[start + 1 : start + n + 1].cpu().numpy() for start, n in wins]).astype(np.int64),
         "nll": cat([nll[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
         "apps": np.concatenate([apps[w, :n].numpy() for w, (_, n) in enumerate(wins)]),
     }

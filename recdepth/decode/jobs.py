@@ -136,7 +136,7 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None,
         log.info("decoding %d settings side by side (up to %d rows a batch)", len(group), max_rows)
         settings = decode_settings(cfg, got.bos).replace(batch_size=max_rows)
         results = evaluate_exits(got.model, got.heldout(n + 1, start), policies, n, settings,
-                                 labels=got.labels(n + 1, start))
+                                 labels=got.labels(n + 1, start), targets=got.targets(n + 1, start))
         for (c, _), result in zip(group, results, strict=True):
             into.put(c, got, result)
     return into
@@ -154,7 +154,7 @@ def split_start(opened, split: str) -> int:
 
 def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_dir: Path,
              vocab_to_gpt2: torch.Tensor | None, bos: int | None = None, labels: np.ndarray | None = None,
-             shared: tuple[dict, dict] | None = None) -> dict:
+             shared: tuple[dict, dict] | None = None, targets: np.ndarray | None = None) -> dict:
     """SPEC §4 evaluation of `model` on held-out `tokens` under `policy` with cfg.eval's
     settings; writes the per-token record into run_dir and returns the `eval` block, which
     also records what the rules that decode decoded with (`decode`), the kl rule's
@@ -163,13 +163,15 @@ def run_eval(model, tokens: torch.Tensor | None, policy, cfg: DictConfig, run_di
     the block gains `answers` (`tasks.score_answers`: accuracy, NLL and cost on the answer
     tokens, per difficulty) and eval_tokens.csv the answer, difficulty and correct columns.
     `shared`: the (eval block, record) this job got decoded with its sweep
-    (`Precomputed.take`), written instead of decoding `tokens`."""
+    (`Precomputed.take`), written instead of decoding `tokens`. `targets`: a task's scored
+    stream (in-place targets, aligned with `tokens`), scored against instead of the next token."""
     e = cfg.eval
     check_test_split(cfg)
     if shared is not None:
         ev, rec = shared
     else:
-        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, decode_settings(cfg, bos), labels=labels)
+        ev, rec = evaluate_exit(model, tokens, policy, e.tokens, decode_settings(cfg, bos), labels=labels,
+                                targets=targets)
     used = policy.resolve(has_coda(model))
     ev.update(decode=used.decode, kl_direction=used.kl_direction, bos=bos)
     write_eval(run_dir, rec, vocab_to_gpt2)
@@ -236,4 +238,4 @@ def evaluate_trained(ckpt: Path, cfg: DictConfig, policy: ExitPolicy, run_dir: P
     n, split = cfg.eval.tokens + 1, OmegaConf.select(cfg, "eval.split") or "test"
     start = 0 if split == "test" else dm.region(split)[0]
     return run_eval(module.model, torch.as_tensor(dm.heldout_tokens(n, start)), policy, cfg, run_dir,
-                    module.vocab_to_gpt2, labels=dm.heldout_labels(n, start))
+                    module.vocab_to_gpt2, labels=dm.heldout_labels(n, start), targets=dm.heldout_targets(n, start))

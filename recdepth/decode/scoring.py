@@ -96,7 +96,7 @@ def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, settings: DecodeSe
 @torch.no_grad()
 def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
                   settings: DecodeSettings = REFERENCE, first_window: int = 0,
-                  labels: np.ndarray | None = None) -> tuple[dict, dict]:
+                  labels: np.ndarray | None = None, targets: np.ndarray | Tensor | None = None) -> tuple[dict, dict]:
     """Score `n_tokens` held-out next-token predictions under `policy` (SPEC §4), decoded as
     `settings` says (K/V cache sharing, warm start, step, BOS, context steps: see
     `DecodeSettings` and `engine.decode_windows`). Returns the `eval` block of
@@ -116,6 +116,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     batched, batch 1) decodes with the same settings, the timed ones with
     `latency_step_for`'s step (recorded as `latency_step`).
     `labels` (a task's, aligned with `tokens`) and `settings.answers`: see `score_task`.
+    `targets` (a task's scored stream, aligned with `tokens`; in-place targets): every pass
+    scores against it instead of the next token (`engine.decode_windows`).
     """
     policy.check_model(model.n_groups, model.cfg.n_embd)
     if policy.name == ORACLE:
@@ -123,7 +125,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
             raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
                              f"{policy.max_steps_bound}; set context_steps to that or null, got "
                              f"{settings.context_steps}")
-        ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, settings, first_window)
+        ev, rec = evaluate_oracle(model, tokens, policy, n_tokens, settings, first_window, targets)
         return score_task(model, policy, ev, rec, labels, settings)
     was_training = model.training
     model.eval()
@@ -135,8 +137,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     for b in range(0, len(wins), settings.batch_size):
         ws = wins[b : b + settings.batch_size]
         nll, apps, _, ok = decode_windows(model, tokens, ws, policy, settings, first_window=first_window,
-                                          labels=labels)
-        parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok))
+                                          labels=labels, targets=targets)
+        parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok, targets))
     batch_seconds = time.perf_counter() - t0
     rec = merge_records(parts)
     rec["ms"] = np.full(n_tokens, np.nan)
@@ -148,7 +150,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     ev["latency_step"] = timed.step
     if n_lat > 0 and timed.step != settings.step:  # its first calls (a compile) untimed too
         warm_up(model, tokens, policy, timed)
-    timings = [time_tokens(model, tokens, policy, n_lat, timed, first_window, labels)
+    timings = [time_tokens(model, tokens, policy, n_lat, timed, first_window, labels, targets)
                for _ in range(settings.repeats)] if n_lat > 0 else []
     add_latency(ev, rec, timings)
     model.train(was_training)
@@ -158,14 +160,15 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
 @torch.no_grad()
 def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
                     settings: DecodeSettings = REFERENCE, first_window: int = 0,
-                    labels: np.ndarray | None = None) -> tuple[list[dict], float]:
+                    labels: np.ndarray | None = None,
+                    targets: np.ndarray | Tensor | None = None) -> tuple[list[dict], float]:
     """`evaluate_exit`'s batched pass for several exit policies at once (a sweep): every
     (policy, window) pair is a row, up to `settings.batch_size` rows a batch, each row
     looping under its own policy (`mixed.MixedPolicy`) and keyed by its window's
     noise, so each policy's records are those it gets decoded alone (exactly in float64;
     within rounding of the batched matmuls in float32, where a criterion within rounding of
     τ can flip a row's applications). Returns one record per policy (`engine.records`)
-    and the seconds of the pass."""
+    and the seconds of the pass. `targets`: a scored stream, as `evaluate_exit`'s."""
     # `auto` decode and kl direction resolved as the engine reads them (records unchanged), so
     # the batch knows when the head decodes each row on its own (`MixedMonitor`)
     policies = [p.check_model(model.n_groups, model.cfg.n_embd).resolve(has_coda(model)) for p in policies]
@@ -179,18 +182,19 @@ def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
         ws = [wins[w] for _, w in chunk]
         mixed = MixedPolicy(tuple(policies), torch.tensor([k for k, _ in chunk], device=tokens.device))
         nll, apps, _, ok = decode_windows(model, tokens, ws, mixed, settings, first_window=first_window,
-                                          labels=labels)
+                                          labels=labels, targets=targets)
         for k in sorted({k for k, _ in chunk}):
             rows = [i for i, (kk, _) in enumerate(chunk) if kk == k]
             parts[k].append(records([ws[i] for i in rows], nll[rows], apps[rows], tokens, T, first_window, bos,
-                                     ok[rows]))
+                                     ok[rows], targets))
     return [merge_records(p) for p in parts], time.perf_counter() - t0
 
 
 @torch.no_grad()
 def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
                    settings: DecodeSettings = REFERENCE, first_window: int = 0,
-                   labels: np.ndarray | None = None) -> list[tuple[dict, dict]]:
+                   labels: np.ndarray | None = None,
+                   targets: np.ndarray | Tensor | None = None) -> list[tuple[dict, dict]]:
     """`evaluate_exit` of every policy in `policies`, the quality of all of them decoded as
     one batch (`decode_policies`, `settings.batch_size` rows a batch); latency stays a
     batch-1 measurement per policy, the policies timed round-robin within each of the
@@ -198,7 +202,8 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     reads the target) runs on its own. Returns (eval block, record) per policy, in order.
     An eval block's `batch_size` is the rows a batch, `tokens_per_s` the whole pass's
     tokens over its seconds and `shared_batch` the number of policies decoded side by
-    side. The timed passes' step: `latency_step_for` the policies timed here."""
+    side. The timed passes' step: `latency_step_for` the policies timed here. `targets`: a
+    scored stream, as `evaluate_exit`'s."""
     was_training = model.training
     model.eval()
     out: list[tuple[dict, dict] | None] = [None] * len(policies)
@@ -206,14 +211,14 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     for k, p in enumerate(policies):
         if p.name == ORACLE:
             out[k] = evaluate_exit(model, tokens, p, n_tokens, settings.replace(latency_step=None), first_window,
-                                   labels)
+                                   labels, targets)
     model.eval()
     if loops:
         tokens_d, n_scored, _ = prepare_windows(model, tokens, n_tokens, settings.bos)
         for k in loops:
             warm_up(model, tokens_d, policies[k], settings)
         recs, seconds = decode_policies(model, tokens, [policies[k] for k in loops], n_tokens, settings,
-                                        first_window, labels)
+                                        first_window, labels, targets)
         n_lat = n_scored if settings.latency_tokens is None else min(settings.latency_tokens, n_scored)
         timings: dict[int, list] = {k: [] for k in loops}
         timed = settings.replace(step=latency_step_for(model, settings, len(loops))) if n_lat > 0 else settings
@@ -221,7 +226,8 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
             warm_up(model, tokens_d, policies[k], timed)
         for _ in range(settings.repeats if n_lat > 0 else 0):
             for k in loops:
-                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, timed, first_window, labels))
+                timings[k].append(time_tokens(model, tokens_d, policies[k], n_lat, timed, first_window, labels,
+                                              targets))
         for k, rec in zip(loops, recs, strict=True):
             rec["ms"] = np.full(n_scored, np.nan)
             ev = _summary(model, policies[k], rec, settings)
@@ -279,7 +285,8 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
 @torch.no_grad()
 def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
                 settings: DecodeSettings = REFERENCE, first_window: int = 0,
-                labels: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                labels: np.ndarray | None = None,
+                targets: np.ndarray | Tensor | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One timed pass at batch 1 over the first `n_tokens` scored tokens (their windows one
     after another, SPEC §4 latency) as `settings` decode them (its step: the timed one;
     under the compiled step the graphs of every attention span are built first, untimed,
@@ -295,7 +302,7 @@ def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: 
     secs, nll1, apps1 = [], [], []
     for w in wins:
         nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, settings, timed=True,
-                                           first_window=first_window, labels=labels)
+                                           first_window=first_window, labels=labels, targets=targets)
         r = records([w], nll, apps, tokens, T, first_window, settings.bos)
         secs += sec[: w[1]]
         nll1.append(r["nll"])
@@ -329,7 +336,8 @@ def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray,
 
 @torch.no_grad()
 def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
-                    settings: DecodeSettings = REFERENCE, first_window: int = 0) -> tuple[dict, dict]:
+                    settings: DecodeSettings = REFERENCE, first_window: int = 0,
+                    targets: np.ndarray | Tensor | None = None) -> tuple[dict, dict]:
     """The oracle of SPEC §4b (best uniform depth per token within ε: it reads the
     target, and it is no bound on rules that spend different depths per group) at ε = policy.tau, N = policy.max_steps: per token, the
     smallest uniform n (the same in every group) whose target NLL is within ε of its NLL
@@ -357,12 +365,13 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
         nll, _, _, ok = decode_windows(model, tokens, ws, fixed, settings.replace(context_steps=None), reps=N,
-                                       limit=limit, first_window=first_window)
+                                       limit=limit, first_window=first_window, targets=targets)
         nll, ok = nll.view(len(ws), N, -1), ok.view(len(ws), N, -1)  # [window, n, position]
         by_n.append(np.concatenate([nll[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
         ok_by_n.append(np.concatenate([ok[w, :, :n].T.numpy() for w, (_, n) in enumerate(ws)]))
         parts.append(records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
-                                                             dtype=torch.long), tokens, T, first_window, bos))
+                                                             dtype=torch.long), tokens, T, first_window, bos,
+                             targets=targets))
     seconds = time.perf_counter() - t0
     rec = merge_records(parts)
     rec["nll_by_n"] = np.concatenate(by_n)

@@ -133,6 +133,11 @@ class Opened:
     before the held-out tail) under its tokenizer."""
     regions: Callable[[], dict] = lambda: {}
     """() -> a task's val-split regions by name ({} for text and an hf= model)."""
+    heldout_size: Callable[[], int] = lambda: 0
+    """() -> the held-out split's length in tokens (what `heldout` may read)."""
+    targets: Callable[[int, int], np.ndarray | None] = lambda n, start=0: None
+    """(n, start) -> the scored stream of those held-out tokens (a task with in-place targets,
+    data=carry: `data.TokenDataModule.heldout_targets`), None where the next token is the target."""
 
 
 def open_model(job, device: torch.device) -> Opened:
@@ -156,7 +161,9 @@ def open_model(job, device: torch.device) -> Opened:
                       lambda n, start=0: datamodule().heldout_labels(n, start),
                       lambda name: datamodule().region(name),
                       train=lambda: (datamodule().train_tokens, datamodule().cache.train_labels),
-                      regions=lambda: datamodule().cache.regions or {})
+                      regions=lambda: datamodule().cache.regions or {},
+                      heldout_size=lambda: len(datamodule().val_tokens),
+                      targets=lambda n, start=0: datamodule().heldout_targets(n, start))
 
     model, info = load_hf(job.hf, device, dtype)
     tok = HFTokenizer(job.hf) if (Path(job.hf) / "tokenizer.json").is_file() else None
@@ -183,7 +190,7 @@ def open_model(job, device: torch.device) -> Opened:
 
     return Opened(model, str(Path(job.hf).resolve()), "hf", 0, heldout,
                   tok.decode if tok is not None else lambda ids: " ".join(str(int(i)) for i in ids), tok, None, bos=bos,
-                  train=lambda: (split()[0], None))
+                  train=lambda: (split()[0], None), heldout_size=lambda: len(split()[1]))
 
 
 def split_stream(tok: HFTokenizer, data: DataConfig) -> tuple[np.ndarray, np.ndarray]:

@@ -6,7 +6,7 @@ Core layer: torch and numpy only (no Lightning, Hydra or `datasets`).
                registry (`names`, `lookup`), the splits and their hash buckets, `instances`
   records.py   instances as token records with per-token labels, each symbol's GPT-2 id
   answers.py   scoring the answer tokens of an evaluation (`score_answers`, `spearman`)
-  hops.py, addition.py, modsum.py, roots.py   the built-in tasks, one class each
+  hops.py, addition.py, modsum.py, roots.py, carry.py   the built-in tasks, one class each
 
 A task of your own is one file: a dataclass subclass of `Task` (task.py says what it
 holds); importing it registers it, and `data=<name>` selects it. This package imports the
@@ -15,6 +15,7 @@ built-in ones, so they are registered wherever tasks are used.
 
 from recdepth.data.tasks.addition import Addition  # the built-in tasks register on import
 from recdepth.data.tasks.answers import average_ranks, score_answers, spearman
+from recdepth.data.tasks.carry import Carry
 from recdepth.data.tasks.hops import Hops
 from recdepth.data.tasks.modsum import Modsum
 from recdepth.data.tasks.records import NO_STEP, records, symbol_ids
@@ -37,5 +38,5 @@ from recdepth.data.tasks.task import (
 )
 
 __all__ = ["BUCKETS", "DIGITS", "MAX_REDRAWS", "NAMES", "NO_STEP", "SPLITS", "SYMBOLS", "TASK_VERSION", "Addition",
-           "Hops", "Instance", "Modsum", "Roots", "Task", "Token", "average_ranks", "bucket", "instances", "lookup",
+           "Carry", "Hops", "Instance", "Modsum", "Roots", "Task", "Token", "average_ranks", "bucket", "instances", "lookup",
            "names", "records", "score_answers", "spearman", "symbol_ids"]

@@ -1,6 +1,8 @@
 """A task's instances as token records: each symbol's GPT-2 id, and records of `length`
 tokens (one training/evaluation window's inputs each) with their per-token labels and, for a
-task with per-step targets, each token's per-step targets (NO_STEP where it has none)."""
+task with per-step targets, each token's per-step targets (NO_STEP where it has none), and
+for a task with in-place targets the scored stream (the tokens, a scored symbol in place of
+the token that carries it)."""
 
 from __future__ import annotations
 
@@ -32,13 +34,16 @@ def records(task: Task, split: str, seed: int, n_records: int, length: int, ids:
     per-step targets (`task.step_width()` = S > 0) a third array, their GPT-2 ids
     [n_records * length, S] (uint16): row i, column t - 1 the target of token i after loop
     application t, NO_STEP past the token's last step (its own id is the target from there).
-    A record is one training/evaluation window's inputs: windows of block_size = length
-    tokens at multiples of length see one record each, from its EOT."""
+    For a task with in-place targets (`task.in_place()`) a last array, the scored stream's
+    GPT-2 ids [n_records * length] (uint16): the tokens, each scored symbol in place of its
+    token. A record is one training/evaluation window's inputs: windows of block_size =
+    length tokens at multiples of length see one record each, from its EOT."""
     one_each = task.one_per_record()
     width = task.step_width()
     tokens = np.full((n_records, length), eot, dtype=np.uint16)
     labels = np.zeros((n_records, length), dtype=np.uint8)
     steps = np.full((n_records, length, width), NO_STEP, dtype=np.uint16) if width else None
+    targets = tokens.copy() if task.in_place() else None  # filled with the tokens below, then the scored symbols
     it = instances(task, split, seed)
     pending = None
     for r in range(n_records):
@@ -61,8 +66,18 @@ def records(task: Task, split: str, seed: int, n_records: int, length: int, ids:
                         raise ValueError(f"data.task: a {task.name} token states {len(more[0])} per-step targets, "
                                          f"more than the task's step_width() = {width}")
                     steps[r, pos + j, : len(more[0])] = [ids[x] for x in more[0]]
+                if targets is not None:
+                    targets[r, pos + j] = ids[s]
+                scored = more[1] if len(more) > 1 else None
+                if scored is not None:
+                    if targets is None:
+                        raise ValueError(f"data.task: a {task.name} token states a scored symbol, but the task's "
+                                         "in_place() is False")
+                    targets[r, pos + j] = ids[scored]
             tokens[r, pos + n - 1] = ids["\n"]
+            if targets is not None:
+                targets[r, pos + n - 1] = ids["\n"]
             pos += n
-    if steps is None:
-        return tokens.reshape(-1), labels.reshape(-1)
-    return tokens.reshape(-1), labels.reshape(-1), steps.reshape(-1, width)
+    out = (tokens.reshape(-1), labels.reshape(-1))
+    out += () if steps is None else (steps.reshape(-1, width),)
+    return out + (() if targets is None else (targets.reshape(-1),))

@@ -2,7 +2,7 @@
 registry of tasks, and the splits every task's instances are drawn into.
 
 A task is one dataclass subclass of `Task` in a file of its own (the built-in ones:
-hops.py, addition.py, modsum.py, roots.py beside this one): its name, its options as
+hops.py, addition.py, modsum.py, roots.py, carry.py beside this one): its name, its options as
 fields (each with a docstring; `data.task.<field>`), their checks in `__post_init__` (one
 line naming the dotted field), and `generate`, which draws one instance with the
 difficulty of each answer token. Defining the subclass registers it: from then on
@@ -21,6 +21,19 @@ target). A task that states them returns (symbol, label, steps) triples from `ge
 `step_width()` (S >= 1); a task without them returns (symbol, label) pairs and its
 `step_width()` is 0. The token cache keeps them beside the labels (`<split>.steps.bin`,
 S per token) and the batches carry them as a third tensor (recdepth/data/windows.py).
+
+In-place targets (a task may state them; carry.py does): the prediction made at a position
+is scored against the next token, unless that token carries a **scored symbol**, which
+then replaces it as the target ("the prediction made at the previous position is scored
+against this symbol instead of this token"). The inputs stay the tokens: an answer needs no
+slot of its own in the input (carry: the input at position i is bit pair i, the target
+there the sum bit s_i, carried by the token after pair i). A task that states them says so,
+`in_place()` (True), and returns (symbol, label, steps, scored) from `generate`, steps ()
+where a token has none and scored None where the target is the token itself; the label
+sits, as always, on the token whose target is scored. The token cache keeps the scored
+stream beside the tokens (`<split>.targets.bin`: the tokens with each scored symbol in
+place of its token), the batches take y from it instead of from the tokens, and the
+decoding engine scores against it (`decode_windows`' `targets`).
 
 Splits: train, validation, test and extrapolation are drawn from disjoint seeds, and an
 instance belongs to exactly one of train / validation / test by a hash of its tokens
@@ -49,9 +62,11 @@ SYMBOLS = [*NAMES, *DIGITS, "=", "?", "+"]  # what an instance may write (each o
 TASK_VERSION = 2  # 2: hops' unqueried distractor chains
 
 MAX_REDRAWS = 10_000
-# (symbol, label), or (symbol, label, steps) for a task with per-step targets: label 0 = not
-# an answer, d >= 1 = difficulty; steps = the targets after applications 1..len(steps)
-Token = tuple[str, int] | tuple[str, int, tuple[str, ...]]
+# (symbol, label), or (symbol, label, steps) for a task with per-step targets, or (symbol,
+# label, steps, scored) for a task with in-place targets: label 0 = not an answer, d >= 1 =
+# difficulty; steps = the targets after applications 1..len(steps); scored = the symbol the
+# previous position's prediction is scored against instead of this token (None: the token)
+Token = tuple[str, int] | tuple[str, int, tuple[str, ...]] | tuple[str, int, tuple[str, ...], str | None]
 Instance = list[Token]
 
 _REGISTRY: Registry[type[Task]] = Registry("data.task.name", "task")  # name -> the task's class
@@ -105,7 +120,9 @@ class Task:
         """One instance with sizes in [lo, hi] (`sizes`), drawn from `rng` only: its symbols
         (each in SYMBOLS) and each one's label (0, or the answer's difficulty >= 1); a task
         with per-step targets (`step_width() > 0`) gives each token its steps too, a tuple of
-        at most step_width() symbols: (symbol, label, steps)."""
+        at most step_width() symbols: (symbol, label, steps); a task with in-place targets
+        (`in_place()`) its scored symbol too (None where there is none): (symbol, label,
+        steps, scored)."""
         raise NotImplementedError
 
     def step_width(self) -> int:
@@ -117,6 +134,12 @@ class Task:
     def has_step_targets(self) -> bool:
         """Whether the task states per-step targets (its data can train `loss.steps=trajectory`)."""
         return self.step_width() > 0
+
+    def in_place(self) -> bool:
+        """Whether the task states in-place targets (the module's docstring): its `generate`
+        returns (symbol, label, steps, scored) and its cache a scored stream. Default: no,
+        every prediction is scored against the next token."""
+        return False
 
     def min_size(self) -> int:
         """The smallest `size` / `extrapolation` low end the task accepts (1; roots: 0 hops)."""
