@@ -14,11 +14,15 @@ The calibration windows draw their own initial-state noise: their noise keys (SP
 
 Targets (set exactly one): `target.max_ce_increase` δ, CE at most δ nats above `fixed` at
 exit.max_steps; `target.layer_applications` B, layer applications per token at most B
-(Σ_g |g| · applications_g + the layers outside the loops, docs/spec.md §4b).
-`calibration.method=ltt` (CE target only) replaces the search by Learn then Test
-(`calibrate_ltt`, docs/spec.md §4e): the answer's clipped per-window CE increase is at most
-δ with probability >= 1 − calibration.epsilon, or nothing is certified and the answer is
-full depth; `empirical` (the default) is the search, with no guarantee. The run
+(Σ_g |g| · applications_g + the layers outside the loops, docs/spec.md §4b);
+`target.max_accuracy_drop` a, a task's answer accuracy at most a below full depth (ltt only).
+`calibration.method=ltt` (CE or accuracy target) replaces the search by Learn then Test
+(`calibrate_ltt`, docs/spec.md §4e): the answer's clipped per-window CE increase (or its
+per-window fraction of answers lost) is at most the target with probability >= 1 −
+calibration.epsilon, or nothing is certified and the answer is full depth; `empirical`
+(the default) is the search, with no guarantee. `calibration.tokens=null` (the default)
+sizes the calibration split to the target, and under ltt a split too small to certify it
+is refused in one line that says what it needs (`splits.calibration_size`). The run
 directory gets:
     calibration.json    the answer, the exit override line, calibration and test numbers
     calibration.csv     every setting decoded on the calibration split (per-group values, CE, A)
@@ -76,12 +80,15 @@ def calibrate(cfg: DictConfig) -> dict:
     if base.name == "oracle":
         raise ValueError("exit.name: the oracle reads the target token; there is nothing to calibrate")
     refuse(run_dir, "calibration.json")
-    opened, sp, test_tokens, cal_tokens, labels = load_splits(run)
+    opened, sp, test_tokens, cal_tokens, labels = load_splits(run, target)
+    n_cal = sp["calibration"][1] - sp["calibration"][0]
     model = opened.model
     base = for_model(base, opened)  # its groups checked; decode and kl_direction decided as evaluate does
     start_job(run_dir, cfg)
 
-    split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
+    test_targets = opened.targets(run.eval.tokens + 1, 0)  # a task's in-place answers, else None
+    split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos,
+                              targets=opened.targets(n_cal + 1, sp["calibration"][0]))
     t0 = time.perf_counter()
     if c.method == "ltt":
         policy, res, cal_rec, rows, method = calibrate_ltt(split, base, target, c.per_group, c.max_evals, c.epsilon,
@@ -95,7 +102,7 @@ def calibrate(cfg: DictConfig) -> dict:
     cal_range = tuple(sp["calibration"])
     line = overrides(policy, gate, cal_range)
     log.info("calibrated on %d tokens in %d decodes (%.0f s): %s (CE %+.4f vs fixed-%s, %.2f layer applications)%s",
-             c.tokens, len(res.history), search_s, line, res.best.ce - res.ce_ref, base.max_steps,
+             n_cal, len(res.history), search_s, line, res.best.ce - res.ce_ref, base.max_steps,
              res.best.cost, "" if res.met else " -- the target is NOT met on the calibration split")
 
     off, v2g = sp["calibration"][0], opened.vocab_to_gpt2
@@ -106,23 +113,25 @@ def calibrate(cfg: DictConfig) -> dict:
     (run_dir / "exit.yaml").write_text(OmegaConf.to_yaml(OmegaConf.create(exit_group(policy, gate, cal_range))))
     (run_dir / "exit_overrides.txt").write_text(line + "\n")
 
-    ev = run_eval(model, test_tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels["test"])
+    ev = run_eval(model, test_tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels["test"],
+                  targets=test_targets)
     test_rec = token_files.read_tokens(run_dir / "eval_tokens.csv")
-    ref_nll = None
-    if target.kind == "max_ce_increase":  # the test split's own full-depth reference, paired per token
+    ref = None
+    if target.kind != "layer_applications":  # the test split's own full-depth reference, paired per token
         _, ref = evaluate_exit(model, test_tokens, build("fixed", None, max_steps=base.max_steps), run.eval.tokens,
                                decode_settings(run, opened.bos).replace(warmup_tokens=0, latency_tokens=0),
-                               labels=labels["test"])
-        ref_nll = ref["nll"]
-    held = test_check(target, test_rec, ref_nll, split.cost)
+                               labels=labels["test"], targets=test_targets)
+        if "correct" in test_rec:
+            test_rec["correct"] = test_rec["correct"].astype(bool)
+    held = test_check(target, test_rec, ref, split.cost)
     if c.method == "ltt":
-        held.update(ltt_test_risk(test_rec, ref_nll, c.loss_bound, method["alpha"]))
+        held.update(ltt_test_risk(test_rec, ref, target, c.loss_bound, method["alpha"]))
     out = {
         opened.kind: opened.source, "groups": model.cfg.groups,
         "target": {"kind": target.kind, "value": target.value},
         "exit": exit_group(policy, gate, cal_range), "overrides": line,
         "splits": {k: list(v) for k, v in sp.items()},
-        "calibration": {"tokens": c.tokens, "token_range": list(cal_range), "first_window": split.first_window,
+        "calibration": {"tokens": n_cal, "token_range": list(cal_range), "first_window": split.first_window,
                         "met": res.met, "ce": res.best.ce, "ce_ref": res.ce_ref,
                         "ce_increase": res.best.ce - res.ce_ref, "layer_applications": res.best.cost,
                         "applications_per_group": list(res.best.per_group), "decodes": len(res.history),
@@ -136,6 +145,9 @@ def calibrate(cfg: DictConfig) -> dict:
 
 
 def _held_line(h: dict) -> str:
+    if "accuracy_drop" in h:
+        return (f"accuracy drop {h['accuracy_drop']:+.4f} [{h['accuracy_drop_ci'][0]:+.4f}, "
+                f"{h['accuracy_drop_ci'][1]:+.4f}] vs target <= {h['bound']:g}: {h['verdict']}")
     if "ce_increase" in h:
         return (f"CE increase {h['ce_increase']:+.4f} [{h['ce_increase_ci'][0]:+.4f}, {h['ce_increase_ci'][1]:+.4f}] "
                 f"vs target <= {h['bound']:g}: {h['verdict']}")

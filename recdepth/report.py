@@ -62,6 +62,7 @@ from recdepth.decode.token_files import read_tokens
 from recdepth.evaluate import evaluate
 from recdepth.exits.calibration import search as calibration
 from recdepth.exits.calibration.splits import (
+    EMPIRICAL_TOKENS,
     calibrate_many,
     calibration_split,
     exit_group,
@@ -114,7 +115,8 @@ def report(cfg: DictConfig) -> dict:
     # 1. every rule of report.calibrate calibrated per group to each target on the calibration
     # split: the 20 searches in lockstep, each round's settings decoded side by side
     # (report.shared_rows rows a batch; rules that read the logits in batches of their own)
-    split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos)
+    split = calibration_split(run, model, cal_tokens, labels["calibration"], bos=opened.bos,
+                              targets=opened.targets(len(cal_tokens), sp["calibration"][0]))
     ce_ref = float(split.decode(build("fixed", None, max_steps=N))["nll"].mean())
     targets, searches = calibration_searches(run, opened, gate)
     cal_range = tuple(sp["calibration"])
@@ -141,7 +143,7 @@ def report(cfg: DictConfig) -> dict:
     for row in rows:
         if row["family"] == "calibrated":
             target = calibration.Target(**row["calibration"]["target"])
-            row["test_target"] = test_check(target, row["rec"], fixed_ref, split.cost)
+            row["test_target"] = test_check(target, row["rec"], {"nll": fixed_ref}, split.cost)
 
     table = comparison(rows, targets, model_cost(model))
     (out / "report.md").write_text(markdown(table, targets, run, time.perf_counter() - t_start))
@@ -262,7 +264,7 @@ def _f(v, digits=4, sign=False) -> str:
 def markdown(table: dict, targets: list[calibration.Target], run: ReportConfig, seconds: float) -> str:
     lines = [f"# Exit rules compared on {run.ckpt or run.hf}", "",
              f"Test split: {run.eval.tokens} tokens (val offsets 0–{run.eval.tokens}); calibration split: "
-             f"{run.calibration.tokens} tokens after it, with its own noise keys. Rules are ranked and the winner "
+             f"{run.calibration.tokens or EMPIRICAL_TOKENS} tokens after it, with its own noise keys. Rules are ranked and the winner "
              "chosen on the calibration split (rank); the test split only scores the choices. Intervals: 95% "
              f"paired bootstrap over whole test windows ({frontier.RESAMPLES} resamples), per comparison. Cost: layer "
              "applications per token (docs/spec.md §4b). Latency: batch 1, every setting timed round-robin "

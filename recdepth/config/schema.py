@@ -243,6 +243,9 @@ class TargetConfig:
     layer_applications: float | None = None
     """Mean layer applications per token at most this (> 0: Σ_g |g| · applications_g + the
     layers outside the loops, docs/spec.md §4b; fixed-4 on the default model costs 24); minimise CE."""
+    max_accuracy_drop: float | None = None
+    """A task's answer accuracy at most this far below fixed at exit.max_steps (a fraction in
+    [0, 1): 0.01 = one point), with calibration.method=ltt; minimise layer applications."""
 
     def __post_init__(self):
         for kind in calibration.TARGETS:
@@ -254,8 +257,11 @@ class TargetConfig:
 class CalibrationConfig:
     """`calibration`: the split and the search of recdepth.calibrate."""
 
-    tokens: int = 2048
-    """Calibration tokens, taken from the val split right after the test split's eval.tokens + 1 (>= 1)."""
+    tokens: int | None = None
+    """Calibration tokens, taken from the val split right after the test split's eval.tokens + 1
+    (>= 1; on a task, its validation split). null: sized to the target (`splits.calibration_size`):
+    2048 for the empirical search; for ltt four times the windows a zero loss needs to certify
+    the target (`ltt.units_needed`), or all there are, refused in one line below once that."""
     per_group: bool = True
     """Search one value per recurrence group (false: one value for all groups)."""
     max_evals: int = 32
@@ -279,7 +285,8 @@ class CalibrationConfig:
     bisection, a round of per-group moves); 0: one by one (>= 0)."""
 
     def __post_init__(self):
-        check_int("calibration.tokens", self.tokens, 1)
+        if self.tokens is not None:
+            check_int("calibration.tokens", self.tokens, 1)
         check_int("calibration.shared_rows", self.shared_rows, 0)
         check_int("calibration.max_evals", self.max_evals, 2)
         check_int("calibration.batch_size", self.batch_size, 1)

@@ -328,16 +328,69 @@ def test_calibrate_ltt_shared_equals_one_by_one(tiny_ckpt, ckpt_env, tmp_path):
     assert one["exit"] == shared["exit"]
 
 
-def test_calibrate_ltt_with_nothing_certified_returns_full_depth(tiny_ckpt, ckpt_env, tmp_path):
+def test_calibrate_ltt_refuses_a_split_too_small_to_certify_anything(tiny_ckpt, ckpt_env, tmp_path):
+    """δ = 0.001 nats at loss_bound 1 is α = 0.001: even with every loss 0 that needs
+    ⌈log 0.05 / log 0.999⌉ = 2995 windows, and 64 tokens are one window of the tiny model's
+    128. Refused in one line that says what it needs, before anything is decoded or written."""
     from recdepth.calibrate import calibrate
 
-    out = calibrate(compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={tmp_path / 'n'}", *CAL,
-                                "target.max_ce_increase=0.001", "calibration.tokens=64"))
-    c = out["calibration"]
-    assert c["status"] == "nothing certified: full depth" and c["certified"] == 0 and c["tested"] == 1
-    assert c["alpha"] < c["min_alpha"]  # too few windows for α = 0.001: not even a zero loss is enough
-    assert out["exit"]["name"] == "fixed" and out["exit"]["max_steps"] == 3
-    assert c["ce_increase"] == 0.0
+    run = tmp_path / "n"
+    with pytest.raises(ValueError, match=r"calibration.tokens: .* only with >= 2995 calibration windows of 128 tokens "
+                                         r"\(383360 tokens, every loss 0\), got 1") as e:
+        calibrate(compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={run}", *CAL, "target.max_ce_increase=0.001",
+                              "calibration.tokens=64"))
+    assert "\n" not in str(e.value) and not (run / "calibration.json").exists()
+
+
+def test_units_needed_is_the_fewest_windows_a_zero_loss_certifies():
+    """Against a brute-force search over n of the Hoeffding–Bentkus p-value at r̂ = 0
+    (a second formula: the p-value itself, not min_alpha's closed form)."""
+    for a, eps in [(0.01, 0.05), (0.1, 0.05), (0.2, 0.1), (0.5, 0.01), (0.03, 0.2)]:
+        n = ltt.units_needed(a, eps)
+        assert ltt.hoeffding_bentkus_p(0.0, n, a) <= eps < ltt.hoeffding_bentkus_p(0.0, n - 1, a)
+    assert ltt.units_needed(0.01, 0.05) == 299 and ltt.units_needed(0.1, 0.05) == 29
+
+
+def test_answer_flips_by_hand_and_bound_the_accuracy_drop():
+    """Per-unit fraction of answers right at full depth and wrong at the setting, by hand;
+    its mean over units is >= the per-unit accuracy drop's mean."""
+    ref = np.array([1, 1, 0, 1, 1, 1, 0, 0], dtype=bool)
+    got = np.array([1, 0, 1, 0, 1, 1, 0, 1], dtype=bool)
+    units = np.array([5, 5, 5, 2, 2, 9, 9, 9])
+    flips = ltt.answer_flips(got, ref, units)  # units sorted: 2, 5, 9
+    assert flips.tolist() == pytest.approx([1 / 2, 1 / 3, 0.0])
+    drop = [np.mean(ref[units == u]) - np.mean(got[units == u]) for u in (2, 5, 9)]
+    assert flips.mean() >= np.mean(drop) and drop == pytest.approx([1 / 2, 0.0, -1 / 3])
+    with pytest.raises(ValueError, match="differ in shape"):
+        ltt.answer_flips(got[:3], ref, units)
+
+
+def test_calibration_size_sizes_ltt_to_its_target():
+    """calibration.tokens=null: 2048 for the empirical search; under ltt four times the
+    windows a zero loss needs, capped by the room there is; explicit values kept; too few
+    windows refused with what they need (on a task, the validation records)."""
+    from types import SimpleNamespace as NS
+
+    from recdepth.exits.calibration.search import Target
+    from recdepth.exits.calibration.splits import calibration_size
+
+    def run(method, tokens=None, eps=0.05, bound=0.1):
+        return NS(calibration=NS(method=method, tokens=tokens, epsilon=eps, loss_bound=bound))
+
+    acc, ce = Target("max_accuracy_drop", 0.01), Target("max_ce_increase", 0.01)
+    assert calibration_size(run("empirical"), ce, 10**6, 48) == 2048
+    assert calibration_size(run("empirical", 300), ce, 10**6, 48) == 300
+    assert calibration_size(run("ltt"), acc, 10**6, 48) == 4 * 299 * 48
+    assert calibration_size(run("ltt"), acc, 512 * 48, 48, task=True) == 512 * 48  # all the room there is
+    assert calibration_size(run("ltt"), ce, 10**6, 128) == 4 * 29 * 128  # α = 0.01 / 0.1
+    assert calibration_size(run("ltt", 29 * 128), ce, 10**6, 128) == 29 * 128
+    with pytest.raises(ValueError, match=r"raise data.validation_records to >= 299") as e:
+        calibration_size(run("ltt"), acc, 64 * 48, 48, task=True)
+    assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match=r"got 28 \(3584 tokens"):
+        calibration_size(run("ltt", 28 * 128), ce, 10**6, 128)
+    with pytest.raises(ValueError, match="target.max_accuracy_drop: Learn then Test cannot certify a risk of 0"):
+        calibration_size(run("ltt"), Target("max_accuracy_drop", 0.0), 10**6, 48)
 
 
 @pytest.mark.parametrize("overrides,msg", [

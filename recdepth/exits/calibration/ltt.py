@@ -98,6 +98,24 @@ def window_losses(nll, ref_nll, units, bound: float = DEFAULT_LOSS_BOUND) -> np.
     return np.clip(inc, 0.0, bound) / bound
 
 
+def answer_flips(correct, ref_correct, units) -> np.ndarray:
+    """The loss of each calibration unit for an accuracy target, in [0, 1], in the order of
+    the sorted unit ids: the fraction of the unit's answers that full depth gets right and
+    the setting gets wrong,
+
+        L_u = mean_{t in u} [ref_correct_t and not correct_t].
+
+    Its mean bounds the accuracy drop from above, E[acc_ref − acc] = E[L] − E[the
+    fraction the setting gets right and full depth wrong] <= E[L] (per-unit accuracies
+    averaged over units), so a guarantee E[L] <= α bounds the drop by α (0.01 = one point).
+    Needs no clip: the loss is a fraction already."""
+    c, r = np.asarray(correct, dtype=bool), np.asarray(ref_correct, dtype=bool)
+    if c.shape != r.shape:
+        raise ValueError(f"ltt: the setting's and the reference's answers differ in shape, {c.shape} vs {r.shape}")
+    _, flips, _ = window_means((r & ~c).astype(float), units)
+    return flips
+
+
 def alpha(delta: float, bound: float) -> float:
     """The normalised risk target α = δ / bound of a CE-increase target δ (nats)."""
     return float(delta) / float(bound)
@@ -188,6 +206,19 @@ def min_alpha(n: int, epsilon: float) -> float:
     Hoeffding–Bentkus p-value is (1 − α)^n): 1 − ε^(1/n); 1 for n = 0."""
     n = _n(n)
     return 1.0 if n == 0 else 1.0 - epsilon ** (1.0 / n)
+
+
+def units_needed(alpha: float, epsilon: float) -> int:
+    """The fewest units that could certify a risk of α at level ε, every loss 0 (the
+    inverse of `min_alpha`): the smallest n with (1 − α)^n <= ε, ⌈log ε / log(1 − α)⌉
+    (299 for α = 0.01, ε = 0.05; 29 for α = 0.1). Any loss above 0 needs more."""
+    _epsilon(epsilon)
+    if not (isinstance(alpha, int | float) and math.isfinite(alpha) and alpha > 0):
+        raise ValueError(f"ltt: expected a risk target α > 0, got {alpha!r}")
+    if alpha >= 1:
+        return 1
+    n = math.ceil(math.log(epsilon) / math.log1p(-alpha))
+    return n - 1 if n > 1 and min_alpha(n - 1, epsilon) <= alpha else n  # rounding at an exact power
 
 
 def _n(n) -> int:

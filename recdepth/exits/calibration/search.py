@@ -41,14 +41,16 @@ import numpy as np
 
 from recdepth.analysis.stats import Cost
 
-TARGETS = ("max_ce_increase", "layer_applications")
+TARGETS = ("max_ce_increase", "layer_applications", "max_accuracy_drop")
 
 
 @dataclass(frozen=True)
 class Target:
     """What the calibration must hold on the calibration split: `kind` is max_ce_increase
-    (nats over the full-depth CE, >= 0) or layer_applications (mean layer applications per
-    token, > 0: Σ_g |g| · applications_g + the layers outside the loops)."""
+    (nats over the full-depth CE, >= 0), layer_applications (mean layer applications per
+    token, > 0: Σ_g |g| · applications_g + the layers outside the loops) or
+    max_accuracy_drop (a task's answer accuracy below full depth's, a fraction in [0, 1):
+    0.01 = one point; Learn then Test only, `ltt.answer_flips`)."""
 
     kind: str
     value: float
@@ -58,8 +60,11 @@ class Target:
             raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {self.kind!r}")
         v = self.value
         ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-        if not ok or (v < 0 if self.kind == "max_ce_increase" else v <= 0):
-            what = ">= 0 (nats)" if self.kind == "max_ce_increase" else "> 0 (layer applications per token)"
+        expect = {"max_ce_increase": (lambda x: x >= 0, ">= 0 (nats)"),
+                  "layer_applications": (lambda x: x > 0, "> 0 (layer applications per token)"),
+                  "max_accuracy_drop": (lambda x: 0 <= x < 1, "in [0, 1) (a fraction of the answers: 0.01 = one point)")}
+        good, what = expect[self.kind]
+        if not ok or not good(v):
             raise ValueError(f"target.{self.kind}: expected a finite number {what}, got {v!r}")
 
 

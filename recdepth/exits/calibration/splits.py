@@ -84,8 +84,9 @@ class CalibrationSplit:
     any batch). `decodes` counts the settings decoded, `reused` the asks answered from memory."""
 
     def __init__(self, model, tokens: torch.Tensor, n_tokens: int, settings: DecodeSettings,
-                 first_window: int = 0, labels=None):
+                 first_window: int = 0, labels=None, targets=None):
         self.model, self.tokens, self.n_tokens, self.labels = model, tokens, n_tokens, labels
+        self.targets = targets  # a task's scored stream (in-place targets), else None
         self.settings = settings.replace(warmup_tokens=0, latency_tokens=0)
         self.first_window = first_window
         self.cost = model_cost(model)
@@ -112,7 +113,8 @@ class CalibrationSplit:
                 recs = [self._decode(p) for p in new.values()]
             else:
                 out = evaluate_exits(self.model, self.tokens, list(new.values()), self.n_tokens,
-                                     self.settings.replace(batch_size=max_rows), self.first_window, self.labels)
+                                     self.settings.replace(batch_size=max_rows), self.first_window, self.labels,
+                                     self.targets)
                 recs = [rec for _, rec in out]
             self.seconds += time.perf_counter() - t0
             self.decodes += len(new)
@@ -124,7 +126,7 @@ class CalibrationSplit:
 
     def _decode(self, policy: ExitPolicy) -> dict:
         _, rec = evaluate_exit(self.model, self.tokens, policy, self.n_tokens, self.settings, self.first_window,
-                               self.labels)
+                               self.labels, self.targets)
         return rec
 
 
@@ -258,9 +260,10 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
     one batch of settings × windows of about this many rows (`CalibrationSplit.decode_many`;
     records as decoded alone), so up to that many settings past the first uncertified one
     are decoded and not read; 0: one by one."""
-    if target.kind != "max_ce_increase":
-        raise ValueError("calibration.method: ltt needs target.max_ce_increase (a layer-applications budget has "
-                         "no risk to certify); use calibration.method=empirical for it")
+    accuracy = target.kind == "max_accuracy_drop"
+    if target.kind == "layer_applications":
+        raise ValueError("calibration.method: ltt needs target.max_ce_increase or target.max_accuracy_drop (a "
+                         "layer-applications budget has no risk to certify); use calibration.method=empirical for it")
     G = split.model.n_groups
     field, grid = calibration.knob(base.name, base.max_steps_bound)
     groups = G if (per_group and field != "patience") else 1
@@ -268,7 +271,10 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
     full = build("fixed", None, max_steps=base.max_steps)
     if ref is None:
         ref = split.decode(full)
-    alpha = ltt.alpha(target.value, loss_bound)
+    if accuracy and "correct" not in ref:
+        raise ValueError("target.max_accuracy_drop: scores a task's answers, but this data has no answer labels "
+                         "(data=<task>; else target.max_ce_increase)")
+    alpha = target.value if accuracy else ltt.alpha(target.value, loss_bound)
     ce_ref = float(np.mean(ref["nll"]))
     decoded: list[tuple[tuple[int, ...], dict]] = []
 
@@ -284,7 +290,8 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
             part = todo[i : i + chunk]
             for s, rec in zip(part, split.decode_many([at(s) for s in part], shared_rows), strict=True):
                 decoded.append((s, rec))
-                yield ltt.window_losses(rec["nll"], ref["nll"], rec["window"], loss_bound)
+                yield (ltt.answer_flips(rec["correct"], ref["correct"], rec["window"]) if accuracy else
+                       ltt.window_losses(rec["nll"], ref["nll"], rec["window"], loss_bound))
 
     out = ltt.ltt_lazy(losses(), alpha, epsilon)
     k, n = out["certified"], out["n"]
@@ -299,18 +306,17 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
         best = calibration.point((), ref["nll"], ref["apps"], split.cost)
     stopped = ("first uncertified setting" if k < len(decoded) else
                "end of the path" if len(decoded) == len(path) else "calibration.max_evals")
-    n_min = ltt.min_alpha(n, epsilon)
-    if alpha < n_min:
-        log.warning("ltt: with %d calibration windows nothing below a risk of %.4g (δ = %.4g nats at loss_bound %g) "
-                    "can be certified at epsilon %g; raise calibration.tokens", n, n_min, n_min * loss_bound,
-                    loss_bound, epsilon)
+    n_min = ltt.min_alpha(n, epsilon)  # calibration_size refused fewer windows than alpha needs
     method = {
         "method": "ltt",
         "guarantee": (f"with probability >= {1 - epsilon:g} over the calibration windows, the answer's expected "
-                      f"per-window CE increase over full depth, clipped to [0, {loss_bound:g}] nats, is <= "
-                      f"{target.value:g} (risk <= alpha = {alpha:g}); spec §4e"),
+                      + (f"per-window fraction of answers that full depth gets right and it gets wrong (so its "
+                         f"accuracy drop) is <= {target.value:g}; spec §4e" if accuracy else
+                         f"per-window CE increase over full depth, clipped to [0, {loss_bound:g}] nats, is <= "
+                         f"{target.value:g} (risk <= alpha = {alpha:g}); spec §4e")),
         "status": f"certified {k} of {len(path)} settings on the path" if k else "nothing certified: full depth",
-        "epsilon": epsilon, "alpha": alpha, "loss_bound": loss_bound, "windows": n, "min_alpha": n_min,
+        "epsilon": epsilon, "alpha": alpha, "loss": "answer_flips" if accuracy else "clipped_ce_increase",
+        "loss_bound": None if accuracy else loss_bound, "windows": n, "min_alpha": n_min,
         "path": "staircase" if groups > 1 else "shared", "path_length": len(path), "tested": len(decoded),
         "certified": k, "stopped": stopped, "pvalue": "hoeffding_bentkus",
         "settings": [r["values"] for r in rows], "pvalues": out["pvalues"], "risks": out["risks"],
@@ -321,21 +327,30 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
 
 
 def check_method(c, target: calibration.Target) -> None:
-    """calibration.method=ltt needs a CE target below calibration.loss_bound (one line otherwise)."""
+    """calibration.method=ltt needs a CE target below calibration.loss_bound or an accuracy
+    target; an accuracy target needs ltt (one line otherwise)."""
     if c.method != "ltt":
+        if target.kind == "max_accuracy_drop":
+            raise ValueError("target.max_accuracy_drop: needs calibration.method=ltt (the empirical search "
+                             "minimises cost at a CE or cost target)")
         return
-    if target.kind != "max_ce_increase":
-        raise ValueError("calibration.method: ltt needs target.max_ce_increase (a layer-applications budget has "
-                         "no risk to certify); use calibration.method=empirical for it")
-    if target.value >= c.loss_bound:
+    if target.kind == "layer_applications":
+        raise ValueError("calibration.method: ltt needs target.max_ce_increase or target.max_accuracy_drop (a "
+                         "layer-applications budget has no risk to certify); use calibration.method=empirical for it")
+    if target.kind == "max_ce_increase" and target.value >= c.loss_bound:
         raise ValueError(f"calibration.loss_bound: must exceed target.max_ce_increase ({c.loss_bound:g} <= "
                          f"{target.value:g}): the clipped loss never exceeds the bound, so nothing would be tested")
 
 
-def ltt_test_risk(rec: dict, ref_nll: np.ndarray, loss_bound: float, alpha: float) -> dict:
-    """The answer's LTT risk on the test split (mean clipped window loss, `ltt.window_losses`)
-    against alpha: what the guarantee is about, measured once on the test windows."""
-    r = float(np.mean(ltt.window_losses(rec["nll"], ref_nll, rec["window"], loss_bound)))
+def ltt_test_risk(rec: dict, ref: dict, target: calibration.Target, loss_bound: float, alpha: float) -> dict:
+    """The answer's LTT risk on the test split (mean window loss: `ltt.answer_flips` for an
+    accuracy target, else `ltt.window_losses`) against alpha, from its record and the full-depth
+    reference `ref` (nll, correct): what the guarantee is about, measured once on the test windows."""
+    if target.kind == "max_accuracy_drop":
+        losses = ltt.answer_flips(rec["correct"], ref["correct"], rec["window"])
+    else:
+        losses = ltt.window_losses(rec["nll"], ref["nll"], rec["window"], loss_bound)
+    r = float(np.mean(losses))
     return {"ltt_risk": r, "ltt_alpha": alpha, "ltt_risk_within_alpha": r <= alpha}
 
 
@@ -343,8 +358,9 @@ def target_of(run: CalibrateConfig) -> calibration.Target:
     """The one target set in run.target (one line naming the fields otherwise)."""
     t = {k: v for k, v in dataclasses.asdict(run.target).items() if v is not None}
     if len(t) != 1:
-        raise ValueError(f"target: set exactly one of target.max_ce_increase=<nats> or "
-                         f"target.layer_applications=<layer applications per token>, got {t or 'none'}")
+        raise ValueError(f"target: set exactly one of target.max_ce_increase=<nats>, "
+                         f"target.layer_applications=<layer applications per token> or "
+                         f"target.max_accuracy_drop=<fraction> (ltt), got {t or 'none'}")
     (kind, value), = t.items()
     return calibration.Target(kind, value)
 
@@ -355,13 +371,18 @@ def verdict(lo: float, hi: float, bound: float) -> str:
     return "held" if hi <= bound else "violated" if lo > bound else "not resolved"
 
 
-def test_check(target: calibration.Target, rec: dict, ref_nll: np.ndarray | None, cost: stats.Cost,
+def test_check(target: calibration.Target, rec: dict, ref: dict | None, cost: stats.Cost,
                resamples: int = 1000) -> dict:
-    """The target on the test split with its paired 95% bootstrap interval over windows."""
+    """The target on the test split with its paired 95% bootstrap interval over windows
+    (`ref`: the full-depth record, nll and correct, for the CE and accuracy targets)."""
     boot = stats.Bootstrap(rec["window"], resamples)
     if target.kind == "max_ce_increase":
-        d, lo, hi = stats.diff_ci(rec["nll"], ref_nll, boot)
+        d, lo, hi = stats.diff_ci(rec["nll"], ref["nll"], boot)
         return {"ce_increase": d, "ce_increase_ci": [lo, hi], "bound": target.value,
+                "verdict": verdict(lo, hi, target.value)}
+    if target.kind == "max_accuracy_drop":
+        d, lo, hi = stats.diff_ci(ref["correct"].astype(float), rec["correct"].astype(float), boot)
+        return {"accuracy_drop": d, "accuracy_drop_ci": [lo, hi], "bound": target.value,
                 "verdict": verdict(lo, hi, target.value)}
     a, lo, hi = stats.mean_ci(cost.per_token(rec["apps"]), boot)
     return {"layer_applications": a, "layer_applications_ci": [lo, hi], "bound": target.value,
@@ -376,37 +397,74 @@ def noise_window(n_test: int, block_size: int, bos: int | None = None) -> int:
     return -(-n_test // span(block_size, bos))
 
 
-def load_splits(run: CalibrateConfig | ReportConfig):
+def load_splits(run: CalibrateConfig | ReportConfig, target: calibration.Target | None = None):
     """The validated config's model (`checkpoints.open_model`: ckpt= or hf=) on run.device,
     the split ranges (`splits`), the test and calibration token streams (held-out tokens
-    [0, eval.tokens] and the calibration.tokens + 1 after them; one line naming
-    calibration.tokens if the held-out split is too short), and their task labels
-    {"test": ..., "calibration": ...} (None each on text)."""
+    [0, eval.tokens] and the calibration tokens + 1 after them, as many as
+    `calibration_size` says for `target`; one line naming calibration.tokens if the held-out
+    split is too short), and their task labels {"test": ..., "calibration": ...} (None
+    each on text)."""
     opened = open_model(run, resolve_device(run.device))
-    c, n_test = run.calibration, run.eval.tokens
-    sp = splits(n_test, c.tokens)
+    n_test = run.eval.tokens
     regions = opened.regions()
-    if regions and sp["calibration"][0] != regions["validation"][0]:  # a task (docs/spec.md §6)
+    if regions and n_test + 1 != regions["validation"][0]:  # a task (docs/spec.md §6)
         size = regions["test"][1]
         raise ValueError(f"eval.tokens: on a task, calibration reads the validation split, which starts after the "
                          f"test split's {size} tokens: set eval.tokens={size} (got {n_test})")
+    room = regions["validation"][1] if regions else opened.heldout_size() - n_test - 2
+    n_cal = calibration_size(run, target, room, opened.model.cfg.block_size, opened.bos, bool(regions))
+    sp = splits(n_test, n_cal)
     first = sp["calibration"][0]
     try:
-        cal_tokens = opened.heldout(c.tokens + 1, first)
+        cal_tokens = opened.heldout(n_cal + 1, first)
     except ValueError as e:
-        raise ValueError(f"calibration.tokens: {c.tokens} calibration tokens after the {n_test + 1} test "
+        raise ValueError(f"calibration.tokens: {n_cal} calibration tokens after the {n_test + 1} test "
                          f"tokens do not fit the held-out split ({e})") from None
     n = n_test + 1
-    labels = {"test": opened.labels(n, 0), "calibration": opened.labels(c.tokens + 1, first)}
+    labels = {"test": opened.labels(n, 0), "calibration": opened.labels(n_cal + 1, first)}
     return opened, sp, opened.heldout(n, 0), cal_tokens, labels
 
 
+EMPIRICAL_TOKENS = 2048  # calibration.tokens=null under the empirical search
+LTT_MARGIN = 4  # calibration.tokens=null under ltt: this many times the windows a zero loss needs
+
+
+def calibration_size(run, target: calibration.Target | None, room: int, block_size: int,
+                     bos: int | None = None, task: bool = False) -> int:
+    """Calibration tokens: calibration.tokens where set, else sized to the target —
+    EMPIRICAL_TOKENS for the empirical search; for Learn then Test LTT_MARGIN times the
+    windows that could certify the target with every loss 0 (`ltt.units_needed`), or the
+    `room` there is (the held-out tokens after the test split; on a task, its validation
+    split) where that is less. Under ltt fewer windows than `ltt.units_needed` can certify
+    nothing, so that is refused in one line saying what it needs (rather than decoding a
+    calibration that must return full depth)."""
+    c = run.calibration
+    if c.method != "ltt" or target is None:
+        return EMPIRICAL_TOKENS if c.tokens is None else c.tokens
+    a = target.value if target.kind == "max_accuracy_drop" else ltt.alpha(target.value, c.loss_bound)
+    if a <= 0:
+        raise ValueError(f"target.{target.kind}: Learn then Test cannot certify a risk of 0 (expected a target > 0)")
+    width = span(block_size, bos)
+    need = ltt.units_needed(a, c.epsilon)
+    n = min(room, LTT_MARGIN * need * width) if c.tokens is None else c.tokens
+    have = -(-n // width)
+    if have < need:
+        where = (f"the validation split holds {room} tokens: raise data.validation_records to >= {need} and train "
+                 f"again, or set a looser target" if task else
+                 f"the held-out split has {room} tokens after the test split")
+        raise ValueError(f"calibration.tokens: Learn then Test certifies a risk of {a:.4g} at calibration.epsilon="
+                         f"{c.epsilon:g} only with >= {need} calibration windows of {width} tokens "
+                         f"({need * width} tokens, every loss 0), got {have} ({n} tokens; {where})")
+    return n
+
+
 def calibration_split(run: CalibrateConfig | ReportConfig, model, cal_tokens: torch.Tensor, labels=None,
-                      bos: int | None = None) -> CalibrationSplit:
+                      bos: int | None = None, targets=None) -> CalibrationSplit:
     """The calibration split of `load_splits`, decoded with the validated config's settings
-    and its own noise keys (on a task, its answer tokens: `labels`; an hf= model's windows
-    start with `bos`)."""
+    and its own noise keys (on a task, its answer tokens: `labels`, and with in-place
+    answers their scored stream, `targets`; an hf= model's windows start with `bos`)."""
     c, e = run.calibration, run.eval
     settings = decode_settings(run, bos).replace(batch_size=c.batch_size)
-    return CalibrationSplit(model, cal_tokens, c.tokens, settings,
-                            first_window=noise_window(e.tokens, model.cfg.block_size, bos), labels=labels)
+    return CalibrationSplit(model, cal_tokens, len(cal_tokens) - 1, settings,
+                            first_window=noise_window(e.tokens, model.cfg.block_size, bos), labels=labels,
+                            targets=targets)
