@@ -1,0 +1,140 @@
+"""The tasks where depth pays (issue 40), at debug size through the real commands:
+`experiment=roots` trained with its per-step targets, evaluated by difficulty under both
+caches, a frontier sweep, and Learn then Test to an accuracy-drop target with instances
+(windows of one record) as the units; `experiment=carry`, whose answers are in place,
+evaluated and calibrated against its scored stream, never the next token."""
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.cli.test_cli import run
+
+SMALL = ["debug=tiny", "experiment=roots", "data.train_records=200", "data.test_records=6",
+         "data.validation_records=12", "data.extrapolation_records=4", "eval.tokens=288",  # 6 records x 48
+         "eval.latency_tokens=2", "eval.context_steps=4", "callbacks=none"]
+
+
+@pytest.fixture(scope="module")
+def roots_run(env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("roots")
+    rd = tmp / "job"
+    run([*SMALL, "trainer.max_steps=4", f"run_dir={rd}"], cwd=tmp, env=env)
+    return tmp, rd
+
+
+def test_debug_roots_trains_with_per_step_targets_and_evaluates_by_difficulty(roots_run):
+    _, rd = roots_run
+    cfg = (rd / "config.yaml").read_text()
+    assert "steps: trajectory" in cfg and "state_init: input" in cfg
+    ev = json.loads((rd / "metrics.json").read_text())["eval"]
+    rows = list(csv.DictReader(open(rd / "eval_tokens.csv")))
+    # 6 instances of up to 8 queries, each scored at its answer, difficulty = hops + 1 in 1..9
+    assert ev["scored"] == "answers" and 6 <= len(rows) <= 48 and ev["answers"]["windows"] == 6
+    assert all(1 <= int(r["difficulty"]) <= 9 for r in rows)
+    assert ev["answers"]["accuracy"][0] == pytest.approx(np.mean([int(r["correct"]) for r in rows]))
+
+
+def test_debug_roots_frontier_sweep_and_both_caches(roots_run, env):
+    tmp, rd = roots_run
+    ckpt = rd / "train" / "checkpoints" / "last.ckpt"
+    for cache in ("per_step", "latest"):
+        sweep = tmp / f"frontier_{cache}"
+        q = subprocess.run(
+            [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
+             f"hydra.sweep.dir={sweep}", "eval.tokens=288", "eval.latency_tokens=0", "eval.context_steps=3",
+             f"eval.cache={cache}", "hydra.sweeper.fixed=[1,3]", "hydra.sweeper.rules.kl=[0.01]",
+             "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]", "hydra.sweeper.oracle=[0.01]",
+             "hydra.sweeper.warm_start=false", "exit.max_steps=3"],
+            cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+        assert q.returncode == 0, q.stderr[-3000:]
+        jobs = list(csv.DictReader(open(sweep / "sweep_results.csv")))
+        assert len(jobs) == 4 and all(r["status"] == "ok" for r in jobs)
+        diff = list(csv.DictReader(open(sweep / "difficulty.csv")))
+        assert {r["exit"] for r in diff} == {"fixed", "kl", "oracle"}
+        assert (sweep / "frontier_accuracy.csv").is_file()
+        # the fixed n = 1 job's answers each cost prelude + 1 application + coda = 3 layer applications
+        one = next(r for r in diff if r["exit"] == "fixed" and r["max_steps"] == "1")
+        assert float(one["layer_applications"]) == pytest.approx(3.0)
+
+
+def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):
+    """calibration.method=ltt target.max_accuracy_drop: the per-window losses are the
+    fractions of answers full depth gets right and the setting wrong, recomputed here from
+    two decodes of the calibration split; a split too small for the target is refused in
+    one line that names the validation records it needs."""
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.calibrate import calibrate
+    from recdepth.config.build import conf_dir
+    from recdepth.config.schema import validated
+    from recdepth.exits import build
+    from recdepth.exits.calibration.splits import calibration_split, load_splits, policy_at
+
+    tmp, rd = roots_run
+    ckpt = rd / "train" / "checkpoints" / "last.ckpt"
+
+    def cfg(*extra):
+        with initialize_config_dir(conf_dir(), version_base="1.3"):
+            return compose("calibrate", overrides=[f"ckpt={ckpt}", "exit=fixed", "exit.max_steps=3", "eval.tokens=288",
+                                                   "eval.context_steps=4", "eval.latency_tokens=2", "eval.repeats=1",
+                                                   "calibration.method=ltt", "calibration.per_group=false",
+                                                   "device=cpu", *extra])
+
+    # one point at ε = 0.05 needs 299 instances; the validation split has 12
+    with pytest.raises(ValueError, match=r"only with >= 299 calibration windows of 48 tokens .* raise "
+                                         r"data.validation_records to >= 299") as e:
+        calibrate(cfg("target.max_accuracy_drop=0.01", f"run_dir={tmp / 'small'}"))
+    assert "\n" not in str(e.value)
+    # half the answers at ε = 0.2 needs ⌈log 0.2 / log 0.5⌉ = 3 of the 12 instances
+    opts = ("target.max_accuracy_drop=0.5", "calibration.epsilon=0.2")
+    out = calibrate(cfg(*opts, f"run_dir={tmp / 'ltt'}"))
+    c = out["calibration"]
+    assert c["loss"] == "answer_flips" and c["alpha"] == 0.5 and c["windows"] == 12 and c["tokens"] == 12 * 48
+    assert "accuracy_drop" in out["test"] and out["test"]["ltt_alpha"] == 0.5
+    run_ = validated(cfg(*opts, f"run_dir={tmp / 'again'}"))
+    from recdepth.exits.calibration.search import Target
+
+    opened, _, _, cal_tokens, labels = load_splits(run_, Target("max_accuracy_drop", 0.5))
+    split = calibration_split(run_, opened.model, cal_tokens, labels["calibration"])
+    ref = split.decode(build("fixed", None, max_steps=3))
+    for values, risk in zip(c["settings"], c["risks"], strict=True):
+        rec = split.decode(policy_at(build("fixed", None, max_steps=3), "max_steps", values))
+        flips = {}
+        for w, got, want in zip(rec["window"], rec["correct"], ref["correct"], strict=True):
+            flips.setdefault(int(w), []).append(bool(want) and not bool(got))
+        assert len(flips) == 12 and risk == pytest.approx(np.mean([np.mean(v) for v in flips.values()]))
+
+
+def test_debug_carry_evaluates_and_calibrates_against_its_in_place_targets(env, ckpt_env, tmp_path):
+    """Every scored target of carry is a sum bit (` 0` or ` 1`), in the evaluation and in
+    both splits of an ltt calibration to an accuracy drop; its answers are the pairs'."""
+    from hydra import compose, initialize_config_dir
+
+    from recdepth.calibrate import calibrate
+    from recdepth.config.build import conf_dir
+    from recdepth.data.tokenizer import gpt2
+    from recdepth.decode.token_files import read_tokens
+
+    rd = tmp_path / "job"
+    run(["debug=tiny", "experiment=carry", "data.train_records=100", "data.test_records=4",
+         "data.validation_records=8", "data.extrapolation_records=2", "eval.tokens=256", "eval.latency_tokens=2",
+         "callbacks=none", f"run_dir={rd}"], cwd=tmp_path, env=env)
+    bits = {gpt2().encode(" 0")[0], gpt2().encode(" 1")[0]}
+    rows = list(csv.DictReader(open(rd / "eval_tokens.csv")))
+    assert rows and {int(r["target_gpt2"]) for r in rows} <= bits
+    with initialize_config_dir(conf_dir(), version_base="1.3"):
+        cfg = compose("calibrate", overrides=[f"ckpt={rd / 'train' / 'checkpoints' / 'last.ckpt'}", "exit=fixed",
+                                              "exit.max_steps=2", "eval.tokens=256", "eval.latency_tokens=2",
+                                              "eval.repeats=1", "calibration.method=ltt", "calibration.per_group=false",
+                                              "target.max_accuracy_drop=0.5", "calibration.epsilon=0.2", "device=cpu",
+                                              f"run_dir={tmp_path / 'cal'}"])
+    out = calibrate(cfg)
+    assert out["calibration"]["windows"] == 8 and "accuracy_drop" in out["test"]
+    cal = read_tokens(tmp_path / "cal" / "calibration_tokens.csv")
+    test = list(csv.DictReader(open(tmp_path / "cal" / "eval_tokens.csv")))
+    assert set(cal["target_gpt2"].tolist()) <= bits and {int(r["target_gpt2"]) for r in test} <= bits
