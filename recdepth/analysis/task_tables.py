@@ -5,10 +5,14 @@ scored a task's answers.
                                      each difficulty needs), and every other job's accuracy,
                                      layer applications per difficulty and Spearman's
                                      correlation of applications with difficulty
+    best_fixed.md / best_fixed.csv   every other job against the best fixed depth (`best_fixed`):
+                                     its accuracy difference and its saving in layer
+                                     applications, paired, with intervals over windows
     fig_difficulty.png / .pdf        accuracy against layer applications, one curve per
                                      difficulty over the fixed depths, the rules as points
 
-Everything is read from the jobs' metrics.json `eval.answers` blocks (`tasks.score_answers`).
+Everything is read from the jobs' metrics.json `eval.answers` blocks (`tasks.score_answers`),
+and best_fixed from their eval_tokens.csv (the same answers in every job, in one order).
 """
 
 from __future__ import annotations
@@ -16,6 +20,11 @@ from __future__ import annotations
 import csv
 import json
 from pathlib import Path
+
+import numpy as np
+
+from recdepth.analysis import stats
+from recdepth.decode.token_files import read_tokens
 
 
 def answers_of(sweep_dir: Path, rows: list[dict]) -> dict[int, dict]:
@@ -109,6 +118,55 @@ def figure(rows: list[dict]):
     return fig
 
 
+def best_fixed(sweep_dir: Path, evs: dict[int, dict], resamples: int = 2000) -> tuple[list[dict], str]:
+    """Every job that is not a fixed depth against the **best fixed depth**: the cold fixed job
+    with the highest answer accuracy (the cheapest of those tied), the strongest fixed
+    baseline of the sweep (a job that cannot be told from it at less cost is what an exit
+    rule is for). Per job, over the same answers paired one to one: the accuracy difference
+    (job − best) and the saving in layer applications per answer, 1 − cost(job) / cost(best),
+    each with its 95% percentile-bootstrap interval over windows (for a task of one instance
+    a record, instances). The rows of best_fixed.csv and the text of best_fixed.md; ([], "")
+    when the sweep has no fixed job or no other."""
+    def load(job):
+        ev, t = evs[job], read_tokens(Path(sweep_dir) / str(job) / "eval_tokens.csv")
+        cost = stats.Cost(ev["group_layers"], ev["outside_layers"]).per_token(t["apps"])
+        return t, cost
+
+    fixed = [j for j, ev in evs.items() if ev["exit"] == "fixed" and not ev.get("warm_start")]
+    others = [j for j, ev in evs.items() if j not in fixed]
+    if not fixed or not others:
+        return [], ""
+    acc = {j: evs[j]["answers"]["accuracy"][0] for j in fixed}
+    top = max(acc.values())
+    best = min((j for j in fixed if acc[j] == top), key=lambda j: evs[j]["answers"]["layer_applications"][0])
+    ref, ref_cost = load(best)
+    boot = stats.Bootstrap(ref["window"], resamples)
+    rows = []
+    for j in others:
+        t, cost = load(j)
+        if not (np.array_equal(t["position"], ref["position"]) and np.array_equal(t["window"], ref["window"])):
+            raise ValueError(f"best_fixed: job {j} scored other answers than the best fixed job {best}")
+        d, lo, hi = stats.diff_ci(t["correct"], ref["correct"], boot)
+        saving = 1 - cost.sum() / ref_cost.sum()
+        s_lo, s_hi = np.percentile(1 - boot.ratios(cost, ref_cost), [2.5, 97.5])
+        rows.append({"job": j, "rule": _label(evs[j]), "accuracy": float(np.mean(t["correct"])),
+                     "accuracy_diff": d, "accuracy_diff_lo": lo, "accuracy_diff_hi": hi,
+                     "layer_applications": float(cost.mean()), "saving": float(saving),
+                     "saving_lo": float(s_lo), "saving_hi": float(s_hi), "best_fixed_job": best,
+                     "best_fixed_n": evs[best]["max_steps"], "best_fixed_accuracy": top,
+                     "best_fixed_layer_applications": float(ref_cost.mean())})
+    md = [f"Against the best fixed depth, n = {evs[best]['max_steps']} (job {best}: accuracy {top:.3f} at "
+          f"{ref_cost.mean():.2f} layer applications per answer; the most accurate fixed depth, the cheapest of "
+          "those tied). Paired over the same answers, 95% intervals over windows.", "",
+          "| job | rule | accuracy | accuracy − best fixed [95% CI] | layer applications | saving [95% CI] |",
+          "|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['job']} | {r['rule']} | {r['accuracy']:.3f} | {r['accuracy_diff']:+.3f} "
+                  f"[{r['accuracy_diff_lo']:+.3f}, {r['accuracy_diff_hi']:+.3f}] | {r['layer_applications']:.2f} | "
+                  f"{r['saving']:+.1%} [{r['saving_lo']:+.1%}, {r['saving_hi']:+.1%}] |")
+    return rows, "\n".join(md) + "\n"
+
+
 def write(sweep_dir: Path, rows: list[dict]) -> bool:
     """difficulty.csv/.md and fig_difficulty when the sweep's jobs scored a task; False otherwise."""
     import matplotlib.pyplot as plt
@@ -122,6 +180,13 @@ def write(sweep_dir: Path, rows: list[dict]) -> bool:
         w.writeheader()
         w.writerows(out)
     (Path(sweep_dir) / "difficulty.md").write_text(md)
+    vs, md = best_fixed(sweep_dir, evs)
+    if vs:
+        with open(Path(sweep_dir) / "best_fixed.csv", "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=list(vs[0]))
+            w.writeheader()
+            w.writerows(vs)
+        (Path(sweep_dir) / "best_fixed.md").write_text(md)
     fig = figure(out)
     for fmt in ("png", "pdf"):
         fig.savefig(Path(sweep_dir) / f"fig_difficulty.{fmt}", dpi=150 if fmt == "png" else None)
