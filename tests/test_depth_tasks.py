@@ -39,27 +39,30 @@ def test_debug_roots_trains_with_per_step_targets_and_evaluates_by_difficulty(ro
     assert ev["answers"]["accuracy"][0] == pytest.approx(np.mean([int(r["correct"]) for r in rows]))
 
 
-def test_debug_roots_frontier_sweep_and_both_caches(roots_run, env):
+@pytest.mark.parametrize("cache", ["per_step", pytest.param("latest", marks=pytest.mark.slow)])
+def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
+    """One frontier sweep per cache (latest in make test-slow: default-suite time)."""
     tmp, rd = roots_run
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
-    for cache in ("per_step", "latest"):
-        sweep = tmp / f"frontier_{cache}"
-        q = subprocess.run(
-            [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
-             f"hydra.sweep.dir={sweep}", "eval.tokens=288", "eval.latency_tokens=0", "eval.context_steps=3",
-             f"eval.cache={cache}", "hydra.sweeper.fixed=[1,3]", "hydra.sweeper.rules.kl=[0.01]",
-             "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]", "hydra.sweeper.oracle=[0.01]",
-             "hydra.sweeper.warm_start=false", "exit.max_steps=3"],
-            cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
-        assert q.returncode == 0, q.stderr[-3000:]
-        jobs = list(csv.DictReader(open(sweep / "sweep_results.csv")))
-        assert len(jobs) == 4 and all(r["status"] == "ok" for r in jobs)
-        diff = list(csv.DictReader(open(sweep / "difficulty.csv")))
-        assert {r["exit"] for r in diff} == {"fixed", "kl", "oracle"}
-        assert (sweep / "frontier_accuracy.csv").is_file()
-        # the fixed n = 1 job's answers each cost prelude + 1 application + coda = 3 layer applications
-        one = next(r for r in diff if r["exit"] == "fixed" and r["max_steps"] == "1")
-        assert float(one["layer_applications"]) == pytest.approx(3.0)
+    sweep = tmp / f"frontier_{cache}"
+    q = subprocess.run(
+        [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
+         f"hydra.sweep.dir={sweep}", "eval.tokens=288", "eval.latency_tokens=0", "eval.context_steps=3",
+         f"eval.cache={cache}", "hydra.sweeper.fixed=[1,3]", "hydra.sweeper.rules.kl=[0.01]",
+         "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]", "hydra.sweeper.oracle=[0.01]",
+         "hydra.sweeper.warm_start=false", "exit.max_steps=3"],
+        cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert q.returncode == 0, q.stderr[-3000:]
+    jobs = list(csv.DictReader(open(sweep / "sweep_results.csv")))
+    assert len(jobs) == 4 and all(r["status"] == "ok" for r in jobs)
+    diff = list(csv.DictReader(open(sweep / "difficulty.csv")))
+    assert {r["exit"] for r in diff} == {"fixed", "kl", "oracle"}
+    assert (sweep / "frontier_accuracy.csv").is_file()
+    best = list(csv.DictReader(open(sweep / "best_fixed.csv")))  # each rule against the best fixed depth
+    assert sorted(r["rule"].split()[0] for r in best) == ["kl", "oracle"] and {r["best_fixed_n"] for r in best} <= {"1", "3"}
+    # the fixed n = 1 job's answers each cost prelude + 1 application + coda = 3 layer applications
+    one = next(r for r in diff if r["exit"] == "fixed" and r["max_steps"] == "1")
+    assert float(one["layer_applications"]) == pytest.approx(3.0)
 
 
 def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):

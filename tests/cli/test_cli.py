@@ -301,6 +301,7 @@ def test_a_run_dir_in_use_is_refused(tmp_path, env):
     assert not (rd / "config.yaml").exists()
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_wandb_logger_runs_offline_without_network(tmp_path, env):
     e = dict(env)
     e.pop("WANDB_MODE")

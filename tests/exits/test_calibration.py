@@ -278,6 +278,7 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
         assert np.allclose(rec1["nll"], rec2["nll"], rtol=0, atol=1e-12) and np.array_equal(rec1["apps"], rec2["apps"])
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env, tmp_path):
     """`calibrate_many` (recdepth.report's 20 calibrations): every (rule, target) search gets
     the answer, history and records it gets run alone, in float64; the settings of several

@@ -311,6 +311,7 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     assert out["test"]["ltt_alpha"] == a and 0 <= out["test"]["ltt_risk"] <= 1
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_calibrate_ltt_shared_equals_one_by_one(tiny_ckpt, ckpt_env, tmp_path):
     """The path decoded a few settings a batch (calibration.shared_rows) certifies what the
     path decoded one setting at a time does: same settings tested and certified, the same
