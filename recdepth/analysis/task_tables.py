@@ -42,7 +42,8 @@ def answers_of(sweep_dir: Path, rows: list[dict]) -> dict[int, dict]:
 def _label(ev: dict) -> str:
     if ev["exit"] == "fixed":
         return f"fixed n={ev['max_steps']}" + (" (warm)" if ev.get("warm_start") else "")
-    return f"{ev['exit']} τ={ev['tau']}" + (" (warm)" if ev.get("warm_start") else "")
+    knob = f"k={ev['patience']}" if ev["exit"] == "argmax_stability" else f"τ={ev['tau']}"
+    return f"{ev['exit']} {knob}" + (" (warm)" if ev.get("warm_start") else "")
 
 
 def tables(evs: dict[int, dict]) -> tuple[list[dict], str]:
