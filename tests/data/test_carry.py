@@ -21,7 +21,9 @@ from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tokenizer import EOT_ID, gpt2
-from recdepth.data.vocabulary import Vocab
+from tests.data.test_roots import (
+    symbols_of,  # model ids -> their text, as the roots tests read them
+)
 
 COUNTS = dict(train_records=48, test_records=24, validation_records=24, extrapolation_records=24)
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -52,13 +54,6 @@ def solve(pairs: list[str]) -> list[tuple[int, int]]:
         j = next((j for j in range(i - 1, -1, -1) if bits[j][0] == bits[j][1]), None)
         out.append(((total >> i) & 1, i + 1 if j is None else i - j))
     return out
-
-
-def symbols_of(vocab: Vocab, ids) -> list[str]:
-    """Model ids -> their text, stripped (EOT as "<eot>", newline as "\\n")."""
-    enc = gpt2()
-    return ["<eot>" if t == EOT_ID else ("\n" if enc.decode([t]) == "\n" else enc.decode([t]).strip())
-            for t in vocab.to_gpt2(np.asarray(ids)).tolist()]
 
 
 def split_arrays(dm: TokenDataModule, split: str):
