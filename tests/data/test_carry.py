@@ -21,9 +21,7 @@ from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tokenizer import EOT_ID, gpt2
-from tests.data.test_roots import (
-    symbols_of,  # model ids -> their text, as the roots tests read them
-)
+from tests.data.test_roots import assert_splits_disjoint, symbols_of  # shared with the roots tests
 
 COUNTS = dict(train_records=48, test_records=24, validation_records=24, extrapolation_records=24)
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -140,16 +138,7 @@ def test_carry_generator_is_deterministic_and_its_splits_share_no_instance():
     assert len(a) == 3 and a[2].shape == a[0].shape and a[2].dtype == np.uint16  # tokens, labels, scored stream
     assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
     assert not np.array_equal(a[0], c[0])
-    small = tasks.Carry(size=[2, 4], extrapolation=[5, 6])  # 336 instances of 2-4 bits
-
-    def take(split, n):
-        it = tasks.instances(small, split, 0)
-        return {" ".join(tok[0] for tok in next(it)) for _ in range(n)}
-
-    train, val, test, extra = take("train", 3000), take("validation", 300), take("test", 300), take("extrapolation", 300)
-    assert not (train & test) and not (train & val) and not (val & test)
-    assert not (extra & (train | val | test))
-    assert len(test) >= 3
+    assert_splits_disjoint(tasks.Carry(size=[2, 4], extrapolation=[5, 6]))  # 336 instances of 2-4 bits
 
 
 @pytest.mark.parametrize("task, field", [

@@ -157,8 +157,12 @@ def test_roots_generator_is_deterministic_and_its_splits_share_no_instance():
     assert not np.array_equal(a[0], c[0])
     # a small instance space (4 nodes, 0-1 hops, one query): without the hash split, train
     # would hold all of test
-    small = tasks.Roots(size=[0, 1], extrapolation=[2, 3], nodes=4, queries=1)
+    assert_splits_disjoint(tasks.Roots(size=[0, 1], extrapolation=[2, 3], nodes=4, queries=1))
 
+
+def assert_splits_disjoint(small: tasks.Task) -> None:
+    """Draws of a task with a small instance space share no instance between any two splits
+    (the hash split), and the test split is not empty."""
     def take(split, n):
         it = tasks.instances(small, split, 0)
         return {" ".join(tok[0] for tok in next(it)) for _ in range(n)}
