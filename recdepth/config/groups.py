@@ -86,7 +86,7 @@ class ModelConfig:
     qk_bias: bool = False
     """A learned bias on q and k before the rotation (Huginn)."""
     scale_embeddings: bool = False
-    """Token embeddings times sqrt(n_embd) (Huginn)."""
+    """Input embeddings (token + learned position) times sqrt(n_embd) (Huginn's, for tokens)."""
     latent_norm: bool = False
     """The final norm applied to each recurrence group's final state as it leaves the loop (Huginn)."""
     norm_eps: float = 1.0e-6

@@ -96,8 +96,10 @@ class GPTConfig:
     """A learned bias on queries and keys, per head and channel, added before the rotation
     (`add_qk_bias`; Huginn). Starts at zero; never weight-decayed."""
     scale_embeddings: bool = False
-    """Multiply the token embeddings by sqrt(n_embd) after the lookup (Huginn's emb_scale).
-    The `normal` initial state is unaffected (its std is `state_std` either way)."""
+    """Multiply the input embeddings (the token's, plus the learned position's where there is
+    one) by sqrt(n_embd) after the lookup (Huginn's emb_scale), so that they start at about
+    the size of a block's output (std sqrt(2/5)) rather than 1/sqrt(d) of it. The `normal`
+    initial state is unaffected (its std is `state_std` either way)."""
     latent_norm: bool = False
     """Apply the final norm `ln_f` to each recurrence group's final state as it leaves the
     loop, before the layer after the group (`LoopedGPT.leave_group`; Huginn's iterate_forward
@@ -143,7 +145,7 @@ class GPTConfig:
 
     @property
     def emb_scale(self) -> float:
-        """The factor on token embeddings: sqrt(n_embd) with scale_embeddings, else 1."""
+        """The factor on input embeddings: sqrt(n_embd) with scale_embeddings, else 1."""
         return math.sqrt(self.n_embd) if self.scale_embeddings else 1.0
 
     @property

@@ -497,20 +497,19 @@ class LoopedGPT(nn.Module):
         return token_nll(logits, targets, self.cfg.other_id, self.cfg.n_other)
 
     def embed(self, idx: Tensor, pos0: int = 0) -> Tensor:
-        """Token embeddings of idx [B, T] at positions pos0 .. pos0 + T − 1: wte(idx), times
-        sqrt(n_embd) with scale_embeddings (Huginn: `RavenForCausalLM.forward`,
-        input_embeds * emb_scale; docs/spec.md §1b), plus wpe(position) with learned
-        positions (rope rotates q and k in the attention instead)."""
+        """Input embeddings of idx [B, T] at positions pos0 .. pos0 + T − 1: wte(idx), plus
+        wpe(position) with learned positions (rope rotates q and k in the attention instead),
+        the sum times sqrt(n_embd) with scale_embeddings (Huginn: `RavenForCausalLM.forward`,
+        input_embeds * emb_scale; docs/spec.md §1b). Huginn has no wpe; recdepth scales it
+        with the tokens because scaling the tokens alone leaves the positions at 1/sqrt(d) of
+        their size, too small to look anything up by (roots: docs/results/roots.md)."""
         T = idx.shape[1]
         if pos0 + T > self.cfg.block_size:
             raise ValueError(f"sequence of length {pos0 + T} exceeds model.block_size={self.cfg.block_size}")
         x = self.wte(idx)
-        if self.cfg.scale_embeddings:
-            x = x * self.cfg.emb_scale
-        if self.wpe is None:
-            return x
-        pos = torch.arange(pos0, pos0 + T, device=idx.device)
-        return x + self.wpe(pos)
+        if self.wpe is not None:
+            x = x + self.wpe(torch.arange(pos0, pos0 + T, device=idx.device))
+        return x * self.cfg.emb_scale if self.cfg.scale_embeddings else x
 
     def forward(
         self,

@@ -263,3 +263,22 @@ def test_other_entry_ce_equals_the_full_vocabulary_ce_of_an_equivalent_model():
     # and the full model's distribution sums to one, so this is a proper cross-entropy
     logits, _ = full(gpt[:, :-1])
     assert torch.allclose(logits.float().softmax(-1).sum(-1), torch.ones(3, 15), atol=1e-6)
+
+
+@pytest.mark.parametrize("position", ["learned", "rope"])
+def test_scale_embeddings_scales_token_and_learned_position(position):
+    """scale_embeddings multiplies the whole input embedding by sqrt(d): the token's and,
+    with learned positions, the position's (Huginn has none; docs/spec.md §1b). Checked
+    against a lookup by hand, at an offset pos0 as token-by-token decoding asks for."""
+    torch.manual_seed(0)
+    plain = LoopedGPT(tiny(position=position))
+    scaled = LoopedGPT(tiny(position=position, scale_embeddings=True))
+    scaled.load_state_dict(plain.state_dict())
+    idx = torch.randint(0, 100, (2, 5))
+    d = plain.cfg.n_embd
+    for pos0 in (0, 3):
+        want = plain.wte.weight[idx]
+        if position == "learned":
+            want = want + plain.wpe.weight[pos0 : pos0 + 5]
+        torch.testing.assert_close(plain.embed(idx, pos0), want)
+        torch.testing.assert_close(scaled.embed(idx, pos0), want * math.sqrt(d))
