@@ -68,9 +68,10 @@ def train_gate(cfg: DictConfig) -> dict:
     model = opened.model
     if model.n_groups == 0:
         raise ValueError(f"{opened.kind}: {opened.source} has no recurrence groups (nothing to gate)")
-    if opened.targets(2, 0) is not None:  # the gate's labels are next-token NLLs; carry scores a scored stream
-        raise ValueError("data: this checkpoint's task scores in-place targets (data=carry), which train-gate does "
-                         "not read yet (it would fit the gate to next-token losses)")
+    train_targets = opened.train_targets()  # a task's in-place targets (data=carry), else None
+    if train_targets is not None and g.states != "decode":
+        raise ValueError("gate.states: this checkpoint's task scores in-place targets (data=carry), which only "
+                         "gate.states=decode reads (the parallel collector scores the next token)")
     T = model.cfg.block_size
     train_tokens, task_labels = opened.train()  # a task's per-token labels (0 = not an answer), else None
     S = span(T, opened.bos)  # stream tokens a window scores (after BOS, if any)
@@ -86,7 +87,9 @@ def train_gate(cfg: DictConfig) -> dict:
     if keep is not None and not bool(keep.any()):
         raise ValueError(f"gate.tokens: the {len(offsets)} train windows drawn hold no answer; raise gate.tokens")
     if g.states == "decode":
-        per_group = decoding_gate_data(model, wins, g.max_steps, DecodeSettings(seed=run.seed), keep=keep)
+        scored = None if train_targets is None else train_windows(train_targets, offsets, S)
+        per_group = decoding_gate_data(model, wins, g.max_steps, DecodeSettings(seed=run.seed), keep=keep,
+                                       targets=scored)
     else:
         batches = [wins[i : i + g.batch_size].to(device) for i in range(0, len(wins), g.batch_size)]
         per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed)

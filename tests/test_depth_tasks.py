@@ -141,3 +141,18 @@ def test_debug_carry_evaluates_and_calibrates_against_its_in_place_targets(env, 
     cal = read_tokens(tmp_path / "cal" / "calibration_tokens.csv")
     test = list(csv.DictReader(open(tmp_path / "cal" / "eval_tokens.csv")))
     assert set(cal["target_gpt2"].tolist()) <= bits and {int(r["target_gpt2"]) for r in test} <= bits
+    # the learned gate fits on carry's answers, its labels from the sum bits (tests/data/test_carry.py);
+    # the parallel collector, which scores the next token, is refused in one line
+    from recdepth.train_gate import train_gate
+
+    def gate_cfg(*extra):
+        with initialize_config_dir(conf_dir(), version_base="1.3"):
+            return compose("train_gate", overrides=[f"ckpt={rd / 'train' / 'checkpoints' / 'last.ckpt'}",
+                                                    "gate.tokens=96", "gate.max_steps=3", "gate.steps=20",
+                                                    "device=cpu", *extra])
+    meta = train_gate(gate_cfg(f"run_dir={tmp_path / 'gate'}"))
+    assert (tmp_path / "gate" / "gate.pt").is_file() and meta["answers"] and meta["max_steps"] == 3
+    assert 0 < meta["examples"] < meta["tokens"]  # answers only: the in-place sum bits, not every token
+    with pytest.raises(ValueError, match="gate.states") as e:
+        train_gate(gate_cfg("gate.states=parallel", f"run_dir={tmp_path / 'gate2'}"))
+    assert "\n" not in str(e.value)

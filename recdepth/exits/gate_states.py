@@ -33,13 +33,15 @@ from recdepth.model.looped import LoopedGPT
 
 @torch.no_grad()
 def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, settings: DecodeSettings = REFERENCE,
-                       keep: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
+                       keep: Tensor | None = None, targets: Tensor | None = None) -> list[tuple[Tensor, Tensor]]:
     """Per group g (features [K, N − 1, d], nll_by_n [K, N]) over the K kept targets of
     `windows` [W, T + 1] (token ids; each row is decoded as a fresh window, inputs
     [:, :-1], targets [:, 1:]): features[:, n − 1] = the group's final state after n
     applications in decoding, nll_by_n[:, n − 1] = the target's NLL there, N = max_steps.
-    `keep` [W, T] (bool) selects the targets (a task's answers); default all. Each window
-    decodes as N rows side by side, with the noise of sequence w (`RowNoise` key w)."""
+    `keep` [W, T] (bool) selects the targets (a task's answers); default all. `targets`
+    [W, T + 1]: a task's scored stream aligned with `windows` (in-place targets, data=carry),
+    which the NLLs are taken against in place of the next token. Each window decodes as N rows
+    side by side, with the noise of sequence w (`RowNoise` key w)."""
     N, G = check_gate_setting(model, max_steps)
     W, T1 = windows.shape
     T = T1 - 1
@@ -47,6 +49,8 @@ def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, settin
         keep = torch.ones(W, T, dtype=torch.bool)
     if tuple(keep.shape) != (W, T):
         raise ValueError(f"decoding_gate_data: keep of shape {tuple(keep.shape)} for {W} windows of {T} targets")
+    if targets is not None and tuple(targets.shape) != (W, T1):
+        raise ValueError(f"decoding_gate_data: targets of shape {tuple(targets.shape)} for {W} windows of {T1} tokens")
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
@@ -57,7 +61,8 @@ def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, settin
     for w in range(W):
         trace: list[Tensor] = []
         nll, _, _, _ = decode_windows(model, windows[w].to(device=device, dtype=torch.long), [(0, T)], fixed,
-                                      settings, reps=N, limit=limit, first_window=w, trace=trace)
+                                      settings, reps=N, limit=limit, first_window=w, trace=trace,
+                                      targets=None if targets is None else targets[w])
         st = torch.stack(trace, 1)                       # [n, position, group, d]
         nlls.append(nll.T[keep[w]].float())              # [K_w, N]
         for g in range(G):

@@ -138,6 +138,9 @@ class Opened:
     targets: Callable[[int, int], np.ndarray | None] = lambda n, start=0: None
     """(n, start) -> the scored stream of those held-out tokens (a task with in-place targets,
     data=carry: `data.TokenDataModule.heldout_targets`), None where the next token is the target."""
+    train_targets: Callable[[], np.ndarray | None] = lambda: None
+    """() -> the train split's scored stream (in-place targets, aligned with `train`'s tokens),
+    None where the next token is the target."""
 
 
 def open_model(job, device: torch.device) -> Opened:
@@ -163,7 +166,8 @@ def open_model(job, device: torch.device) -> Opened:
                       train=lambda: (datamodule().train_tokens, datamodule().cache.train_labels),
                       regions=lambda: datamodule().cache.regions or {},
                       heldout_size=lambda: len(datamodule().val_tokens),
-                      targets=lambda n, start=0: datamodule().heldout_targets(n, start))
+                      targets=lambda n, start=0: datamodule().heldout_targets(n, start),
+                      train_targets=lambda: datamodule().cache.train_targets)
 
     model, info = load_hf(job.hf, device, dtype)
     tok = HFTokenizer(job.hf) if (Path(job.hf) / "tokenizer.json").is_file() else None

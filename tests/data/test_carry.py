@@ -276,6 +276,56 @@ def test_decode_windows_scores_against_the_scored_stream(tmp_path):
     assert np.allclose(orc["nll_by_n"][:, -1], nll.reshape(-1)[keep])
 
 
+@torch.no_grad()
+def test_gate_data_takes_its_losses_against_the_scored_stream(tmp_path):
+    """The learned gate's labels on carry: decoding_gate_data with `targets` gives, at each
+    kept answer and depth n, the NLL of the in-place target (the sum bit), checked against a
+    slow batch-1 decode (history at N, the answer at n) scored by hand; at n = N against
+    the parallel forward too; without `targets` it scores the next token."""
+    from recdepth.decode.engine import RowNoise, decode_step
+    from recdepth.decode.kv_cache import new_caches
+    from recdepth.decode.settings import DecodeSettings
+    from recdepth.exits import build
+    from recdepth.exits.gate_states import decoding_gate_data
+    from recdepth.model.looped import GPTConfig, LoopedGPT
+
+    dm = data_module(tmp_path)
+    first, n = dm.region("test")
+    toks = torch.as_tensor(dm.heldout_tokens(n, first)).long()
+    scored = torch.as_tensor(np.asarray(dm.heldout_targets(n, first), dtype=np.int64))
+    labels = torch.as_tensor(np.asarray(dm.heldout_labels(n, first), dtype=np.int64))
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=T, vocab_size=dm.vocab_size, groups=[[1]],
+                    attention_window=2, position="rope", state_init="input")
+    m = LoopedGPT(cfg).double().eval()
+    starts, N, run = (0, T), 3, DecodeSettings(cache="per_step", seed=0)
+    wins = torch.stack([toks[s : s + T + 1] for s in starts])
+    tw = torch.stack([scored[s : s + T + 1] for s in starts])
+    keep = torch.stack([labels[s + 1 : s + T + 1] > 0 for s in starts])
+    nll_by_n = decoding_gate_data(m, wins, N, run, keep=keep, targets=tw)[0][1]
+    assert nll_by_n.shape == (int(keep.sum()), N)
+    k = 0
+    for w in range(len(starts)):
+        for t in torch.nonzero(keep[w]).flatten().tolist():
+            for depth in range(1, N + 1):
+                caches, noise = new_caches(m, 1, T, "per_step", N), RowNoise(0, [w])
+                for pos in range(t):
+                    decode_step(m, wins[w, pos : pos + 1], pos, caches, build("fixed", None, max_steps=N), noise=noise)
+                logits, _ = decode_step(m, wins[w, t : t + 1], t, caches, build("fixed", None, max_steps=depth),
+                                        noise=noise)
+                want = -torch.log_softmax(logits[0, : dm.vocab_size], -1)[tw[w, t + 1]]
+                torch.testing.assert_close(nll_by_n[k, depth - 1].double(), want, rtol=1e-6, atol=1e-6)
+            k += 1
+    logits, _ = m(wins[:, :-1], loops=[N])
+    ref = F.cross_entropy(logits.transpose(1, 2), tw[:, 1:], reduction="none")[keep]
+    torch.testing.assert_close(nll_by_n[:, -1].double(), ref, rtol=1e-6, atol=1e-6)
+    plain = decoding_gate_data(m, wins, N, run, keep=keep)[0][1]
+    assert (plain - nll_by_n).abs().max() > 1e-3  # the next token is not the sum bit
+    with pytest.raises(ValueError, match="decoding_gate_data: targets") as e:
+        decoding_gate_data(m, wins, N, run, keep=keep, targets=tw[:, :-1])
+    assert "\n" not in str(e.value)
+
+
 # ------------------------------------------------------------------ the config
 def test_experiment_carry_composes_and_validates():
     from hydra import compose, initialize_config_dir
