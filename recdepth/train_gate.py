@@ -69,9 +69,6 @@ def train_gate(cfg: DictConfig) -> dict:
     if model.n_groups == 0:
         raise ValueError(f"{opened.kind}: {opened.source} has no recurrence groups (nothing to gate)")
     train_targets = opened.train_targets()  # a task's in-place targets (data=carry), else None
-    if train_targets is not None and g.states != "decode":
-        raise ValueError("gate.states: this checkpoint's task scores in-place targets (data=carry), which only "
-                         "gate.states=decode reads (the parallel collector scores the next token)")
     T = model.cfg.block_size
     train_tokens, task_labels = opened.train()  # a task's per-token labels (0 = not an answer), else None
     S = span(T, opened.bos)  # stream tokens a window scores (after BOS, if any)
@@ -86,13 +83,15 @@ def train_gate(cfg: DictConfig) -> dict:
             if answers else None)
     if keep is not None and not bool(keep.any()):
         raise ValueError(f"gate.tokens: the {len(offsets)} train windows drawn hold no answer; raise gate.tokens")
+    scored = None if train_targets is None else train_windows(train_targets, offsets, S)
     if g.states == "decode":
-        scored = None if train_targets is None else train_windows(train_targets, offsets, S)
-        per_group = decoding_gate_data(model, wins, g.max_steps, DecodeSettings(seed=run.seed), keep=keep,
-                                       targets=scored)
+        settings = DecodeSettings(seed=run.seed, cache=g.cache)
+        per_group = decoding_gate_data(model, wins, g.max_steps, settings, keep=keep, targets=scored)
     else:
-        batches = [wins[i : i + g.batch_size].to(device) for i in range(0, len(wins), g.batch_size)]
-        per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed)
+        starts = range(0, len(wins), g.batch_size)
+        batches = [wins[i : i + g.batch_size].to(device) for i in starts]
+        targets = None if scored is None else [scored[i : i + g.batch_size] for i in starts]
+        per_group = collect_gate_data(model, batches, g.max_steps, generator_seed=run.seed, scored=targets)
         if keep is not None:  # the parallel collector returns every target, window by window
             per_group = [(f[keep.reshape(-1)], n[keep.reshape(-1)]) for f, n in per_group]
     t_collect = time.perf_counter() - t0
@@ -107,7 +106,7 @@ def train_gate(cfg: DictConfig) -> dict:
         fits.append(st)
     meta = {opened.kind: opened.source, "n_embd": model.cfg.n_embd, "groups": model.cfg.groups,
             "max_steps": g.max_steps, "margin": g.margin, "tokens": int(wins.shape[0] * T), "seed": run.seed,
-            "steps": g.steps, "weight_decay": g.weight_decay, "states": g.states, "balance": g.balance,
+            "steps": g.steps, "weight_decay": g.weight_decay, "states": g.states, "cache": g.cache, "balance": g.balance,
             "answers": bool(answers), "examples": int(per_group[0][0].shape[0]),
             "accuracy": [f["accuracy"] for f in fits], "balanced_accuracy": [f["balanced_accuracy"] for f in fits],
             "label_rate": [f["label_rate"] for f in fits],

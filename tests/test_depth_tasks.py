@@ -141,8 +141,8 @@ def test_debug_carry_evaluates_and_calibrates_against_its_in_place_targets(env, 
     cal = read_tokens(tmp_path / "cal" / "calibration_tokens.csv")
     test = list(csv.DictReader(open(tmp_path / "cal" / "eval_tokens.csv")))
     assert set(cal["target_gpt2"].tolist()) <= bits and {int(r["target_gpt2"]) for r in test} <= bits
-    # the learned gate fits on carry's answers, its labels from the sum bits (tests/data/test_carry.py);
-    # the parallel collector, which scores the next token, is refused in one line
+    # the learned gate fits on carry's answers, its labels from the sum bits (tests/data/test_carry.py),
+    # from the decode's states or the parallel pass's
     from recdepth.train_gate import train_gate
 
     def gate_cfg(*extra):
@@ -150,9 +150,12 @@ def test_debug_carry_evaluates_and_calibrates_against_its_in_place_targets(env, 
             return compose("train_gate", overrides=[f"ckpt={rd / 'train' / 'checkpoints' / 'last.ckpt'}",
                                                     "gate.tokens=96", "gate.max_steps=3", "gate.steps=20",
                                                     "device=cpu", *extra])
-    meta = train_gate(gate_cfg(f"run_dir={tmp_path / 'gate'}"))
+    meta = train_gate(gate_cfg("gate.cache=per_step", f"run_dir={tmp_path / 'gate'}"))
     assert (tmp_path / "gate" / "gate.pt").is_file() and meta["answers"] and meta["max_steps"] == 3
+    assert meta["cache"] == "per_step"  # fitted under the cache carry is evaluated with
     assert 0 < meta["examples"] < meta["tokens"]  # answers only: the in-place sum bits, not every token
-    with pytest.raises(ValueError, match="gate.states") as e:
-        train_gate(gate_cfg("gate.states=parallel", f"run_dir={tmp_path / 'gate2'}"))
-    assert "\n" not in str(e.value)
+    par = train_gate(gate_cfg("gate.states=parallel", f"run_dir={tmp_path / 'gate2'}"))
+    assert par["states"] == "parallel" and par["examples"] == meta["examples"]
+    with pytest.raises(ValueError, match="gate.cache") as e:
+        train_gate(gate_cfg("gate.cache=newest", f"run_dir={tmp_path / 'gate3'}"))
+    assert "\n" not in str(e.value) and "per_step" in str(e.value)

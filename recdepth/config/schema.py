@@ -66,6 +66,7 @@ from recdepth.config.training import (
 from recdepth.data import config as data_config_io
 from recdepth.data import sources, tasks
 from recdepth.decode import generation
+from recdepth.decode.kv_cache import SHARING
 from recdepth.exits.calibration import ltt
 from recdepth.exits.calibration import search as calibration
 
@@ -213,6 +214,10 @@ class GateConfig:
     """Where the features come from: decode (the states the decoding engine visits, each
     depth n a row reading the history of depth N; recdepth/exits/gate_states.py) | parallel (the
     parallel forward pass, application n reading the other tokens at n; the gate of version 1)."""
+    cache: str = "latest"
+    """states=decode: the K/V cache of the decode the states and losses come from, latest |
+    per_step; fit the gate under the eval.cache it will be evaluated with (carry's bits are
+    found at n = 1 under latest, where each position reads its neighbours' final states)."""
     balance: bool = True
     """Weight the two labels' classes equally in the fit (most states say "stop")."""
     answers: bool | None = None
@@ -225,6 +230,8 @@ class GateConfig:
         check_number("gate.weight_decay", self.weight_decay)
         if self.states not in GATE_STATES:
             raise ValueError(f"gate.states: expected one of {', '.join(GATE_STATES)}, got {self.states!r}")
+        if self.cache not in SHARING:
+            raise ValueError(f"gate.cache: expected one of {', '.join(SHARING)}, got {self.cache!r}")
 
 
 @dataclass

@@ -145,10 +145,12 @@ def check_gate_setting(model: LoopedGPT, max_steps: int) -> tuple[int, int]:
 
 @torch.no_grad()
 def collect_gate_data(model: LoopedGPT, windows: Iterable[Tensor], max_steps: int,
-                      generator_seed: int = 0) -> list[tuple[Tensor, Tensor]]:
+                      generator_seed: int = 0, scored: Iterable[Tensor] | None = None) -> list[tuple[Tensor, Tensor]]:
     """States and depth-wise NLLs of every group on token windows, for `fit_gate`.
 
-    `windows`: batches [B, T + 1] of token ids (inputs [:, :-1], targets [:, 1:]). For each
+    `windows`: batches [B, T + 1] of token ids (inputs [:, :-1], targets [:, 1:]; with
+    `scored`, batches of the same shape of a task's scored stream, the targets are its
+    [:, 1:]: in-place targets, data=carry). For each
     batch, the parallel forward pass runs with every group at N = max_steps; then, for each
     group g and n = 1 .. N − 1, the rest of the pass is run again from x_g^(n) (every later
     group at N), giving nll_g(n) per token. Every variant uses the noise of the N-run:
@@ -163,8 +165,12 @@ def collect_gate_data(model: LoopedGPT, windows: Iterable[Tensor], max_steps: in
     N, G = check_gate_setting(model, max_steps)
     feats: list[list[Tensor]] = [[] for _ in range(G)]
     nlls: list[list[Tensor]] = [[] for _ in range(G)]
-    for w in windows:
-        idx, targets = w[:, :-1], w[:, 1:]
+    windows = list(windows)
+    scored = windows if scored is None else list(scored)
+    if len(scored) != len(windows) or any(a.shape != b.shape for a, b in zip(windows, scored, strict=True)):
+        raise ValueError("collect_gate_data: scored must be batches of the windows' shapes")
+    for w, y in zip(windows, scored, strict=True):
+        idx, targets = w[:, :-1], y[:, 1:].to(w.device)
         gen = torch.Generator(device=idx.device).manual_seed(int(generator_seed))
         # the N-run, step by step: each group's input, initial state and trajectory
         x = model.embed(idx)

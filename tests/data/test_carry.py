@@ -326,6 +326,37 @@ def test_gate_data_takes_its_losses_against_the_scored_stream(tmp_path):
     assert "\n" not in str(e.value)
 
 
+@torch.no_grad()
+def test_parallel_gate_data_takes_its_losses_against_the_scored_stream(tmp_path):
+    """collect_gate_data with `scored` (gate.states=parallel on carry): nll_by_n[:, n − 1] is
+    the parallel forward at n scored against the in-place targets (one group, the state
+    starting at its input: no noise)."""
+    from recdepth.exits.gate import collect_gate_data
+    from recdepth.model.looped import GPTConfig, LoopedGPT
+
+    dm = data_module(tmp_path)
+    first, n = dm.region("test")
+    toks = torch.as_tensor(dm.heldout_tokens(n, first)).long()
+    scored = torch.as_tensor(np.asarray(dm.heldout_targets(n, first), dtype=np.int64))
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=T, vocab_size=dm.vocab_size, groups=[[1]],
+                    attention_window=2, position="rope", state_init="input")
+    m = LoopedGPT(cfg).double().eval()
+    wins = torch.stack([toks[s : s + T + 1] for s in (0, T, 2 * T)])
+    tw = torch.stack([scored[s : s + T + 1] for s in (0, T, 2 * T)])
+    N = 4
+    feats, nll_by_n = collect_gate_data(m, [wins[:2], wins[2:]], N, scored=[tw[:2], tw[2:]])[0]
+    assert feats.shape == (3 * T, N - 1, 16) and nll_by_n.shape == (3 * T, N)
+    for depth in range(1, N + 1):
+        logits, _ = m(wins[:, :-1], loops=[depth])
+        ref = F.cross_entropy(logits.transpose(1, 2), tw[:, 1:], reduction="none").reshape(-1)
+        torch.testing.assert_close(nll_by_n[:, depth - 1].double(), ref, rtol=1e-5, atol=1e-6)
+    plain = collect_gate_data(m, [wins], N)[0][1]
+    assert (plain - nll_by_n).abs().max() > 1e-3  # the next token is not the sum bit
+    with pytest.raises(ValueError, match="collect_gate_data: scored"):
+        collect_gate_data(m, [wins], N, scored=[tw[:, :-1]])
+
+
 # ------------------------------------------------------------------ the config
 def test_experiment_carry_composes_and_validates():
     from hydra import compose, initialize_config_dir
