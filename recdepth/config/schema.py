@@ -66,7 +66,7 @@ from recdepth.config.training import (
 from recdepth.data import config as data_config_io
 from recdepth.data import sources, tasks
 from recdepth.decode import generation
-from recdepth.decode.kv_cache import SHARING
+from recdepth.decode.kv_cache import check_cache
 from recdepth.exits.calibration import ltt
 from recdepth.exits.calibration import search as calibration
 
@@ -230,8 +230,7 @@ class GateConfig:
         check_number("gate.weight_decay", self.weight_decay)
         if self.states not in GATE_STATES:
             raise ValueError(f"gate.states: expected one of {', '.join(GATE_STATES)}, got {self.states!r}")
-        if self.cache not in SHARING:
-            raise ValueError(f"gate.cache: expected one of {', '.join(SHARING)}, got {self.cache!r}")
+        check_cache(self.cache, "gate.cache")
 
 
 @dataclass

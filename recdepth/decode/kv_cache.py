@@ -100,6 +100,7 @@ def new_caches(model: LoopedGPT, batch: int, max_len: int, sharing: str = "lates
             else KVCache(*shape) for layer in range(cfg.n_layer)]
 
 
-def check_cache(sharing: str) -> None:
+def check_cache(sharing: str, key: str = "eval.cache") -> None:
+    """A K/V cache name (`SHARING`), or a one-line error naming the config `key` it came from."""
     if sharing not in SHARING:
-        raise ValueError(f"eval.cache: expected one of {', '.join(SHARING)}, got {sharing!r}")
+        raise ValueError(f"{key}: expected one of {', '.join(SHARING)}, got {sharing!r}")
