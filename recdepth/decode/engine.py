@@ -29,6 +29,7 @@ recdepth/decode/scoring.py.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import time
@@ -39,9 +40,10 @@ import torch
 from torch import Tensor
 
 from recdepth.decode.kv_cache import KVCache, StepKVCache, new_caches
+from recdepth.decode.mixed import MixedPolicy
 from recdepth.decode.settings import DecodeSettings
-from recdepth.decode.state_decode import decode_mode, state_decoder
-from recdepth.exits.policy import ExitPolicy
+from recdepth.decode.state_decode import CodaDecoder, check_is_output, decode_mode, state_decoder
+from recdepth.exits.policy import ExitPolicy, build
 from recdepth.model.fast_step import LeanSteps
 from recdepth.model.looped import LoopedGPT
 
@@ -120,7 +122,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
                pos: int, settings: DecodeSettings = REFERENCE, *, generator: torch.Generator | None = None,
                noise: RowNoise | None = None, limit: Tensor | None = None,
                init: Tensor | None = None, fixed_rows: Tensor | None = None,
-               reps: int | None = None) -> tuple[Tensor, Tensor]:
+               reps: int | None = None, out: dict | None = None) -> tuple[Tensor, Tensor]:
     """Loop group g for the token at `pos` (e: [B, 1, d]) until every row's rule fires.
     Returns the final states [B, 1, d] and applications per row [B].
 
@@ -135,12 +137,19 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     `model.initial_state` (no noise is drawn; the warm start of continuous compute).
     `fixed_rows` [B] (bool): those rows ignore the rule and loop exactly
     `settings.context_steps` applications (a task's context positions under
-    `eval.context_steps`, docs/spec.md §6). A per-group `policy` loops group g under its
-    group-g values (`policy.group(g)`). A rule that decodes the state decodes it as
-    `exit.decode` says (`state_decoder`: the head, or through the coda without writing its
-    cache). `reps`: the rows' history is shared in blocks of that many (the oracle's,
-    `decode_step`'s `shared`); the lean step then reads it once per block
-    (`fast_step.attend_shared`), on the compacted rows from the first application."""
+    `eval.context_steps`, docs/spec.md §6), and run no check: the rule's monitor watches
+    the other rows only; a batch of 1 whose row is forced loops as exit=fixed at
+    context_steps (`forced`), on the compiled loop where it applies. A per-group `policy`
+    loops group g under its group-g values (`policy.group(g)`). A rule that decodes the
+    state decodes it as `exit.decode` says (`state_decoder`: the head, or through the coda
+    without writing its cache). `reps`: the rows' history is shared in blocks of that many
+    (the oracle's, `decode_step`'s `shared`); the lean step then reads it once per block
+    (`fast_step.attend_shared`), on the compacted rows from the first application.
+
+    `out` (a dict, batch 1): where the check that fired decoded the token's own output
+    (`state_decode.check_is_output`), `out["logits"]` receives its logits [1, V] and the
+    coda's K/V at `pos` are written as the coda's own pass would write them, so the caller
+    runs neither the coda nor the head again (`decode_step`)."""
     policy = policy.group(g)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
@@ -152,36 +161,63 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         s = init
     if fixed_rows is not None and settings.context_steps is None:
         raise ValueError("loop_group: fixed_rows need settings.context_steps (the applications they loop)")
+    if B == 1 and fixed_rows is not None:  # one row: forced (exit=fixed at context_steps) or the rule's
+        policy = forced(settings.context_steps) if bool(fixed_rows[0]) else policy
+        fixed_rows = None
     mine = [caches[layer] for layer in model.cfg.groups[g]]
     lean = lean_of(fast_steps(model, settings.step), mine)
-    if fuses_loop(model, lean, policy, B, limit, fixed_rows):
-        return lean.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy)
+    reuse = out is not None and B == 1 and check_is_output(model, g, policy)
+    if fuses_loop(model, lean, policy, B, limit, caches):
+        coda = [(caches[layer].k, caches[layer].v) for layer in model.coda] \
+            if policy.needs_decode and decode_mode(model, policy) == "coda" else None
+        s, n, logits = lean.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy, coda, reuse)
+        if reuse:
+            out["logits"] = logits
+        return s, n
     return _loop_steps(model, g, s, e_proj, policy, caches, pos, settings, lean, limit, fixed_rows,
-                       reps if lean is not None and settings.compact else None)
+                       reps if lean is not None and settings.compact else None, out if reuse else None)
+
+
+@functools.cache
+def forced(steps: int) -> ExitPolicy:
+    """exit=fixed at `steps`: the policy a forced row loops under (a task's context at
+    eval.context_steps), which runs no check."""
+    return build("fixed", None, max_steps=steps)
 
 
 def fuses_loop(model: LoopedGPT, lean: LeanSteps | None, policy: ExitPolicy, B: int, limit: Tensor | None,
-               fixed_rows: Tensor | None) -> bool:
+               caches: list[KVCache]) -> bool:
     """Whether `loop_group` runs a group's whole loop as one compiled graph (`LeanSteps.loop`,
-    a `torch.while_loop` whose body is the application and the rule's check): the compiled
-    step at batch 1, the rule deciding alone (no row limit, no fixed rows) and, for a rule
-    that decodes the state, decoding it with the head. Everything else runs `_loop_steps`."""
-    return (B == 1 and lean is not None and lean.fuse_loops and fixed_rows is None and limit is None
-            and (not policy.needs_decode or decode_mode(model, policy) == "head"))
+    a `torch.while_loop` whose body is the application and the rule's check, a decoding
+    check through the head or the coda): the compiled step at batch 1 under one rule (an
+    `ExitPolicy`; a forced row's is exit=fixed) with no row limit, and the coda's caches, if
+    it decodes through them, one entry per position. Everything else runs `_loop_steps`."""
+    if not (B == 1 and lean is not None and lean.fuse_loops and limit is None and isinstance(policy, ExitPolicy)):
+        return False
+    if policy.needs_decode and decode_mode(model, policy) == "coda":
+        return lean_of(lean, [caches[layer] for layer in model.coda]) is not None
+    return True
 
 
 def _loop_steps(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, policy: ExitPolicy, caches: list[KVCache],
                 pos: int, settings: DecodeSettings, lean: LeanSteps | None, limit: Tensor | None,
-                fixed_rows: Tensor | None, reps: int | None) -> tuple[Tensor, Tensor]:
+                fixed_rows: Tensor | None, reps: int | None, out: dict | None = None) -> tuple[Tensor, Tensor]:
     """The reference loop of `loop_group`: one application at a time from Python, the rule
     checked after each (`policy.monitor`), until every row has fired. Per application the
     rows run one of three ways (`_apply_rows`): the one row of a batch of 1; with
     `settings.compact`, once a row has exited (or the oracle's shared history, `reps`), the
     rows still looping only; else every row, the exited ones masked. Per-application caches
-    (`StepKVCache`) are told the application and, at the end, each row's count."""
+    (`StepKVCache`) are told the application and, at the end, each row's count. Rows in
+    `fixed_rows` are not watched by the monitor (no check runs for them: it watches, and a
+    decoding rule decodes, the other rows only). `out`: `loop_group`'s (batch 1)."""
     B, fixed_steps = s.shape[0], settings.context_steps
-    decode = state_decoder(model, g, policy, caches, pos)  # exit.decode: head or through the coda
-    monitor = policy.monitor(s[:, 0], decode)
+    checked = None if fixed_rows is None else (~fixed_rows).nonzero()[:, 0]  # the rows the rule decides
+    if checked is not None and len(checked) == B:
+        checked = None
+    idle = checked is not None and not len(checked)  # every row forced: nothing to check
+    watch = policy if checked is None else _rows_policy(policy, checked)
+    decode = None if idle else state_decoder(model, g, watch, caches, pos, rows=checked)  # head, or the coda
+    monitor = None if idle else watch.monitor(s[:, 0] if checked is None else s[checked, 0], decode)
     n = torch.zeros(B, dtype=torch.long, device=s.device)
     active = torch.ones(B, dtype=torch.bool, device=s.device)
     step_caches = [caches[layer] for layer in model.cfg.groups[g] if isinstance(caches[layer], StepKVCache)]
@@ -193,23 +229,38 @@ def _loop_steps(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, policy: Exi
         j += 1
         if B == 1:  # the one row has run j applications: no row bookkeeping per application
             fired = monitor.observe(s_new[:, 0])
-            if fixed_rows is not None or limit is not None:
+            if limit is not None:
                 n.fill_(j)
-                fired = _forced(fired, n, fixed_rows, fixed_steps, limit)
+                fired = _forced(fired, n, None, fixed_steps, limit)
             if bool(fired[0]):
                 n.fill_(j)
                 for c in step_caches:
                     c.finish(pos, n)
+                if out is not None and getattr(monitor, "logits", None) is not None:  # this check is the output
+                    out["logits"] = monitor.logits
+                    if isinstance(decode, CodaDecoder):
+                        decode.commit()
                 return s, n
             continue
         n += active
-        fired = _forced(monitor.observe(s_new[:, 0], active), n, fixed_rows, fixed_steps, limit)
+        fired = torch.zeros(B, dtype=torch.bool, device=s.device)
+        if checked is None:
+            fired = monitor.observe(s_new[:, 0], active)
+        elif not idle and bool(active[checked].any()):
+            fired[checked] = monitor.observe(s_new[checked, 0], active[checked])
+        fired = _forced(fired, n, fixed_rows, fixed_steps, limit)
         active = active & ~fired
         n_active = int(active.sum())
         if n_active == 0:
             for c in step_caches:
                 c.finish(pos, n)
             return s, n
+
+
+def _rows_policy(policy: ExitPolicy | MixedPolicy, rows: Tensor) -> ExitPolicy | MixedPolicy:
+    """`policy` for the rows `rows` of a batch (an index): a `MixedPolicy` keeps those rows'
+    settings, one rule is every row's."""
+    return MixedPolicy(policy.policies, policy.setting[rows]) if isinstance(policy, MixedPolicy) else policy
 
 
 def _apply_rows(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
@@ -289,6 +340,9 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     (`loop_group`'s `reps`).
     `states`, if given (one entry per group), receives each group's final loop state
     [B, 1, d] (before `leave_group`: what the exit monitor saw last; the gate's features).
+    At batch 1, where a decoding rule's check that fired computed the token's output
+    (`state_decode.check_is_output`: through the coda, or the head after the last group),
+    its logits are returned and the coda and head are not run again (`loop_group`'s `out`).
 
     `warm` (continuous compute): one entry per group, read and replaced in place. Group g
     starts from warm[g] [B, 1, d] when it is not None (else from its initial state), and
@@ -300,6 +354,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     first = _first_group(model) if shared else None
     fast = fast_steps(model, settings.step)
+    out = {} if tokens.shape[0] == 1 else None  # batch 1: a check that decoded the output is the output
     for kind, i in model.plan:
         if kind == "layer":
             lean = lean_of(fast, [caches[i]])
@@ -311,12 +366,15 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
                 x, apps[:, i] = loop_shared(model, i, x, caches, pos, shared, limit, noise, init, settings)
             else:
                 x, apps[:, i] = loop_group(model, i, x, policy, caches, pos, settings, generator=generator,
-                                           noise=noise, limit=limit, init=init, fixed_rows=fixed_rows, reps=shared)
+                                           noise=noise, limit=limit, init=init, fixed_rows=fixed_rows, reps=shared,
+                                           out=out)
             if states is not None:
                 states[i] = x
             x = model.leave_group(i, x)
             if warm is not None:  # the state leaving the group (after a latent norm: Huginn's latent_states)
                 warm[i] = x
+            if out:  # the check that fired decoded what follows (the coda, its caches written, and the head)
+                return out["logits"], apps
     return model.decode_logits(x)[:, 0], apps
 
 
@@ -501,7 +559,7 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, settings: Deco
     calls allocate and pick kernels. Under the compiled step also one step at the first
     position of each later attention span (`LeanSteps.spans`), with warmup_tokens = 0 too,
     so that no graph is compiled inside a timed pass (it compiles every span of the block,
-    reached or not)."""
+    reached or not), and with `context_steps` the loop of a forced context row (`forced`)."""
     n = min(settings.warmup_tokens, model.cfg.block_size, tokens.numel())
     lean = fast_steps(model, settings.step)
     spans = lean.span_starts(n) if lean is not None and lean.compiled and tokens.numel() else []
@@ -513,3 +571,6 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, settings: Deco
             decode_step(model, tokens[pos : pos + 1], pos, caches, policy, settings, noise=noise, warm=warm)
         for pos in spans:  # even with warmup_tokens = 0: a compile is never timed
             decode_step(model, tokens[:1], pos, caches, policy, settings, noise=noise, warm=warm)
+        if spans and settings.context_steps is not None:  # a task's context loops as exit=fixed (`forced`)
+            decode_step(model, tokens[:1], 0, caches, forced(settings.context_steps), settings, noise=noise,
+                        warm=None if warm is None else [None] * model.n_groups)

@@ -35,7 +35,11 @@ class ExitMonitor:
 
     Call `observe(x_new)` once after every application with the new state of every row;
     it returns a bool tensor [N] of rows whose rule fires after this application. Rows
-    that already exited may be passed anything: their history is never read again.
+    that already exited may be passed anything: their history is never read again. At
+    max_steps the limit decides and no check runs (nothing is decoded: docs/spec.md §4b,
+    the checks a cost bills). `logits` keeps the last check's decode, which the engine
+    reuses as the token's output where the decode is that output
+    (`recdepth.decode.state_decode.check_is_output`).
     Build it with `policy.monitor(x0, decode)`, which checks the policy first.
     """
 
@@ -48,6 +52,7 @@ class ExitMonitor:
         # placeholders, never read before the rule's earliest n: a vocabulary of 1 broadcasts as any
         self.hist = self.rule.history0(x0, 1)
         self.tau = float("nan") if policy.tau is None else policy.tau
+        self.logits: Tensor | None = None  # this application's decoded logits (a rule that decodes; None: no check)
         # the gate's weights where the state is
         self.gate = None if policy.gate is None else tuple(t.to(device=x0.device, dtype=x0.dtype) for t in policy.gate)
 
@@ -56,15 +61,17 @@ class ExitMonitor:
         whose rows have all exited; one setting computes every row's statistic in one call."""
         p, r = self.p, self.rule
         self.n += 1
+        self.logits = None
+        if self.n >= p.max_steps:  # the limit decides: no check (no decode), its history never read again
+            return torch.ones(x_new.shape[0], dtype=torch.bool, device=x_new.device)
         logits = self.decode(x_new) if r.decodes else None
+        self.logits = logits
         s = Step(self.x_prev, x_new, self.hist, logits, self.tau, p.patience, self.gate, p)
         new = r.advance(s)  # history is kept below min_steps too: the first allowed check sees it whole
         decide = p.min_steps <= self.n < p.max_steps and self.n >= r.earliest
         crit = r.fires(s, new) if decide else None
         self.x_prev, self.hist = x_new, new
         N = x_new.shape[0]
-        if self.n >= p.max_steps:
-            return torch.ones(N, dtype=torch.bool, device=x_new.device)
         if crit is None:
             return torch.zeros(N, dtype=torch.bool, device=x_new.device)
         return crit

@@ -103,6 +103,16 @@ class ExitRule:
         max_steps (the caller's mask)."""
         raise NotImplementedError
 
+    def check_flops(self, d: int, vocab: int) -> float:
+        """The price of one check of one row in FLOPs: the rule's own statistic, each
+        element-wise operation over the state (d entries) or the logits (`vocab` entries)
+        counted as one FLOP (a sum or a norm: one per entry per pass). The decode a rule
+        that `decodes` reads its logits from (the head, or the coda and the head) is priced
+        by the engine that runs it (recdepth/decode/state_decode.py, `decode_flops`), not
+        here. The cost of a policy in layer equivalents adds both (docs/spec.md §4b).
+        Default: nothing (a rule without a check, fixed)."""
+        return 0.0
+
     # ------------------------------------------------------------- validation
     def check_tau(self, where: str, tau) -> float:
         """τ for this rule (one value; `where` names the field in the one-line error):

@@ -4,17 +4,22 @@ With x^(0) the loop's initial state, x^(n) the state after n applications,
 Δ^(j) = x^(j+1) − x^(j) and p^(j) = softmax(decode(x^(j))) (the model's own output head on
 the state, `exit.decode`):
 
-    rule              exits after application n when                   earliest n  cost per check
+    rule              exits after application n when                   earliest n  a check's statistic
     fixed/none        n = max_steps                                        —        none
-    stepnorm          ‖Δ^(n−1)‖ < τ                                         1        O(d)
-    stepnorm_rel      ‖Δ^(n−1)‖ / (‖x^(n−1)‖ + ε) < τ                        1        O(d)
-    kl                KL(p^(n) ‖ p^(n−1)) < τ  (exit.kl_direction)            2        O(d·V) decodes
-    accel             a^(n−1) < τ and a^(n−2) < τ,  a^(j) = ‖Δ^(j) − Δ^(j−1)‖ 3        O(d)
-    accel_rel         as accel with â^(j) (eq. 6)                            3        O(d)
-    entropy_diff      |H(p^(n)) − H(p^(n−1))| < τ                            2        O(d·V) decodes
-    cosine            1 − cos(x^(n), x^(n−1)) < τ                            1        O(d)
-    argmax_stability  argmax p^(j) equal for j = n−k … n (k = patience)      k + 1    O(d·V) decodes
-    gate              q^(n) = σ(w_g · x^(n) + b_g) < τ,  τ in (0, 1)          1        O(d)
+    stepnorm          ‖Δ^(n−1)‖ < τ                                         1        3d
+    stepnorm_rel      ‖Δ^(n−1)‖ / (‖x^(n−1)‖ + ε) < τ                        1        5d
+    kl                KL(p^(n) ‖ p^(n−1)) < τ  (exit.kl_direction)            2        9V, after a decode
+    accel             a^(n−1) < τ and a^(n−2) < τ,  a^(j) = ‖Δ^(j) − Δ^(j−1)‖ 3        4d
+    accel_rel         as accel with â^(j) (eq. 6)                            3        8d
+    entropy_diff      |H(p^(n)) − H(p^(n−1))| < τ                            2        8V, after a decode
+    cosine            1 − cos(x^(n), x^(n−1)) < τ                            1        6d
+    argmax_stability  argmax p^(j) equal for j = n−k … n (k = patience)      k + 1    V, after a decode
+    gate              q^(n) = σ(w_g · x^(n) + b_g) < τ,  τ in (0, 1)          1        2d
+
+The last column is each rule's `check_flops` (element-wise operations, one FLOP each); a
+decode (the head, 2·d·V, and under exit.decode=coda the layers after the group) is priced
+by the engine that runs it, and the two make a check's price in layer equivalents
+(docs/spec.md §4b, `recdepth.decode.state_decode.check_price`).
 
 Each equation is one function: `geometry.step_norm`, `geometry.relative_step_norm`,
 `geometry.acceleration`, `geometry.relative_acceleration`, `geometry.state_cosine_distance`
@@ -107,6 +112,9 @@ class StepNorm(ExitRule):
     frontier = (1e-2, 3e-2, 1e-1, 3e-1)
     report = (0.03, 0.1, 0.3)
 
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 3.0 * d  # Δ, its squares, their sum
+
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return geo.step_norm(geo.step(s.x_prev, s.x_new)) < s.tau
 
@@ -117,6 +125,9 @@ class StepNormRel(ExitRule):
     name = "stepnorm_rel"
     default_tau = 0.03
     report = (0.01, 0.03, 0.1)
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 5.0 * d  # Δ, ‖Δ‖ (2d), ‖x^(n−1)‖ (2d)
 
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return geo.relative_step_norm(geo.step(s.x_prev, s.x_new), s.x_prev) < s.tau
@@ -133,6 +144,9 @@ class KL(ExitRule):
     default_tau = 1e-3
     frontier = (1e-4, 1e-3, 1e-2, 3e-2)
     report = (1e-4, 1e-3, 1e-2)
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 9.0 * vocab  # log_softmax (max, subtract, exp, sum, subtract: 5V), KL (exp, subtract, multiply, sum: 4V)
 
     def history0(self, x0: Tensor, vocab: int) -> tuple[Tensor, ...]:
         return (_placeholder(x0, x0.shape[0], vocab, dtype=torch.promote_types(x0.dtype, torch.float32)),)
@@ -156,6 +170,9 @@ class Accel(ExitRule):
     default_tau = 1e-3
     frontier = (1e-2, 3e-2, 1e-1, 3e-1)
     report = (0.03, 0.1, 0.3)
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 4.0 * d  # Δ, Δ − Δ_prev, its norm (2d)
 
     @staticmethod
     def statistic(d: Tensor, d_prev: Tensor) -> Tensor:
@@ -181,6 +198,9 @@ class AccelRel(Accel):
     frontier = ()
     report = (0.01, 0.03, 0.1)
 
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 8.0 * d  # as accel, and the norms of Δ and Δ_prev (2d each)
+
     @staticmethod
     def statistic(d: Tensor, d_prev: Tensor) -> Tensor:
         return geo.relative_acceleration(d, d_prev)
@@ -194,6 +214,9 @@ class EntropyDiff(ExitRule):
     decodes = True
     default_tau = 1e-3
     report = (1e-4, 1e-3, 1e-2)
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 8.0 * vocab  # log_softmax (5V), the entropy (exp, multiply, sum: 3V)
 
     def history0(self, x0: Tensor, vocab: int) -> tuple[Tensor, ...]:
         return (_placeholder(x0, x0.shape[0], dtype=torch.promote_types(x0.dtype, torch.float32)),)
@@ -212,6 +235,9 @@ class Cosine(ExitRule):
     default_tau = 1e-3
     report = (1e-4, 1e-3, 1e-2)
 
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 6.0 * d  # the dot product (2d), two norms (2d each)
+
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return geo.state_cosine_distance(s.x_new, s.x_prev) < s.tau
 
@@ -224,6 +250,9 @@ class ArgmaxStability(ExitRule):
     name = "argmax_stability"
     decodes = True
     takes_tau = False
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return float(vocab)  # the argmax
 
     def history0(self, x0: Tensor, vocab: int) -> tuple[Tensor, ...]:
         N = x0.shape[0]  # tok = −1 matches no argmax: r^(1) = 1
@@ -247,6 +276,9 @@ class Gate(ExitRule):
     name = "gate"
     gated = True
     default_tau = 0.5
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 2.0 * d  # w · x (the sigmoid is one operation)
 
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return gate_probability(s.x_new, *s.gate) < s.tau

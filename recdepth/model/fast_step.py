@@ -209,41 +209,71 @@ class LeanSteps:
 
     def loop_token(self, rule: ExitPolicy, s: Tensor, e_proj: Tensor, adapter_w: Tensor,
                    kvs: list[tuple[Tensor, Tensor]], pos: Tensor, ws: list[BlockWeights], limits: Tensor,
-                   gate: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+                   gate: tuple[Tensor, Tensor] | None, g: int, coda: list[tuple[Tensor, Tensor]] | None,
+                   reuse: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """A group's loop for one token (batch 1) until its rule fires, as one
         `torch.while_loop`: each iteration is `group_token` (with `block_looping`) and the
         rule's check (`exits.observe_step`); after it, the last application's k/v are
         written at `pos`, as the step-by-step loop leaves them. `rule` holds the rule's
-        name and kl direction (a graph each; a decoding rule decodes with the head); its
-        numbers are in `limits`.
-        Returns the final state [1, 1, d] and the applications [] (long)."""
-        decode = self.model.decode_logits if rule.needs_decode else None
+        name and kl direction (a graph each); its numbers are in `limits`. A decoding rule
+        decodes with the head, or with `coda` (the caches of the layers after the group)
+        through `leave_group`, those layers (`block_looping`: the cache before `pos`, their
+        own k/v apart) and the head. With `reuse` (the decode is the token's output,
+        `recdepth.decode.state_decode.check_is_output`) the last check's logits come back and
+        its coda k/v are written at `pos`, so the coda and the head do not run again.
+        Returns the final state [1, 1, d], the applications [] (long) and the logits [1, V]
+        (None without `reuse`)."""
+        model = self.model
         pos = pos.clone()  # a view of self.positions, which the loop also reads: its inputs may not alias
-        hist = history0(rule, s[:, 0], self.model.cfg.padded_vocab_size)
+        hist = history0(rule, s[:, 0], model.cfg.padded_vocab_size)
         kv0 = [kc.new_zeros(kc.shape[:2] + (1, kc.shape[3])) for kc, _ in kvs for _ in "kv"]  # set every iteration
+        coda_ws = [] if coda is None else [self.blocks[layer] for layer in model.coda]
+        own = rule.needs_decode and (coda is not None or reuse)  # the body decodes (not observe_step's head)
+        out0 = [s.new_zeros(1, model.cfg.padded_vocab_size)] if own else []
+        out0 += [kc.new_zeros(kc.shape[:2] + (1, kc.shape[3])) for kc, _ in (coda or []) for _ in "kv"]
         n0 = torch.zeros((), dtype=torch.long, device=s.device)
         fired0 = torch.zeros(1, dtype=torch.bool, device=s.device)
+        H = len(hist)
+
+        def decode_own(u):  # u [1, 1, d] -> logits [1, V] and the coda's k/v
+            x, new = u, []
+            if coda is not None:
+                x = model.leave_group(g, u)
+                for (kc, vc), w in zip(coda, coda_ws, strict=True):
+                    x, k, v = self.block_looping(x, kc, vc, pos, w)
+                    new += [t.clone(memory_format=torch.contiguous_format) for t in (k, v)]
+            return model.decode_logits(x)[:, 0], new
 
         def cond(n, fired, s, *rest):
             return ~fired.any()
 
         def body(n, fired, s, *rest):
-            h = rest[: len(hist)]
+            h = rest[:H]
             u, new_kv = linear(s, adapter_w) + e_proj, []
             for (kc, vc), w in zip(kvs, ws, strict=True):
                 u, k, v = self.block_looping(u, kc, vc, pos, w)
                 # copies with the placeholders' strides: a loop's outputs may not alias (k, v are views of one projection)
                 new_kv += [t.clone(memory_format=torch.contiguous_format) for t in (k, v)]
             n = n + 1
+            if own:
+                logits, coda_kv = decode_own(u)
+                fired, h = observe_step(rule, n, s[:, 0], u[:, 0], tuple(h), limits, lambda _: logits, gate)
+                return (n, fired, u, *h, *new_kv, logits, *coda_kv)
+            decode = model.decode_logits if rule.needs_decode else None
             fired, h = observe_step(rule, n, s[:, 0], u[:, 0], tuple(h), limits, decode, gate)
             return (n, fired, u, *h, *new_kv)
 
-        n, _, s, *rest = torch.while_loop(cond, body, (n0, fired0, s, *hist, *kv0))
-        kv = rest[len(hist):]
+        n, _, s, *rest = torch.while_loop(cond, body, (n0, fired0, s, *hist, *kv0, *out0))
+        kv, done = rest[H : H + len(kv0)], rest[H + len(kv0) :]
         for i, (kc, vc) in enumerate(kvs):
             kc.index_copy_(2, pos, kv[2 * i])
             vc.index_copy_(2, pos, kv[2 * i + 1])
-        return s, n
+        if not reuse:
+            return s, n, None
+        for i, (kc, vc) in enumerate(coda or []):  # the last check's coda pass is the token's
+            kc.index_copy_(2, pos, done[1 + 2 * i])
+            vc.index_copy_(2, pos, done[2 + 2 * i])
+        return s, n, done[0]
 
     def block_rows(self, x: Tensor, kc: Tensor, vc: Tensor, pos: int, rows: Tensor, w: BlockWeights,
                    reps: int | None = None) -> Tensor:
@@ -309,10 +339,13 @@ class LeanSteps:
                     n_ctx, masked)
 
     def loop(self, g: int, s: Tensor, e_proj: Tensor, kvs: list[tuple[Tensor, Tensor]], pos: int,
-             policy: ExitPolicy) -> tuple[Tensor, Tensor]:
+             policy: ExitPolicy, coda: list[tuple[Tensor, Tensor]] | None = None,
+             reuse: bool = False) -> tuple[Tensor, Tensor, Tensor | None]:
         """Group g's loop for one token at batch 1 under its one-group `policy`, compiled whole
-        (`loop_token`): the final state [1, 1, d] and the applications [1]. For the compiled
-        step only (`fuse_loops`)."""
+        (`loop_token`; `coda`: the cache tensors of the layers after the group, for a rule that
+        decodes through them; `reuse`: the last check's decode is the output): the final
+        state [1, 1, d], the applications [1] and, with `reuse`, the output's logits [1, V].
+        For the compiled step only (`fuse_loops`)."""
         key = (policy.tau, policy.min_steps, policy.max_steps, policy.patience)
         limits = self._limits.get(key)
         if limits is None:
@@ -323,9 +356,9 @@ class LeanSteps:
         rule = _RULES.get(which)  # one object per rule, in every process-wide graph's guards
         if rule is None:
             rule = _RULES[which] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
-        s, n = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
-                          self.group_blocks[g], limits, gate)
-        return s, n.reshape(1)
+        s, n, logits = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
+                                  self.group_blocks[g], limits, gate, g, coda, reuse)
+        return s, n.reshape(1), logits
 
     def span_starts(self, after: int = 0) -> list[int]:
         """The first position of each attention span that starts at or after `after`."""

@@ -589,11 +589,9 @@ class LoopedGPT(nn.Module):
         activations, RoPE, biases) is not counted. Under a sliding window W the attention
         reads min(T, W) positions.
         """
-        d, T = self.cfg.n_embd, seq_len if self.cfg.attention_window is None else min(seq_len, self.cfg.attention_window)
-        mlp = (3 if self.cfg.mlp == "gated_silu" else 2) * d * self.cfg.mlp_hidden  # fc d->(2)I, proj I->d
-        layer = 2 * (4 * d * d + mlp) + 4 * T * d  # qkv 3d², proj d², mlp (8d² at I = 4d); attention
+        d, layer = self.cfg.n_embd, self.layer_flops(seq_len)
         fwd_graded = (self.cfg.n_layer - sum(len(g) for g in self.cfg.groups)) * layer
-        fwd_graded += 2 * d * self.cfg.padded_vocab_size  # LM head
+        fwd_graded += self.head_flops()
         fwd_free = 0.0
         for g, n in zip(self.cfg.groups, loops):
             app = len(g) * layer + 2 * d * d  # layers + W_s s
@@ -602,6 +600,25 @@ class LoopedGPT(nn.Module):
             fwd_graded += k * app
             fwd_free += (n - k) * app
         return (3 * fwd_graded + fwd_free) if train else (fwd_graded + fwd_free)
+
+    def layer_flops(self, seq_len: int | None = None) -> float:
+        """Forward FLOPs of one layer application for one token: its matmuls, 2 per
+        multiply-add (qkv 3d², proj d², the MLP's fc and proj: 8d² at I = 4d), plus with
+        `seq_len` the attention over min(seq_len, window) positions (nanoGPT's 2·2·T·d).
+        `layer_flops()` (no attention) is the unit of an exit check's price in layer
+        equivalents (docs/spec.md §4b)."""
+        d = self.cfg.n_embd
+        mlp = (3 if self.cfg.mlp == "gated_silu" else 2) * d * self.cfg.mlp_hidden  # fc d->(2)I, proj I->d
+        flops = 2 * (4 * d * d + mlp)
+        if seq_len is not None:
+            T = seq_len if self.cfg.attention_window is None else min(seq_len, self.cfg.attention_window)
+            flops += 4 * T * d
+        return float(flops)
+
+    def head_flops(self) -> float:
+        """Forward FLOPs of the LM head for one token: 2·d·V over the padded vocabulary (the
+        final norm and the logit bias are element-wise, not counted, as in `flops_per_token`)."""
+        return float(2 * self.cfg.n_embd * self.cfg.padded_vocab_size)
 
     def num_params(self) -> int:
         return sum(p.numel() for p in self.parameters())
