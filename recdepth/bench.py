@@ -14,7 +14,8 @@ Prints, from one run on one machine (figures are ratios measured side by side):
 `python -m recdepth.bench exits [--ckpt PATH]` measures the exit rules on a trained
 checkpoint (or, without one, a fresh CPU-size grouped model): per rule and τ, ms/token at
 batch 1, tokens/s at batch 16 and their ratio, mean applications per token and CE; then
-the cost of one exit check relative to one loop application, and the cost of one layer
+the cost of one exit check relative to one loop application, measured beside the price the
+cost bills for it (`state_decode.check_price`, docs/spec.md §4b), and the cost of one layer
 application inside the decode loop.
 
 `python -m recdepth.bench speculative --ckpt PATH` compares self-speculative with ordinary
@@ -56,6 +57,7 @@ loop-geometry callback: from the two wall times, and from the callback's own clo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 from pathlib import Path
@@ -189,6 +191,7 @@ def bench_exits(args) -> dict:
     from recdepth.decode.kv_cache import new_caches
     from recdepth.decode.scoring import evaluate_exit
     from recdepth.decode.settings import DecodeSettings
+    from recdepth.decode.state_decode import check_price
 
     tune_cpu_allocator()
     torch.manual_seed(0)
@@ -269,7 +272,11 @@ def bench_exits(args) -> dict:
         # three observe() calls (the third is a full check for every rule), less the set-up
         t_check = (_median_time(checks, args.reps) - _median_time(setup, args.reps)) / 3
         results["check_cost"][name] = t_check / t_app
-        print(f"exit check {name:16s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application")
+        # the price the cost bills (docs/spec.md §4b), of the head's decode timed here, in loop applications
+        price = check_price(model, 0, dataclasses.replace(policy, decode="head"))["total"] / len(cfg.groups[0])
+        results.setdefault("check_price", {})[name] = price
+        print(f"exit check {name:16s}: {t_check * 1e6:8.1f} µs = {t_check / t_app:6.1%} of one loop application "
+              f"(priced at {price:6.1%} by FLOPs)")
     results["layer_application_ms"] = t_app * 1e3 / len(cfg.groups[0])
     return results
 

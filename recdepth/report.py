@@ -226,7 +226,7 @@ def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamp
         order = select(rows, t)
         for rank, job in enumerate(order):
             j = by_job[job]
-            cmp = stats.compare(j["rec"]["nll"], j["rec"]["apps"], fixed, boot, cost)
+            cmp = stats.compare(j["rec"]["nll"], _costs(j["rec"], cost), fixed, boot, cost)
             out.append({"target": t.kind, "bound": t.value, "rule": j["eval"]["exit"], "job": job, "rank": rank + 1,
                         "overrides": j["overrides"], "calibration_met": j["calibration"]["met"],
                         "calibration_ce_increase": j["calibration"]["ce_increase"],
@@ -235,6 +235,8 @@ def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamp
                         "ce": cmp["ce"], "ce_lo": cmp["ce_lo"], "ce_hi": cmp["ce_hi"],
                         "layer_applications": cmp["cost"], "layer_applications_lo": cmp["cost_lo"],
                         "layer_applications_hi": cmp["cost_hi"], "ms_per_token": j["eval"]["ms_per_token"],
+                        "ms_per_answer": j["eval"].get("ms_per_answer"),
+                        "ms_per_answer_ci": j["eval"].get("ms_per_answer_ci"),
                         "hull_ce": cmp["hull_ce"], "d_hull": cmp["d_hull"], "d_hull_lo": cmp["d_hull_lo"],
                         "d_hull_hi": cmp["d_hull_hi"], "vs_frontier": frontier.verdict(cmp["d_hull_lo"], cmp["d_hull_hi"])})
         if not order or not by_job[order[0]]["calibration"]["met"]:
@@ -246,13 +248,27 @@ def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamp
                "chosen_on": "calibration split"}
         if len(order) > 1 and by_job[order[1]]["calibration"]["met"]:
             wj, j2 = by_job[order[0]], by_job[order[1]]
-            a = (cost.per_token(wj["rec"]["apps"]), cost.per_token(j2["rec"]["apps"])) \
+            a = (_costs(wj["rec"], cost), _costs(j2["rec"], cost)) \
                 if t.kind == "max_ce_increase" else (wj["rec"]["nll"], j2["rec"]["nll"])
             d, lo, hi = stats.diff_ci(*a, boot)
             win.update(runner_up=j2["eval"]["exit"], vs_runner_up=[d, lo, hi], separated=bool(hi < 0),
                        quantity="layer applications" if t.kind == "max_ce_increase" else "CE")
         winners[t.kind] = win
     return {"rows": out, "winners": winners}
+
+
+def _costs(rec: dict, cost: stats.Cost) -> np.ndarray:
+    """A job's cost per token: its record's `cost` (the rule's checks included), or for a
+    record without one the loop's layer applications."""
+    return rec["cost"] if "cost" in rec else cost.per_token(rec["apps"])
+
+
+def _answer_ms(r: dict) -> str:
+    """ " (ms per answer [95% CI])" of a task's job, "" elsewhere."""
+    if r.get("ms_per_answer") is None:
+        return ""
+    lo, hi = r["ms_per_answer_ci"]
+    return f" ({_f(r['ms_per_answer'], 2)} [{_f(lo, 2)}, {_f(hi, 2)}])"
 
 
 def _f(v, digits=4, sign=False) -> str:
@@ -267,7 +283,7 @@ def markdown(table: dict, targets: list[calibration.Target], run: ReportConfig, 
              f"{run.calibration.tokens or EMPIRICAL_TOKENS} tokens after it, with its own noise keys. Rules are ranked and the winner "
              "chosen on the calibration split (rank); the test split only scores the choices. Intervals: 95% "
              f"paired bootstrap over whole test windows ({frontier.RESAMPLES} resamples), per comparison. Cost: layer "
-             "applications per token (docs/spec.md §4b). Latency: batch 1, every setting timed round-robin "
+             "applications per token plus each rule's checks in layer equivalents (docs/spec.md §4b). Latency: batch 1, every setting timed round-robin "
              f"({run.eval.repeats} round(s)). Report run time: {seconds / 60:.1f} min.", ""]
     for t in targets:
         name = TARGET_NAMES[t.kind]
@@ -275,7 +291,8 @@ def markdown(table: dict, targets: list[calibration.Target], run: ReportConfig, 
         dig, sign = (4, True) if q == "ce_increase" else (2, False)
         lines += [f"## Calibrated to {name} ≤ {t.value:g}", "",
                   "| rank (on calibration) | rule | calibrated setting | on calibration: CE increase, layer applications | "
-                  f"on test: {name} [95% CI] | target on test | CE [95% CI] | layer applications | ms/token | "
+                  f"on test: {name} [95% CI] | target on test | CE [95% CI] | layer applications + checks | "
+                  "ms/token (ms/answer) | "
                   "CE − fixed frontier at its layer applications [95% CI] | vs fixed frontier |",
                   "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in (x for x in table["rows"] if x["target"] == t.kind):
@@ -286,7 +303,7 @@ def markdown(table: dict, targets: list[calibration.Target], run: ReportConfig, 
             lines.append(f"| {r['rank']} | {r['rule']} | `{setting}` | {_f(r['calibration_ce_increase'], 4, True)}, "
                          f"{_f(r['calibration_layer_applications'], 2)}{met} | {test_q} | {r['test_verdict']} | "
                          f"{_f(r['ce'])} [{_f(r['ce_lo'])}, {_f(r['ce_hi'])}] | {_f(r['layer_applications'], 2)} | "
-                         f"{_f(r['ms_per_token'], 2)} | {_f(r['d_hull'], 4, True)} [{_f(r['d_hull_lo'], 4, True)}, "
+                         f"{_f(r['ms_per_token'], 2)}{_answer_ms(r)} | {_f(r['d_hull'], 4, True)} [{_f(r['d_hull_lo'], 4, True)}, "
                          f"{_f(r['d_hull_hi'], 4, True)}] | {r['vs_frontier']} |")
         w = table["winners"].get(t.kind)
         lines.append("")
@@ -323,7 +340,7 @@ def figure(rows: list[dict], n_max: int, cost: stats.Cost):
     palette = plt.get_cmap("tab10").colors + plt.get_cmap("Dark2").colors
     colors = {rule: palette[i % len(palette)] for i, rule in enumerate(rules)}
     marks = {"max_ce_increase": "*", "layer_applications": "s"}
-    for ax, key, xlabel in ((axes[0], "layer_applications", "layer applications per token"),
+    for ax, key, xlabel in ((axes[0], "layer_applications", "cost: layer applications + checks per token"),
                             (axes[1], "ms_per_token", "ms / token (batch 1)")):
         fx = sorted((j["eval"][key], j["eval"]["ce"] - ref) for j in rows if j["family"] == "fixed"
                     and j["eval"][key] is not None)

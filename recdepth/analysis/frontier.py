@@ -59,8 +59,9 @@ log = logging.getLogger("recdepth.frontier")
 
 # -------------------------------------------------------------- aggregation
 COLUMNS = ["job", "overrides", "status", "exit", "tau", "patience", "max_steps", "warm_start", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
-           "ms_min", "ms_max", "ms_repeats", "applications_per_token", "mean_applications", "layer_applications",
-           "flops_per_token", "group_layers", "outside_layers", "tokens", "tokens_per_s", "batch1_apps_mismatch",
+           "ms_min", "ms_max", "ms_repeats", "ms_per_answer", "ms_per_answer_lo", "ms_per_answer_hi",
+           "ms_per_answer_repeats", "applications_per_token", "mean_applications", "layer_applications",
+           "loop_layer_applications", "checks_per_token", "flops_per_token", "group_layers", "outside_layers", "tokens", "tokens_per_s", "batch1_apps_mismatch",
            "batch1_max_abs_dnll", "reused", "error"]
 
 
@@ -94,11 +95,17 @@ def _job_row(job_dir: Path) -> dict:
                        ms_max=ev.get("ms_per_token_max", ""), applications_per_token=apps,
                        mean_applications=sum(apps) / len(apps) if apps else 0.0, tokens=ev.get("tokens", ""),
                        layer_applications=ev.get("layer_applications", sum(apps) / len(apps) if apps else 0.0),
+                       loop_layer_applications=ev.get("loop_layer_applications", ev.get("layer_applications", "")),
+                       checks_per_token=ev.get("checks_per_token", ""),
                        flops_per_token=ev.get("flops_per_token", ""), group_layers=ev.get("group_layers", ""),
                        outside_layers=ev.get("outside_layers", ""), ms_repeats=ev.get("ms_per_token_repeats", ""),
                        tokens_per_s=ev.get("tokens_per_s", ""),
                        batch1_apps_mismatch=(ev.get("batch_check") or {}).get("apps_mismatch", ""),
                        batch1_max_abs_dnll=(ev.get("batch_check") or {}).get("max_abs_dnll", ""))
+            if ev.get("ms_per_answer") is not None:  # a task's time per answer (`scoring.answer_latency`)
+                row.update(ms_per_answer=ev["ms_per_answer"], ms_per_answer_lo=ev["ms_per_answer_ci"][0],
+                           ms_per_answer_hi=ev["ms_per_answer_ci"][1],
+                           ms_per_answer_repeats=ev["ms_per_answer_repeats"])
             if ev["exit"] == "argmax_stability":  # its k; the other rules do not read it
                 row["patience"] = ev.get("patience", "")
     elif (job_dir / "error.txt").is_file():
@@ -204,7 +211,7 @@ FRONTIER_COLUMNS = ["job", "exit", "family", "warm_start", "tau", "patience", "c
                     "layer_applications_lo", "layer_applications_hi", "mean_applications", "frontier_n", "frontier_ce",
                     "d_ce", "d_ce_lo", "d_ce_hi", "hull_ce", "d_hull", "d_hull_lo", "d_hull_hi", "p_hull", "p_holm",
                     "ms_frontier_ce", "d_ms", "d_ms_lo", "d_ms_hi", "fixed_n", "reached", "saving", "saving_lo", "saving_hi",
-                    "ms_per_token", "fixed_ms_at_ce", "oracle_cost_at_ce", "oracle_saving",
+                    "ms_per_token", "ms_per_answer", "latency", "fixed_ms_at_ce", "loop_layer_applications", "oracle_cost_at_ce", "oracle_saving",
                     "oracle_saving_lo", "oracle_saving_hi", "verdict", "verdict_holm"]
 RESAMPLES = 1000  # bootstrap resamples of the units (docs/spec.md §4b: at least 1000)
 ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
@@ -285,6 +292,16 @@ def bootstrap(inputs: tuple[dict, dict, np.ndarray | None], resamples: int = RES
     return stats.Bootstrap(next(iter(inputs[1].values()))["window"], resamples)
 
 
+def latency_keys(rows: list[dict]) -> tuple[str, str]:
+    """The latency the equal-latency comparison reads: ms per answer (a task's time per
+    answer, `scoring.answer_latency`) when every timed job of the sweep has it, else ms per
+    token; (the row's key, the key of its repeats)."""
+    timed = [r for r in rows if r["status"] == "ok" and is_number(r["ms_per_token"])]
+    if timed and all(is_number(r.get("ms_per_answer")) for r in timed):
+        return "ms_per_answer", "ms_per_answer_repeats"
+    return "ms_per_token", "ms_repeats"
+
+
 def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict], boot: stats.Bootstrap,
                   cost: stats.Cost | None = None) -> list[dict]:
     """SPEC §4b, for every job that is not fixed: `stats.compare` against the fixed jobs at
@@ -295,29 +312,34 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
     each row is per comparison; `p_holm` and `verdict_holm` control the family-wise error
     over the table's rows (every job but the oracle, Holm's procedure)."""
     tokens, fixed, by_n = inputs
+    ms_key, spread_key = latency_keys(rows)
     fixed_nll = {n: t["nll"] for n, t in sorted(fixed.items())}
     fixed_rows = {int(r["max_steps"]): r for r in rows if r["frontier"] and r["ce"] != ""}
-    fixed_ms = {n: r["ms_per_token"] for n, r in fixed_rows.items()}
+    fixed_ms = {n: r[ms_key] for n, r in fixed_rows.items()}
     timed = [n for n in fixed if is_number(fixed_ms.get(n))]
     fixed_by_ms = {fixed_ms[n]: fixed[n]["nll"] for n in timed}
-    spreads = {fixed_ms[n]: fixed_rows[n]["ms_repeats"] for n in timed}
+    spreads = {fixed_ms[n]: fixed_rows[n][spread_key] for n in timed}
     spread_ok = all(isinstance(v, list) and v for v in spreads.values())
     out = []
     for r in rows:
         if r["job"] not in tokens or r["frontier"]:  # the frontier itself
             continue
         t = tokens[r["job"]]
-        c = stats.compare(t["nll"], t["apps"], fixed_nll, boot, cost)
+        # the job's own cost per token (its checks included) where its record has it; else its loop
+        c = stats.compare(t["nll"], t["cost"] if "cost" in t else t["apps"], fixed_nll, boot, cost)
         row = {k: c.get(k, "") for k in FRONTIER_COLUMNS}
         row.update(job=r["job"], exit=r["exit"], family=family(r), warm_start=r["warm_start"], tau=r["tau"],
                    patience=r.get("patience", ""), ms_per_token=r["ms_per_token"],
+                   ms_per_answer=r.get("ms_per_answer", ""), latency=ms_key,
                    layer_applications=c["cost"], layer_applications_lo=c["cost_lo"], layer_applications_hi=c["cost_hi"],
+                   loop_layer_applications=float(np.mean(cost.loop(t["apps"]) if cost is not None
+                                                         else np.asarray(t["apps"], float).mean(axis=1))),
                    mean_applications=float(np.asarray(t["apps"], float).mean()),
                    fixed_ms_at_ce=fixed_ms.get(c["fixed_n"], ""),
                    verdict=ORACLE if r["exit"] == "oracle" else verdict(c["d_hull_lo"], c["d_hull_hi"]))
-        if is_number(r["ms_per_token"]) and len(fixed_by_ms) >= 2:
-            own = r["ms_repeats"] if isinstance(r.get("ms_repeats"), list) and r["ms_repeats"] else None
-            v = stats.vs_frontier_at(t["nll"], r["ms_per_token"], fixed_by_ms, boot,
+        if is_number(r[ms_key]) and len(fixed_by_ms) >= 2:
+            own = r[spread_key] if isinstance(r.get(spread_key), list) and r[spread_key] else None
+            v = stats.vs_frontier_at(t["nll"], r[ms_key], fixed_by_ms, boot,
                                      own if spread_ok else None, spreads if (spread_ok and own) else None)
             row.update(ms_frontier_ce=v["frontier_ce"], d_ms=v["d"], d_ms_lo=v["d_lo"], d_ms_hi=v["d_hi"])
         if by_n is not None:
@@ -336,11 +358,12 @@ def frontier_rows(inputs: tuple[dict, dict, np.ndarray | None], rows: list[dict]
 def frontier_markdown(rows: list[dict], what: str = "CE") -> str:
     """The frontier table; `what` names the quality column (CE, or a task's error rate)."""
     m = sum(r["exit"] != "oracle" for r in rows)
-    head = ["job", "exit", "τ", "CE [95% CI]", "layer applications [95% CI]", "mean applications",
-            "best fixed within its cost: n, CE", "CE − that [95% CI]", "fixed frontier at its cost",
-            "CE − frontier at its cost [95% CI]", "CE − fixed frontier at its ms/token [95% CI, incl. timing spread]",
-            "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE",
-            "ms/token (fixed at CE)", "verdict (per comparison)", f"verdict (Holm, m = {m})"]
+    unit = "ms/answer" if any(r.get("latency") == "ms_per_answer" for r in rows) else "ms/token"
+    head = ["job", "exit", "τ", "CE [95% CI]", "cost: layer applications + checks [95% CI]", "loop alone",
+            "mean applications", "best fixed within its cost: n, CE", "CE − that [95% CI]", "fixed frontier at its cost",
+            "CE − frontier at its cost [95% CI]", f"CE − fixed frontier at its {unit} [95% CI, incl. timing spread]",
+            "fixed n reaching CE", "saving vs fixed [95% CI]", "oracle saving at CE (an unreachable bound)",
+            f"{unit} (fixed at CE)", "verdict (per comparison)", f"verdict (Holm, m = {m})"]
     head = [h.replace("CE", what) for h in head]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     pct = lambda v: "—" if v in ("", None) or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.1f}%"  # noqa: E731
@@ -350,10 +373,10 @@ def frontier_markdown(rows: list[dict], what: str = "CE") -> str:
         sav = f"{pct(r['saving'])} [{pct(r['saving_lo'])}, {pct(r['saving_hi'])}]"
         osav = "—" if r["oracle_saving"] == "" else (f"{pct(r['oracle_saving'])} [{pct(r['oracle_saving_lo'])}, "
                                                     f"{pct(r['oracle_saving_hi'])}]")
-        ms = f"{_fmt(r['ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
+        ms = f"{_fmt(r[r.get('latency') or 'ms_per_token'], 2)} ({_fmt(r['fixed_ms_at_ce'], 2)})"
         out.append("| " + " | ".join([str(r["job"]), r.get("family") or r["exit"], tau_label(r), _ci(r["ce"], r["ce_lo"], r["ce_hi"]),
                                       _ci(r["layer_applications"], r["layer_applications_lo"], r["layer_applications_hi"], 2),
-                                      _fmt(r["mean_applications"], 2), fr,
+                                      _fmt(r.get("loop_layer_applications"), 2), _fmt(r["mean_applications"], 2), fr,
                                       _ci(r["d_ce"], r["d_ce_lo"], r["d_ce_hi"]), _fmt(r["hull_ce"]),
                                       _ci(r["d_hull"], r["d_hull_lo"], r["d_hull_hi"]),
                                       _ci(r["d_ms"], r["d_ms_lo"], r["d_ms_hi"]),
@@ -361,9 +384,11 @@ def frontier_markdown(rows: list[dict], what: str = "CE") -> str:
                                       r["verdict"], r.get("verdict_holm") or "—"]) + " |")
     notes = (f"\nIntervals: 95% paired percentile bootstrap over whole windows ({RESAMPLES} resamples, the same "
              f"for every job), each per comparison; the Holm column controls the family-wise error of the {m} "
-             "comparisons with the fixed frontier at 5%. Cost: layer applications per token (docs/spec.md §4b). "
-             "The oracle reads the target: it is the best uniform depth per token within ε, not a bound on rules "
-             "that spend different depths per group.\n")
+             "comparisons with the fixed frontier at 5%. Cost: layer applications per token plus the rule's checks in "
+             "layer equivalents (a decoding check: the layers after the group and the head; docs/spec.md §4b); "
+             "\"loop alone\" leaves the checks out. The oracle reads the target and is priced as its loop alone: "
+             "the best uniform depth per token within ε, an unreachable reference, not a bound on rules that "
+             "spend different depths per group.\n")
     return "\n".join(out) + "\n" + notes
 
 

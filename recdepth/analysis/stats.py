@@ -161,47 +161,123 @@ def holm(pvalues) -> np.ndarray:
     return out
 
 
+def latency_ci(ms, units, resamples: int = 1000, seed: int = 0) -> tuple[float, float, float, list[float]]:
+    """Mean latency over timed tokens with its timing repeats: ms [tokens, repeats] (each
+    token's ms in every repeat), `units` [tokens] (their windows or instances). Returns the
+    median over repeats of the mean ms, its 95% percentile interval, each resample drawing
+    whole units (`Bootstrap`) and one repeat (uniformly, seed 1, as `vs_frontier_at`
+    does), and the mean of each repeat."""
+    ms = np.asarray(ms, dtype=float)
+    if ms.ndim != 2 or not ms.size:
+        raise ValueError(f"latency_ci: expected ms [tokens, repeats], got shape {ms.shape}")
+    per_rep = ms.mean(axis=0)
+    boot = Bootstrap(units, resamples, seed)
+    by_rep = np.stack([boot.means(ms[:, r]) for r in range(ms.shape[1])], axis=1)  # [resamples, repeats]
+    pick = np.random.default_rng(1).integers(0, ms.shape[1], len(boot))
+    lo, hi = _interval(by_rep[np.arange(len(boot)), pick])
+    return float(np.median(per_rep)), lo, hi, [float(x) for x in per_rep]
+
+
 # ------------------------------------------------------------------ cost
 class Cost:
-    """The cost of a token in layer applications (docs/spec.md §4b): every layer that ran,
-    counted once per application, Σ_g |g| · applications_g plus the layers outside the
-    loops (run once). `layers[g]` = |g|, the layers of recurrence group g; `outside` = the
-    model's other layers. A uniform depth n costs `uniform(n)` = outside + n Σ_g |g|.
-    `Cost.mean_applications(G)` (|g| = 1/G, outside 0) is the older unit, applications
-    averaged over groups, kept for records that do not say their groups' sizes."""
+    """The cost of a token in layer applications (docs/spec.md §4b), with its exit checks.
 
-    def __init__(self, layers, outside: int = 0):
+    The loop: every layer that ran, counted once per application, Σ_g |g| · applications_g
+    plus the layers outside the loops (run once); `layers[g]` = |g|, the layers of
+    recurrence group g; `outside` = the model's other layers. A uniform depth n costs
+    `uniform(n)` = outside + n Σ_g |g| (a fixed depth checks nothing). `loop(apps)` is this
+    count alone, the unit recdepth used before checks were priced.
+
+    The checks: `checks[g]` is the price of one check of group g's rule in layer
+    equivalents (0: a rule without a check; a decoding rule's coda layers, head and
+    statistic, a state rule's O(d) statistic: `recdepth.decode.state_decode.check_price`).
+    A check runs after every application but the one at the group's `limits[g]` (its
+    max_steps, where the limit decides, not the rule), and with `reuse[g]` the check that
+    fires is the token's output (its decode is the coda and head the token runs anyway),
+    so it is not billed again: a loop that ran n applications pays n checks, n − 1 at its
+    limit, one fewer again with `reuse` when the rule fired (n − 1 either way).
+    `per_token(apps)` = the loop + the checks billed, the cost every comparison uses.
+
+    `Cost.mean_applications(G)` (|g| = 1/G, outside 0, no checks) is the older unit,
+    applications averaged over groups, kept for records that do not say their groups' sizes."""
+
+    def __init__(self, layers, outside: int = 0, checks=None, limits=None, reuse=None):
         self.layers = tuple(float(x) for x in layers)
         self.outside = float(outside)
+        G = len(self.layers)
+        self.checks = (0.0,) * G if checks is None else tuple(float(x) for x in checks)
+        self.limits = (math.inf,) * G if limits is None else tuple(float(x) for x in limits)
+        self.reuse = (False,) * G if reuse is None else tuple(bool(x) for x in reuse)
         if any(x <= 0 for x in self.layers) or self.outside < 0:
             raise ValueError(f"cost: group sizes must be > 0 and outside layers >= 0, got {self.layers}, {self.outside}")
+        if not len(self.checks) == len(self.limits) == len(self.reuse) == G:
+            raise ValueError(f"cost: expected {G} check prices, limits and reuse flags (one per group), got "
+                             f"{self.checks}, {self.limits}, {self.reuse}")
+        if any(not (x >= 0 and math.isfinite(x)) for x in self.checks) or any(not x >= 1 for x in self.limits):
+            raise ValueError(f"cost: check prices must be finite and >= 0 and limits >= 1, got {self.checks}, "
+                             f"{self.limits}")
 
     @classmethod
-    def of_model(cls, groups, n_layer: int) -> Cost:
+    def of_model(cls, groups, n_layer: int, checks=None, limits=None, reuse=None) -> Cost:
         """From a model config's groups (lists of layer indices) and n_layer."""
-        return cls([len(g) for g in groups], n_layer - sum(len(g) for g in groups))
+        return cls([len(g) for g in groups], n_layer - sum(len(g) for g in groups), checks, limits, reuse)
 
     @classmethod
     def mean_applications(cls, n_groups: int) -> Cost:
         return cls([1.0 / n_groups] * n_groups, 0)
 
-    def per_token(self, apps) -> np.ndarray:
-        """Layer applications of each token from its applications per group [tokens, G]."""
+    @property
+    def checked(self) -> bool:
+        """Whether any group's rule has a priced check (False: the loop alone, fixed depth)."""
+        return any(self.checks)
+
+    def _apps(self, apps) -> np.ndarray:
         a = np.asarray(apps, dtype=float)
         if a.ndim != 2 or a.shape[1] != len(self.layers):
             raise ValueError(f"cost: expected applications [tokens, {len(self.layers)}], got shape {a.shape}")
-        return self.outside + a @ np.asarray(self.layers)
+        return a
+
+    def loop(self, apps) -> np.ndarray:
+        """Layer applications of the loop alone, each token's, from its applications per group
+        [tokens, G]: outside + Σ_g |g| · apps_g."""
+        return self.outside + self._apps(apps) @ np.asarray(self.layers)
+
+    def billed_checks(self, apps, checked=None) -> np.ndarray:
+        """Checks billed per token and group [tokens, G]: n − [n >= limit] − [reuse and n < limit]
+        for a group whose rule checks, 0 for one that does not; 0 for every group of a token
+        whose depth was forced (`checked` [tokens] False: a task's context under
+        eval.context_steps runs no check)."""
+        a = self._apps(apps)
+        limit, reuse = np.asarray(self.limits, dtype=float), np.asarray(self.reuse, dtype=bool)
+        at_limit = a >= limit
+        n = a - at_limit - (reuse & ~at_limit)
+        n = np.where(np.asarray(self.checks, dtype=float) > 0, np.maximum(n, 0.0), 0.0)
+        if checked is not None:
+            n = n * np.asarray(checked, dtype=bool)[:, None]
+        return n
+
+    def per_token(self, apps, checked=None) -> np.ndarray:
+        """The cost of each token in layer equivalents: `loop(apps)` plus its `billed_checks`
+        times their prices (`checked`: see `billed_checks`)."""
+        return self.loop(apps) + self.billed_checks(apps, checked) @ np.asarray(self.checks, dtype=float)
 
     def uniform(self, n) -> float | np.ndarray:
-        """The cost of n applications in every group (n may be an array)."""
+        """The cost of n applications in every group with no check (n may be an array)."""
         return self.outside + np.asarray(n, dtype=float) * sum(self.layers) if np.ndim(n) else \
             self.outside + float(n) * sum(self.layers)
 
+    def loop_only(self) -> Cost:
+        """The same model's cost without the checks (a fixed depth's, the oracle's)."""
+        return Cost(self.layers, self.outside)
+
     def __eq__(self, other) -> bool:
-        return isinstance(other, Cost) and (self.layers, self.outside) == (other.layers, other.outside)
+        return isinstance(other, Cost) and (self.layers, self.outside, self.checks, self.limits, self.reuse) == (
+            other.layers, other.outside, other.checks, other.limits, other.reuse)
 
     def __repr__(self) -> str:
-        return f"Cost(layers={list(self.layers)}, outside={self.outside:g})"
+        extra = f", checks={list(self.checks)}, limits={list(self.limits)}, reuse={list(self.reuse)}" \
+            if self.checked else ""
+        return f"Cost(layers={list(self.layers)}, outside={self.outside:g}{extra})"
 
 
 # ------------------------------------------------------------------ frontier

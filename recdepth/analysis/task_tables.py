@@ -124,14 +124,15 @@ def best_fixed(sweep_dir: Path, evs: dict[int, dict], resamples: int = 2000) -> 
     with the highest answer accuracy (the cheapest of those tied), the strongest fixed
     baseline of the sweep (a job that cannot be told from it at less cost is what an exit
     rule is for). Per job, over the same answers paired one to one: the accuracy difference
-    (job − best) and the saving in layer applications per answer, 1 − cost(job) / cost(best),
-    each with its 95% percentile-bootstrap interval over windows (for a task of one instance
-    a record, instances). The rows of best_fixed.csv and the text of best_fixed.md; ([], "")
+    (job − best) and the saving in cost per answer (layer applications with the rule's
+    checks, docs/spec.md §4b), 1 − cost(job) / cost(best), each with its 95%
+    percentile-bootstrap interval over windows (for a task of one instance a record,
+    instances); beside them the loop alone and both jobs' time per answer. The rows of best_fixed.csv and the text of best_fixed.md; ([], "")
     when the sweep has no fixed job or no other."""
-    def load(job):
+    def load(job):  # the job's cost per answer: its checks included where its record has them
         ev, t = evs[job], read_tokens(Path(sweep_dir) / str(job) / "eval_tokens.csv")
-        cost = stats.Cost(ev["group_layers"], ev["outside_layers"]).per_token(t["apps"])
-        return t, cost
+        loop = stats.Cost(ev["group_layers"], ev["outside_layers"]).loop(t["apps"])
+        return t, t.get("cost", loop), loop
 
     fixed = [j for j, ev in evs.items() if ev["exit"] == "fixed" and not ev.get("warm_start")]
     others = [j for j, ev in evs.items() if j not in fixed]
@@ -140,11 +141,11 @@ def best_fixed(sweep_dir: Path, evs: dict[int, dict], resamples: int = 2000) -> 
     acc = {j: evs[j]["answers"]["accuracy"][0] for j in fixed}
     top = max(acc.values())
     best = min((j for j in fixed if acc[j] == top), key=lambda j: evs[j]["answers"]["layer_applications"][0])
-    ref, ref_cost = load(best)
+    ref, ref_cost, _ = load(best)
     boot = stats.Bootstrap(ref["window"], resamples)
     rows = []
     for j in others:
-        t, cost = load(j)
+        t, cost, loop = load(j)
         if not (np.array_equal(t["position"], ref["position"]) and np.array_equal(t["window"], ref["window"])):
             raise ValueError(f"best_fixed: job {j} scored other answers than the best fixed job {best}")
         d, lo, hi = stats.diff_ci(t["correct"], ref["correct"], boot)
@@ -152,20 +153,39 @@ def best_fixed(sweep_dir: Path, evs: dict[int, dict], resamples: int = 2000) -> 
         s_lo, s_hi = np.percentile(1 - boot.ratios(cost, ref_cost), [2.5, 97.5])
         rows.append({"job": j, "rule": _label(evs[j]), "accuracy": float(np.mean(t["correct"])),
                      "accuracy_diff": d, "accuracy_diff_lo": lo, "accuracy_diff_hi": hi,
-                     "layer_applications": float(cost.mean()), "saving": float(saving),
+                     "layer_applications": float(cost.mean()), "loop_layer_applications": float(loop.mean()),
+                     "saving": float(saving),
                      "saving_lo": float(s_lo), "saving_hi": float(s_hi), "best_fixed_job": best,
                      "best_fixed_n": evs[best]["max_steps"], "best_fixed_accuracy": top,
-                     "best_fixed_layer_applications": float(ref_cost.mean())})
+                     "best_fixed_layer_applications": float(ref_cost.mean()),
+                     **_answer_ms(evs[j], ""), **_answer_ms(evs[best], "best_fixed_")})
     md = [f"Against the best fixed depth, n = {evs[best]['max_steps']} (job {best}: accuracy {top:.3f} at "
           f"{ref_cost.mean():.2f} layer applications per answer; the most accurate fixed depth, the cheapest of "
-          "those tied). Paired over the same answers, 95% intervals over windows.", "",
-          "| job | rule | accuracy | accuracy − best fixed [95% CI] | layer applications | saving [95% CI] |",
-          "|---|---|---|---|---|---|"]
+          "those tied). Paired over the same answers, 95% intervals over windows. Cost: layer applications plus "
+          "the rule's checks in layer equivalents (docs/spec.md §4b); the loop alone beside it.", "",
+          "| job | rule | accuracy | accuracy − best fixed [95% CI] | cost (with checks) | loop alone | "
+          f"saving [95% CI] | ms per answer [95% CI] (best fixed: {_ms(rows[0], 'best_fixed_')}) |",
+          "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         md.append(f"| {r['job']} | {r['rule']} | {r['accuracy']:.3f} | {r['accuracy_diff']:+.3f} "
                   f"[{r['accuracy_diff_lo']:+.3f}, {r['accuracy_diff_hi']:+.3f}] | {r['layer_applications']:.2f} | "
-                  f"{r['saving']:+.1%} [{r['saving_lo']:+.1%}, {r['saving_hi']:+.1%}] |")
+                  f"{r['loop_layer_applications']:.2f} | "
+                  f"{r['saving']:+.1%} [{r['saving_lo']:+.1%}, {r['saving_hi']:+.1%}] | {_ms(r, '')} |")
     return rows, "\n".join(md) + "\n"
+
+
+def _answer_ms(ev: dict, prefix: str) -> dict:
+    """A job's time per answer (`scoring.answer_latency`) as best_fixed columns."""
+    ci = ev.get("ms_per_answer_ci") or ["", ""]
+    return {f"{prefix}ms_per_answer": ev.get("ms_per_answer", ""), f"{prefix}ms_per_answer_lo": ci[0],
+            f"{prefix}ms_per_answer_hi": ci[1]}
+
+
+def _ms(r: dict, prefix: str) -> str:
+    v = r[f"{prefix}ms_per_answer"]
+    if v in ("", None):
+        return "—"
+    return f"{v:.2f} [{r[f'{prefix}ms_per_answer_lo']:.2f}, {r[f'{prefix}ms_per_answer_hi']:.2f}]"
 
 
 def write(sweep_dir: Path, rows: list[dict]) -> bool:

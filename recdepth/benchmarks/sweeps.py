@@ -29,7 +29,7 @@ def bench_ltt(args) -> dict:
       same violation criterion; and for both the CE-increase criterion (test-half CE increase > δ).
     Violation rates get 95% Clopper–Pearson intervals over partitions (the partitions share
     one pool of windows: the interval is over the partition draw given this pool). Cost: the
-    mean layer applications per token (`scoring.model_cost`) of the chosen setting on the
+    mean cost per token (layer applications with the rule's checks, `scoring.model_cost`) of the chosen setting on the
     test half. The path is decoded until its pooled CE increase exceeds 2 max(δ) and its
     pooled risk exceeds 2 max(α) (or the grid ends); a partition whose LTT walk or empirical
     choice reaches the last decoded setting is counted and reported (`truncated`). With
@@ -39,7 +39,7 @@ def bench_ltt(args) -> dict:
 
     import numpy as np
 
-    from recdepth.decode.scoring import evaluate_exit, evaluate_exits, model_cost
+    from recdepth.decode.scoring import evaluate_exit, evaluate_exits
     from recdepth.decode.settings import DecodeSettings
     from recdepth.exits.calibration import ltt
     from recdepth.exits.policy import build
@@ -51,7 +51,6 @@ def bench_ltt(args) -> dict:
     model = module.model
     T, G, W = model.cfg.block_size, model.n_groups, args.windows
     tokens = heldout_tokens(module, data, W * T + 1, seed=0)
-    cost = model_cost(model)
     rule, N = args.ltt_rule, args.max_steps
     grid = list(args.ltt_grid) if args.ltt_grid else (
         list(range(N, 0, -1)) if rule == "fixed" else _bench_tau_grid())
@@ -78,14 +77,14 @@ def bench_ltt(args) -> dict:
           flush=True)
     ref, cnt, secs = decode(build("fixed", None, max_steps=N))
     ntok = cnt
-    print(f"reference fixed-{N}: CE {ref['nll'].mean():.4f}, {cost.per_token(ref['apps']).mean():.1f} layer "
+    print(f"reference fixed-{N}: CE {ref['nll'].mean():.4f}, {ref['cost'].mean():.1f} layer "
           f"applications per token, decoded in {secs:.0f} s", flush=True)
     bounds, deltas = list(args.loss_bounds), list(args.deltas)
     inc_sum, apps_sum, losses, rows = [], [], {b: [] for b in bounds}, []
 
     def add(rec, label, secs):
         _, inc, _ = ltt.window_means(rec["nll"] - ref["nll"], rec["window"])
-        _, lapps, _ = ltt.window_means(cost.per_token(rec["apps"]), rec["window"])
+        _, lapps, _ = ltt.window_means(rec["cost"], rec["window"])  # the rule's checks included
         inc_sum.append(inc * ntok)
         apps_sum.append(lapps * ntok)
         for b in bounds:

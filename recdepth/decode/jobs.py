@@ -201,14 +201,14 @@ def check_calibration(calibrated_on, n_tokens: int) -> None:
 def write_eval(run_dir: Path, rec: dict, vocab_to_gpt2: torch.Tensor | None) -> None:
     """`eval_tokens.csv`: one row per scored token (window, position, target, target_gpt2
     (-1 for the shared "other" entry), nll, apps_<g> per group, ms of the batch-1 timing or
-    empty); the oracle also writes `oracle_nll.npy`, its NLL at every n [tokens, max_steps]."""
+    empty, cost: layer applications with the rule's checks); the oracle also writes `oracle_nll.npy`, its NLL at every n [tokens, max_steps]."""
     target = rec["target"]
     gpt2 = target if vocab_to_gpt2 is None else vocab_to_gpt2.cpu().numpy()[target]
     task = None
     if "label" in rec:
         task = {"answer": rec["label"] > 0, "difficulty": rec["label"], "correct": rec["correct"]}
     token_files.write_tokens(run_dir / "eval_tokens.csv", rec["window"], rec["position"], target, gpt2,
-                       rec["nll"], rec["apps"], rec["ms"], task=task)
+                       rec["nll"], rec["apps"], rec["ms"], task=task, cost=rec.get("cost"))
     if "nll_by_n" in rec:
         token_files.save_array(run_dir / "oracle_nll.npy", rec["nll_by_n"])
 

@@ -32,7 +32,7 @@ from recdepth.decode.engine import (
 )
 from recdepth.decode.mixed import MixedPolicy
 from recdepth.decode.settings import AUTO, DecodeSettings
-from recdepth.decode.state_decode import has_coda
+from recdepth.decode.state_decode import check_is_output, check_price, has_coda
 from recdepth.exits.policy import ORACLE, ExitPolicy, build
 from recdepth.model.looped import LoopedGPT
 
@@ -61,33 +61,76 @@ def _plain(v):
     return list(v) if isinstance(v, tuple) else v
 
 
-def model_cost(model: LoopedGPT) -> stats.Cost:
-    """The model's cost in layer applications per token (docs/spec.md §4b)."""
-    return stats.Cost.of_model(model.cfg.groups, model.cfg.n_layer)
+def model_cost(model: LoopedGPT, policy: ExitPolicy | None = None) -> stats.Cost:
+    """The cost per token of `model` looping under `policy` (docs/spec.md §4b): layer
+    applications plus the checks the rule runs, each at its `state_decode.check_price`,
+    none at a group's max_steps, and the firing check not billed again where it is the
+    token's output (`state_decode.check_is_output`). Without a policy (or for the oracle,
+    priced as its loop alone: a bound no rule can run), the loop's layer applications."""
+    groups, n_layer = model.cfg.groups, model.cfg.n_layer
+    if policy is None or policy.name == ORACLE:
+        return stats.Cost.of_model(groups, n_layer)
+    one = [policy.group(g) for g in range(model.n_groups)]
+    return stats.Cost.of_model(groups, n_layer, checks=[check_price(model, g, p)["total"] for g, p in enumerate(one)],
+                               limits=[p.max_steps for p in one],
+                               reuse=[check_is_output(model, g, p) for g, p in enumerate(one)])
+
+
+def checked_tokens(rec: dict, labels: np.ndarray | None, settings: DecodeSettings) -> np.ndarray | None:
+    """[tokens] bool: the record's tokens whose loops the rule decided (None: all of them);
+    under `eval.context_steps` a task's context positions (the target is not an answer)
+    loop at fixed depth and run no check (`engine.context_rows`)."""
+    if settings.context_steps is None or labels is None:
+        return None
+    return np.asarray(labels)[rec["position"] + 1] > 0
+
+
+def token_costs(model: LoopedGPT, policy: ExitPolicy, rec: dict, labels: np.ndarray | None,
+                settings: DecodeSettings) -> None:
+    """Each token's cost into the record (in place): `cost`, layer equivalents with the
+    checks (`model_cost(model, policy).per_token`), `loop_cost`, the loop alone, and
+    `checks` [tokens, G], the checks billed."""
+    cost, checked = model_cost(model, policy), checked_tokens(rec, labels, settings)
+    rec["checks"] = cost.billed_checks(rec["apps"], checked)
+    rec["loop_cost"] = cost.loop(rec["apps"])
+    rec["cost"] = cost.per_token(rec["apps"], checked)
 
 
 def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, settings: DecodeSettings,
              resamples: int = 1000) -> dict:
     """The eval block of metrics.json. ce_ci: 95% bootstrap over windows (the unit the
-    tokens' difficulty is shared in, spec §4b). Cost: applications per group and their
-    mean, layer applications per token (`model_cost`) and FLOPs per token (the model's own
-    count, `LoopedGPT.flops_per_token`, at the mean applications and the mean attended
-    context of the scored positions)."""
+    tokens' difficulty is shared in, spec §4b). Cost (docs/spec.md §4b): applications per
+    group and their mean; `layer_applications`, the cost every comparison uses: layer
+    applications plus the checks billed, in layer equivalents (the record's `cost`,
+    `token_costs`); `loop_layer_applications`, the loop alone (the unit before checks were
+    priced); `checks_per_token` per group and each check's price (`check_cost`:
+    `state_decode.check_price`); FLOPs per token (`LoopedGPT.flops_per_token` at the mean
+    applications and the mean attended context of the scored positions, plus the checks'
+    FLOPs, a decode's coda layers with their attention)."""
     nll, apps = rec["nll"], rec["apps"]
     ce, lo, hi = stats.mean_ci(nll, stats.Bootstrap(rec["window"], resamples))
     per_group = apps.mean(axis=0).tolist()
-    cost = model_cost(model)
+    cost = model_cost(model, policy)
+    if "cost" not in rec:
+        token_costs(model, policy, rec, None, settings)
     # attended positions of each scored token: its place in its window + 1 (+ 1 for a BOS input)
     context = float(np.mean(rec["context"] if "context" in rec else attended(rec, settings.bos))) if len(nll) else 1.0
+    prices = [check_price(model, g, policy.group(g) if policy.name != ORACLE else policy) for g in range(model.n_groups)]
+    billed = rec["checks"].mean(axis=0) if len(nll) else np.zeros(model.n_groups)
+    attention = model.layer_flops(context) - model.layer_flops()  # a decode's coda layers attend too
+    check_flops = sum(float(b) * (p["flops"] + p["layers"] * attention) for b, p in zip(billed, prices, strict=True))
     return {
         "exit": policy.name, "tau": _plain(policy.tau), "min_steps": _plain(policy.min_steps),
         "max_steps": _plain(policy.max_steps), "patience": policy.patience,
         "ce": float(ce), "ce_ci": [float(lo), float(hi)], "ce_ci_unit": "window", "ppl": math.exp(ce),
         "applications_per_token": per_group,
         "mean_applications": float(np.mean(per_group)) if per_group else 0.0,  # model=baseline: no groups
-        "layer_applications": float(cost.per_token(apps).mean()) if len(nll) else 0.0,
+        "layer_applications": float(np.mean(rec["cost"])) if len(nll) else 0.0,
+        "loop_layer_applications": float(np.mean(rec["loop_cost"])) if len(nll) else 0.0,
+        "checks_per_token": [float(b) for b in billed],
+        "check_cost": [{k: v for k, v in p.items() if k != "flops"} for p in prices],
         "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
-        "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)),
+        "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)) + check_flops,
         "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": settings.cache,
         "warm_start": settings.warm_start, "batch_size": settings.batch_size, "step": settings.step,
     }
@@ -142,6 +185,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     batch_seconds = time.perf_counter() - t0
     rec = merge_records(parts)
     rec["ms"] = np.full(n_tokens, np.nan)
+    token_costs(model, policy, rec, labels, settings)
     ev = _summary(model, policy, rec, settings)
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
@@ -230,6 +274,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
                                               targets))
         for k, rec in zip(loops, recs, strict=True):
             rec["ms"] = np.full(n_scored, np.nan)
+            token_costs(model, policies[k], rec, labels, settings)
             ev = _summary(model, policies[k], rec, settings)
             ev["tokens_per_s"] = n_scored * len(loops) / seconds
             ev["shared_batch"] = len(loops)  # the policies decoded side by side
@@ -255,8 +300,10 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
     `label`, and the eval block `answers` (`tasks.score_answers`). With `answers` (None:
     whenever there are labels) the record keeps the answer tokens only and the block's
     quality and cost (ce, applications, layer_applications, ...) are recomputed over
-    them: what the sweep, the frontier, calibration and the report then read. Latency
-    stays that of every decoded token. `answers=True` without labels is an error."""
+    them: what the sweep, the frontier, calibration and the report then read.
+    `ms_per_token` and `flops_per_token` stay those of every decoded token, beside the
+    answers' own `ms_per_answer` (`answer_latency`) and `flops_per_answer`.
+    `answers=True` without labels is an error."""
     answers, bos = settings.answers, settings.bos
     if labels is None:
         if answers:
@@ -274,12 +321,31 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
         rec["kept"] = np.flatnonzero(keep)  # rows of the full record (`add_latency` maps timings by it)
         latency = {k: v for k, v in ev.items() if k.startswith(("ms_", "latency", "repeats", "batch_check",
                                                                    "tokens_per_s"))}
-        ev = {**ev, **_summary(model, policy, rec, settings), **latency}
+        per_answer = _summary(model, policy, rec, settings)
+        ev = {**ev, **per_answer, **latency, **answer_latency(rec), "flops_per_answer": per_answer["flops_per_token"],
+              "flops_per_token": ev["flops_per_token"]}  # FLOPs of every decoded token beside the answers
         if "nll_by_n" in rec:  # the oracle
             ev["ce_at_max_steps"] = float(rec["nll_by_n"][:, -1].mean())
     ev["scored"] = "answers" if answers is None or answers else "all"
-    ev["answers"] = tasks.score_answers(rec, rec["label"], model_cost(model).per_token(rec["apps"]))
+    ev["answers"] = tasks.score_answers(rec, rec["label"], rec["cost"], rec["loop_cost"])
     return ev, rec
+
+
+def answer_latency(rec: dict, resamples: int = 1000) -> dict:
+    """Time per answer (a task's answer tokens only, after `score_task` kept them): the
+    batch-1 ms of the decode step that predicts an answer (its loops and checks, the
+    layers after them and the head), over the timed answers. `ms_per_answer`: the median
+    over timing repeats of the mean over answers; `ms_per_answer_ci`: its 95% interval,
+    each resample drawing whole windows (for a task, its instances) and one timing repeat
+    (`stats.latency_ci`); `ms_per_answer_repeats`: the mean of each repeat;
+    `latency_answers`: the answers timed. All None when no answer was timed."""
+    ms = rec.get("ms_repeats")
+    timed = np.zeros(0, dtype=bool) if ms is None or not ms.size else np.isfinite(ms).all(axis=1)
+    if not timed.any():
+        return {"ms_per_answer": None, "ms_per_answer_ci": None, "ms_per_answer_repeats": None, "latency_answers": 0}
+    m, lo, hi, per_rep = stats.latency_ci(ms[timed], rec["window"][timed], resamples)
+    return {"ms_per_answer": m, "ms_per_answer_ci": [lo, hi], "ms_per_answer_repeats": per_rep,
+            "latency_answers": int(timed.sum())}
 
 
 @torch.no_grad()
@@ -328,6 +394,8 @@ def add_latency(ev: dict, rec: dict, timings: list[tuple[np.ndarray, np.ndarray,
     idx = np.arange(n_lat) if "kept" not in rec else rec["kept"][rec["kept"] < n_lat]
     nll1, apps1, n_lat = nll1[idx], apps1[idx], len(idx)
     rec["ms"][:n_lat] = np.median(ms, axis=0)[idx]
+    rec["ms_repeats"] = np.full((len(rec["ms"]), len(timings)), np.nan)  # [tokens, repeats]: per-answer latency
+    rec["ms_repeats"][:n_lat] = ms.T[idx]
     ev.update(ms_per_token=float(np.median(per_rep)), ms_per_token_min=min(per_rep), ms_per_token_max=max(per_rep),
               ms_per_token_repeats=per_rep, latency_tokens=timed, repeats=len(timings))
     ev["batch_check"] = {"tokens": n_lat, "apps_mismatch": int((apps1 != rec["apps"][:n_lat]).any(axis=1).sum()),

@@ -22,30 +22,33 @@ TASK_COLUMNS = ("answer", "difficulty", "correct")  # after ms, on a task (docs/
 
 
 def write_tokens(path: str | os.PathLike, window, position, target, target_gpt2, nll, apps, ms=None,
-                 task: Mapping[str, Sequence[int]] | None = None) -> None:
+                 task: Mapping[str, Sequence[int]] | None = None, cost=None) -> None:
     """Write a per-token record (eval_tokens.csv): header window, position, target,
-    target_gpt2, nll, apps_0 .. apps_{G−1}, ms, and on a task answer (0/1), difficulty
-    (0 for a non-answer) and correct (argmax = target, 0/1) from `task`; one row per
-    token; ms empty where not timed (NaN or ms=None). Floats are written with repr precision (read back bit-equal);
-    atomically (a temporary file beside it, then os.replace)."""
+    target_gpt2, nll, apps_0 .. apps_{G−1}, ms, with `cost` the token's cost (layer
+    applications plus its rule's checks, docs/spec.md §4b), and on a task answer (0/1),
+    difficulty (0 for a non-answer) and correct (argmax = target, 0/1) from `task`; one
+    row per token; ms empty where not timed (NaN or ms=None). Floats are written with repr
+    precision (read back bit-equal); atomically (a temporary file beside it, then os.replace)."""
     path = Path(path)
     nll = np.asarray(nll, dtype=float)
     n = len(nll)
     apps = np.asarray(apps).reshape(n, -1) if n else np.asarray(apps).reshape(0, -1)
     ms = np.full(n, np.nan) if ms is None else np.asarray(ms, dtype=float)
     cols = [np.asarray(v) for v in (window, position, target, target_gpt2)]
+    costs = [] if cost is None else [np.asarray(cost, dtype=float)]
     extra = [] if task is None else [np.asarray(task[c]).astype(np.int64) for c in TASK_COLUMNS]
-    if any(len(v) != n for v in (*cols, ms, *extra)) or len(apps) != n:
+    if any(len(v) != n for v in (*cols, ms, *costs, *extra)) or len(apps) != n:
         raise ValueError(f"write_tokens {path}: columns of unequal length")
     tmp = path.with_name(path.name + ".tmp")
     try:
         with open(tmp, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow([*TOKEN_COLUMNS, *[f"apps_{g}" for g in range(apps.shape[1])], "ms",
-                        *(TASK_COLUMNS if extra else ())])
+                        *(("cost",) if costs else ()), *(TASK_COLUMNS if extra else ())])
             for i in range(n):
                 w.writerow([*[int(v[i]) for v in cols], repr(float(nll[i])), *[int(a) for a in apps[i]],
-                            "" if math.isnan(ms[i]) else repr(float(ms[i])), *[int(v[i]) for v in extra]])
+                            "" if math.isnan(ms[i]) else repr(float(ms[i])), *[repr(float(c[i])) for c in costs],
+                            *[int(v[i]) for v in extra]])
         os.replace(tmp, path)
     finally:
         if tmp.exists():
@@ -55,7 +58,8 @@ def write_tokens(path: str | os.PathLike, window, position, target, target_gpt2,
 def read_tokens(path: str | os.PathLike) -> dict:
     """Read a per-token record written by `write_tokens`: a dict of arrays window,
     position, target, target_gpt2 (int64), nll (float), apps [tokens, groups] (int64, the
-    apps_<g> columns in order of g), ms (float, NaN where empty). A missing column or a
+    apps_<g> columns in order of g), ms (float, NaN where empty), and cost (float) where
+    the file has it (files written before checks were priced do not). A missing column or a
     malformed row raises a one-line ValueError naming the file."""
     path = Path(path)
     with open(path, newline="") as f:
@@ -80,6 +84,8 @@ def read_tokens(path: str | os.PathLike) -> dict:
     task = [c for c in TASK_COLUMNS if c in col]
     for c in task:
         out[c] = np.empty(len(rows), dtype=np.int64)
+    if "cost" in col:
+        out["cost"] = np.empty(len(rows))
     for i, x in enumerate(rows):
         try:
             if len(x) != len(head):
@@ -91,6 +97,8 @@ def read_tokens(path: str | os.PathLike) -> dict:
             out["ms"][i] = float(x[col["ms"]]) if x[col["ms"]].strip() else math.nan
             for c in task:
                 out[c][i] = int(x[col[c]])
+            if "cost" in col:
+                out["cost"][i] = float(x[col["cost"]])
         except ValueError as e:
             raise ValueError(f"{path}: data row {i + 1}: {e}".replace("\n", " ")) from None
     return out

@@ -101,12 +101,13 @@ class RecdepthLM(LM):
         self.max_gen_toks = int(max_gen_toks)
         self.lead = int(self.bos is not None)
         self.T = self.model.cfg.block_size
-        self.cost = model_cost(self.model)
+        self.cost = model_cost(self.model, self.policy)
         self.args = {"ckpt": ckpt, "hf": hf, "exit": exit, "tau": tau, "min_steps": min_steps, "max_steps": max_steps,
                      "patience": patience, "gate": gate, "cache": cache, "warm_start": bool(warm_start), "step": step,
                      "dtype": dtype, "seed": int(seed)}
         self._apps: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(self.model.n_groups))
         self._tokens: dict[str, int] = defaultdict(int)
+        self._cost: dict[str, float] = defaultdict(float)  # layer applications with the rule's checks, summed
 
     # ------------------------------------------------------------------ text
     def _encode(self, text: str) -> list[int]:
@@ -139,6 +140,7 @@ class RecdepthLM(LM):
         key = task or "(no task)"
         self._apps[key] += apps.sum(0)
         self._tokens[key] += len(apps)
+        self._cost[key] += float(self.cost.per_token(apps).sum())
 
     # ------------------------------------------------------------- requests
     @torch.no_grad()
@@ -217,7 +219,7 @@ class RecdepthLM(LM):
             n = self._tokens[task]
             mean = total / max(n, 1)
             tasks[task] = {"tokens": n, "mean_applications": [round(float(a), 6) for a in mean],
-                           "layer_applications": float(self.cost.per_token(mean[None, :])[0])}
+                           "layer_applications": self._cost[task] / max(n, 1)}
             log.info("%s: %d scored tokens, %.3f applications per group %s, %.2f layer applications per token",
                      task, n, float(mean.mean()), tasks[task]["mean_applications"], tasks[task]["layer_applications"])
         return {"recdepth": {**self.args, "kind": self.opened.kind, "source": self.opened.source,

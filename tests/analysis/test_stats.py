@@ -732,6 +732,18 @@ def test_token_records_round_trip_exactly(tmp_path):
     assert r["apps"].shape == (2, 0) and r["nll"].tolist() == [0.1, 0.2]
 
 
+def test_the_cost_column_round_trips_and_older_files_have_none(tmp_path):
+    f = tmp_path / "eval_tokens.csv"
+    cost = np.array([1 / 3, 7.25, 12.0])
+    token_files.write_tokens(f, [0, 0, 1], [0, 1, 2], [5, 6, 7], [5, 6, 7], [0.1, 0.2, 0.3], [[1], [5], [9]],
+                             cost=cost, task={"answer": [1, 1, 0], "difficulty": [2, 1, 0], "correct": [1, 0, 1]})
+    assert f.read_text().splitlines()[0] == "window,position,target,target_gpt2,nll,apps_0,ms,cost,answer,difficulty,correct"
+    r = token_files.read_tokens(f)
+    assert r["cost"].tobytes() == cost.tobytes() and r["difficulty"].tolist() == [2, 1, 0]
+    token_files.write_tokens(f, [0], [0], [5], [5], [0.1], [[1]])
+    assert "cost" not in token_files.read_tokens(f)
+
+
 def test_read_tokens_apps_columns_in_group_order(tmp_path):
     f = tmp_path / "t.csv"
     f.write_text("window,position,target,target_gpt2,nll,apps_1,apps_0,ms\n0,3,4,5,1.5,7,2,\n")
@@ -915,3 +927,36 @@ def test_sweep_callback_writes_the_table_after_each_job_and_the_frontier_at_the_
     import matplotlib.image as mpimg  # the same Fig. 4, pixel for pixel (what it draws: the test above)
 
     assert (mpimg.imread(tmp_path / "sweep" / "fig4_exits.png") == mpimg.imread(alone / "fig4_exits.png")).all()
+
+
+def test_frontier_reads_each_jobs_cost_with_its_checks_and_a_tasks_time_per_answer(tmp_path):
+    """A job whose eval_tokens.csv has the `cost` column (its checks priced) sits on the
+    frontier at that cost, the loop alone beside it; with every timed job giving ms per
+    answer (a task), the equal-latency comparison reads those."""
+    import csv
+
+    from recdepth import sweep
+
+    rng = np.random.default_rng(42)
+    n_tok = 80
+    base = rng.gamma(2.0, 2.0, n_tok)
+    jobs = [("fixed", None, n, base + 0.4 / n, np.full((n_tok, 1), n)) for n in (1, 2, 4, 8)]
+    jobs.append(("kl", 1e-3, 8, base + 0.06, rng.integers(2, 5, (n_tok, 1))))
+    for j, (rule, tau, n, nll, apps) in enumerate(jobs):
+        _write_job(tmp_path / str(j), rule, tau, n, nll, apps, group_layers=[1], outside_layers=2,
+                   ms_per_answer=10.0 + n if rule == "fixed" else 30.0, ms_per_answer_ci=[1.0, 50.0],
+                   ms_per_answer_repeats=[10.0 + n] * 3 if rule == "fixed" else [30.0] * 3,
+                   ms_per_token_repeats=[1.0 + float(apps.mean())] * 3)
+    _, _, _, nll, apps = jobs[4]
+    cost = 2 + apps[:, 0] + 1.04 * (apps[:, 0] - 1)  # a kl check through a one-layer coda, n − 1 of them
+    token_files.write_tokens(tmp_path / "4" / "eval_tokens.csv", WINDOWS(n_tok), np.arange(n_tok),
+                             np.arange(n_tok) % 7, np.arange(n_tok) % 7, nll, apps, cost=cost)
+    sweep.summarize(tmp_path)
+    (r,) = list(csv.DictReader(open(tmp_path / "frontier.csv")))
+    assert float(r["layer_applications"]) == pytest.approx(cost.mean())
+    assert float(r["loop_layer_applications"]) == pytest.approx(2 + apps.mean())
+    fixed = {n: float(np.mean(nll_n)) for _, _, n, nll_n, _ in jobs[:4]}
+    assert float(r["hull_ce"]) == pytest.approx(stats.hull_ce(fixed, cost.mean(), stats.Cost([1], 2)))
+    # 30 ms per answer: dearer than every fixed depth (11 .. 18 ms), so the frontier there is fixed 8's CE
+    assert r["latency"] == "ms_per_answer" and float(r["ms_frontier_ce"]) == pytest.approx(fixed[8])
+    assert "ms/answer" in (tmp_path / "frontier.md").read_text()

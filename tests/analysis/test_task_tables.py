@@ -57,3 +57,21 @@ def test_best_fixed_interval_is_a_bootstrap_over_windows(tmp_path):
     assert r["saving"] == pytest.approx(1 - cost.mean() / 12)
     assert r["saving_lo"] == pytest.approx(lo, abs=0.02) and r["saving_hi"] == pytest.approx(hi, abs=0.02)
     assert r["accuracy_diff"] == 0 and r["accuracy_diff_lo"] == 0 == r["accuracy_diff_hi"]
+
+
+def test_best_fixed_reads_each_jobs_cost_with_its_checks_and_time_per_answer(tmp_path):
+    """A job whose eval_tokens.csv has a `cost` column (its checks priced) is compared in it,
+    the loop alone beside it; the jobs' ms per answer come from their eval blocks."""
+    w = np.repeat(np.arange(2), 2)
+    evs = {0: job(tmp_path, 0, "fixed", 4, [1] * 4, [4] * 4, w),  # 6 layer applications per answer
+           1: job(tmp_path, 1, "kl", 32, [1] * 4, [2] * 4, w)}   # loop 4, and its checks below
+    write_tokens(tmp_path / "1" / "eval_tokens.csv", w, np.arange(4), np.zeros(4), np.zeros(4), np.zeros(4),
+                 np.full((4, 1), 2), task={"answer": np.ones(4), "difficulty": np.ones(4), "correct": np.ones(4)},
+                 cost=[5.0, 5.5, 5.0, 5.5])
+    evs[0].update(ms_per_answer=2.0, ms_per_answer_ci=[1.5, 2.5])
+    evs[1].update(ms_per_answer=3.0, ms_per_answer_ci=[2.0, 4.0])
+    (r,), md = task_tables.best_fixed(tmp_path, evs, resamples=200)
+    assert r["layer_applications"] == pytest.approx(5.25) and r["loop_layer_applications"] == pytest.approx(4.0)
+    assert r["saving"] == pytest.approx(1 - 5.25 / 6)
+    assert (r["ms_per_answer"], r["best_fixed_ms_per_answer"]) == (3.0, 2.0)
+    assert "3.00 [2.00, 4.00]" in md and "best fixed: 2.00 [1.50, 2.50]" in md

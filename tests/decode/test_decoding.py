@@ -572,7 +572,7 @@ def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
     for p, rec in zip(policies, recs, strict=True):
         _, alone = evaluate_exit(m, tokens, p, n_tokens=70,
                                  settings=DecodeSettings(batch_size=3, latency_tokens=0, seed=3))
-        assert set(rec) == set(alone) - {"ms"}
+        assert set(rec) == set(alone) - {"ms", "cost", "loop_cost", "checks"}  # scoring prices the records
         for key in ("window", "position", "target", "correct"):
             assert np.array_equal(rec[key], alone[key]), key
         same = (rec["apps"] == alone["apps"]).all(1)  # tokens decoded at the same depths

@@ -198,6 +198,11 @@ def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_c
     c = out["calibration"]
     groups, n_layer = module.config.groups, module.config.n_layer
     by_hand = (n_layer - sum(map(len, groups))) + sum(len(g) * calib["apps"][:, i].mean() for i, g in enumerate(groups))
+    # and accel's checks: one after every application but the 6th (max_steps), each 4d FLOPs (Δ, Δ − Δ_prev,
+    # its norm) against a layer's 24d² (qkv, proj: 4d², the MLP at 4d: 8d², 2 FLOPs a multiply-add)
+    d = module.config.n_embd
+    checks = (calib["apps"] - (calib["apps"] == 6)).sum(axis=1).mean()
+    by_hand += checks * 4 * d / (24 * d * d)
     assert c["ce"] == pytest.approx(calib["nll"].mean()) and c["layer_applications"] == pytest.approx(by_hand)
     # the calibration windows draw their own noise: keys after the test split's windows
     assert c["token_range"] == [41, 89] and calib["window"].min() > test["window"].max()

@@ -29,14 +29,16 @@ def spearman(x, y) -> float:
     return float((rx * ry).sum() / den) if den > 0 else float("nan")
 
 
-def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray, resamples: int = 1000,
-                  seed: int = 0) -> dict:
+def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray,
+                  loop_cost_per_token: np.ndarray | None = None, resamples: int = 1000, seed: int = 0) -> dict:
     """The `answers` block of an evaluation on a task (docs/spec.md §6): over the scored
     tokens that are answers (labels > 0; `labels` aligned with rec's targets), accuracy
-    (argmax = target), NLL and layer applications per answer token, overall and per
-    difficulty, each with a 95% bootstrap interval over windows (a window is one record of
-    whole instances drawn independently), and Spearman's correlation of applications with
-    difficulty (its interval from the same window resamples)."""
+    (argmax = target), NLL and cost per answer token (`layer_applications`: the cost with
+    the rule's checks, docs/spec.md §4b; `loop_layer_applications`, with
+    `loop_cost_per_token`: the loop alone), overall and per difficulty, each with a 95%
+    bootstrap interval over windows (a window is one record of whole instances drawn
+    independently), and Spearman's correlation of the cost with difficulty (its interval
+    from the same window resamples)."""
     answer = np.asarray(labels) > 0
     if not answer.any():
         raise ValueError("answers: no answer tokens among the scored tokens (eval.tokens too small?)")
@@ -51,14 +53,19 @@ def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray, res
         m, lo, hi = stats.mean_ci(x, boot)
         return [m, lo, hi]
 
+    loop = None if loop_cost_per_token is None else np.asarray(loop_cost_per_token, dtype=float)[answer]
     out = {"tokens": int(answer.sum()), "windows": boot.n_units, "accuracy": ci(ok), "nll": ci(nll),
            "layer_applications": ci(cost), "by_difficulty": {}}
+    if loop is not None:
+        out["loop_layer_applications"] = ci(loop)
     for d in np.unique(diff).tolist():
         sel = diff == d
         b = stats.Bootstrap(windows[sel], resamples, seed)
         out["by_difficulty"][str(int(d))] = {
             "tokens": int(sel.sum()), "accuracy": [*stats.mean_ci(ok[sel], b)],
             "nll": float(nll[sel].mean()), "layer_applications": float(cost[sel].mean())}
+        if loop is not None:
+            out["by_difficulty"][str(int(d))]["loop_layer_applications"] = float(loop[sel].mean())
     rho = spearman(cost, diff)
     rs = []
     if np.isfinite(rho):

@@ -79,13 +79,19 @@ class Point:
     per_group: tuple[float, ...]
 
 
-def point(setting: Sequence[int], nll: np.ndarray, apps: np.ndarray, cost: Cost | None = None) -> Point:
+def point(setting: Sequence[int], nll: np.ndarray, apps: np.ndarray, cost: Cost | None = None,
+          costs: np.ndarray | None = None) -> Point:
     """The CE and cost of per-token records (nll [N], apps [N, G]), as `stats` defines them:
-    CE = mean NLL; cost = mean of `cost.per_token(apps)` (layer applications; without a
-    Cost, the mean of apps over tokens and groups)."""
+    CE = mean NLL; cost = the mean of `costs` where given (each token's cost as its decode
+    priced it, the rule's checks included: a record's `cost`, `scoring.token_costs`), else
+    of `cost.per_token(apps)` (layer applications; without a Cost, the mean of apps over
+    tokens and groups)."""
     apps = np.asarray(apps, dtype=float)
     per = apps.mean(axis=0) if apps.size else np.zeros(0)
-    c = float(cost.per_token(apps).mean()) if (cost is not None and apps.size) else (float(per.mean()) if per.size else 0.0)
+    if costs is not None:
+        c = float(np.mean(costs)) if len(costs) else 0.0
+    else:
+        c = float(cost.per_token(apps).mean()) if (cost is not None and apps.size) else (float(per.mean()) if per.size else 0.0)
     return Point(tuple(int(i) for i in setting), float(np.mean(nll)), c, tuple(float(a) for a in per))
 
 
@@ -135,7 +141,8 @@ def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]],
     """Calibrate a knob with `grid_size` values per group (index 0 the most expensive) for
     `groups` groups to `target` (see the module docstring). `evaluate(setting)` returns
     (nll [N], apps [N, G]) of real decoding under that setting; each setting is decoded
-    once. `evaluate_many(settings)`, if given, decodes settings that do not depend on each
+    once; a third entry, if it returns one, is each token's cost as decoded (its checks
+    included), read instead of `cost`. `evaluate_many(settings)`, if given, decodes settings that do not depend on each
     other in one call (both ends of the bisection; a round of per-group moves): the same
     settings are decoded as one by one, so the answer is the same. `per_group` False keeps
     one index for all groups (phase 1 only). `cost`: the model's layer-application cost
@@ -150,7 +157,8 @@ def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]],
         if setting not in seen:
             if len(seen) >= max_evals:
                 return None
-            seen[setting] = point(setting, *evaluate(setting), cost)
+            r = evaluate(setting)
+            seen[setting] = point(setting, r[0], r[1], cost, *r[2:])
         return seen[setting]
 
     def ahead(settings: list[tuple[int, ...]]) -> None:
@@ -159,7 +167,7 @@ def search(evaluate: Callable[[tuple[int, ...]], tuple[np.ndarray, np.ndarray]],
         new = list(dict.fromkeys(s for s in settings if s not in seen))[: max(0, max_evals - len(seen))]
         if evaluate_many is not None and len(new) > 1:
             for s, r in zip(new, evaluate_many(new), strict=True):
-                seen[s] = point(s, *r, cost)
+                seen[s] = point(s, r[0], r[1], cost, *r[2:])
 
     # 1. the shared index: bisection for the boundary along the grid. Under a CE target
     # index 0 (full depth) holds it and cheaper ones eventually do not; under a budget the

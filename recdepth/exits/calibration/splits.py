@@ -74,7 +74,8 @@ class CalibrationSplit:
     `settings`: how it decodes (the run's eval block with calibration.batch_size windows a
     batch, no warm-up or latency passes: `calibration_split`); `first_window`: the noise key
     of the split's first window (`noise_window`), so its windows never share the test
-    windows' noise; `cost`: the model's layer-application cost.
+    windows' noise; `cost`: the model's layer-application cost (a record's own `cost`, its
+    checks included, is what the searches read).
 
     A setting is decoded once per split: a policy asked for again (the two targets of one
     rule start their searches at the same ends and midpoint; `fixed` at max_steps is every
@@ -156,7 +157,7 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
     def evaluate_many(settings):
         recs = decode([at(s) for s in settings])
         records.update(zip(settings, recs, strict=True))
-        return [(r["nll"], r["apps"]) for r in recs]
+        return [(r["nll"], r["apps"], r["cost"]) for r in recs]
 
     res = calibration.search(lambda s: evaluate_many([s])[0], len(grid), groups, target, ce_ref,
                              per_group=groups > 1, max_evals=max_evals, cost=split.cost, evaluate_many=evaluate_many)
@@ -295,7 +296,7 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
 
     out = ltt.ltt_lazy(losses(), alpha, epsilon)
     k, n = out["certified"], out["n"]
-    points = [calibration.point(s, rec["nll"], rec["apps"], split.cost) for s, rec in decoded]
+    points = [calibration.point(s, rec["nll"], rec["apps"], split.cost, rec["cost"]) for s, rec in decoded]
     rows = [{"field": field, "values": [grid[i] for i in p.setting], "ce": p.ce, "ce_increase": p.ce - ce_ref,
              "layer_applications": p.cost, "per_group": list(p.per_group), "meets": i < k,
              "risk": out["risks"][i], "pvalue": out["pvalues"][i]} for i, p in enumerate(points)]
@@ -303,7 +304,7 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
         policy, best, rec = at(decoded[k - 1][0]), points[k - 1], decoded[k - 1][1]
     else:
         policy, rec = full, ref
-        best = calibration.point((), ref["nll"], ref["apps"], split.cost)
+        best = calibration.point((), ref["nll"], ref["apps"], split.cost, ref["cost"])
     stopped = ("first uncertified setting" if k < len(decoded) else
                "end of the path" if len(decoded) == len(path) else "calibration.max_evals")
     n_min = ltt.min_alpha(n, epsilon)  # calibration_size refused fewer windows than alpha needs
@@ -384,7 +385,7 @@ def test_check(target: calibration.Target, rec: dict, ref: dict | None, cost: st
         d, lo, hi = stats.diff_ci(ref["correct"].astype(float), rec["correct"].astype(float), boot)
         return {"accuracy_drop": d, "accuracy_drop_ci": [lo, hi], "bound": target.value,
                 "verdict": verdict(lo, hi, target.value)}
-    a, lo, hi = stats.mean_ci(cost.per_token(rec["apps"]), boot)
+    a, lo, hi = stats.mean_ci(rec["cost"] if "cost" in rec else cost.per_token(rec["apps"]), boot)
     return {"layer_applications": a, "layer_applications_ci": [lo, hi], "bound": target.value,
             "verdict": verdict(lo, hi, target.value)}
 
