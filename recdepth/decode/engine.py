@@ -84,12 +84,26 @@ def fast_steps(model: LoopedGPT, step: str) -> LeanSteps | None:
 
 
 def lean_of(lean: LeanSteps | None, caches: list) -> LeanSteps | None:
-    """`lean` if it computes a one-token call on these layer caches: one-entry-per-position
-    caches (`KVCache`, not `StepKVCache` or the coda's `PeekCache`); else None (the caller
-    runs `Block.forward`)."""
-    if lean is None or any(type(c) is not KVCache for c in caches):
+    """`lean` if it computes a one-token call on these layer caches: one entry per position
+    (`KVCache`), or, eagerly, one per application (`StepKVCache`, its current application's
+    slot: `cache_views`); else None (the caller runs `Block.forward`: the coda's
+    `PeekCache`, generation's chunk caches, a `StepKVCache` under the compiled step, whose
+    batch-1 loops take the compiled loop instead, `fuses_loop`)."""
+    if lean is None:
         return None
+    for c in caches:
+        if not (type(c) is KVCache or (type(c) is StepKVCache and not lean.compiled)):
+            return None
     return lean
+
+
+def cache_views(c: KVCache) -> tuple[Tensor, Tensor]:
+    """The (k, v) [B, H, T, head_dim] a lean step reads and writes in place: a `KVCache`'s
+    tensors, or the slot of a `StepKVCache`'s current application (views: a write lands in
+    the cache)."""
+    if type(c) is StepKVCache:
+        return c.k[:, :, c.step], c.v[:, :, c.step]
+    return c.k, c.v
 
 
 def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
@@ -103,8 +117,8 @@ def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: lis
     if lean is None:
         return model.apply_group(g, s, e_proj, caches, pos, rows)
     if rows is not None and rows.dtype != torch.bool:
-        return lean.group_rows(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows, reps)
-    return lean.group(g, s, e_proj, [(c.k, c.v) for c in mine], pos, rows)
+        return lean.group_rows(g, s, e_proj, [cache_views(c) for c in mine], pos, rows, reps)
+    return lean.group(g, s, e_proj, [cache_views(c) for c in mine], pos, rows)
 
 
 def _forced(fired: Tensor, n: Tensor, fixed_rows: Tensor | None, fixed_steps: int | None,
@@ -165,15 +179,19 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         policy = forced(settings.context_steps) if bool(fixed_rows[0]) else policy
         fixed_rows = None
     mine = [caches[layer] for layer in model.cfg.groups[g]]
-    lean = lean_of(fast_steps(model, settings.step), mine)
+    fast = fast_steps(model, settings.step)
     reuse = out is not None and B == 1 and check_is_output(model, g, policy)
-    if fuses_loop(model, lean, policy, B, limit, caches):
+    if fuses_loop(model, g, fast, policy, B, limit, caches):
         coda = [(caches[layer].k, caches[layer].v) for layer in model.coda] \
             if policy.needs_decode and decode_mode(model, policy) == "coda" else None
-        s, n, logits = lean.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy, coda, reuse)
+        s, n, logits = fast.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy, coda, reuse)
+        for c in mine:
+            if type(c) is StepKVCache:  # slots above n take the last application's entry
+                c.finish(pos, n)
         if reuse:
             out["logits"] = logits
         return s, n
+    lean = lean_of(fast, mine)
     return _loop_steps(model, g, s, e_proj, policy, caches, pos, settings, lean, limit, fixed_rows,
                        reps if lean is not None and settings.compact else None, out if reuse else None)
 
@@ -185,17 +203,21 @@ def forced(steps: int) -> ExitPolicy:
     return build("fixed", None, max_steps=steps)
 
 
-def fuses_loop(model: LoopedGPT, lean: LeanSteps | None, policy: ExitPolicy, B: int, limit: Tensor | None,
-               caches: list[KVCache]) -> bool:
-    """Whether `loop_group` runs a group's whole loop as one compiled graph (`LeanSteps.loop`,
+def fuses_loop(model: LoopedGPT, g: int, lean: LeanSteps | None, policy: ExitPolicy, B: int,
+               limit: Tensor | None, caches: list[KVCache]) -> bool:
+    """Whether `loop_group` runs group g's whole loop as one compiled graph (`LeanSteps.loop`,
     a `torch.while_loop` whose body is the application and the rule's check, a decoding
     check through the head or the coda): the compiled step at batch 1 under one rule (an
-    `ExitPolicy`; a forced row's is exit=fixed) with no row limit, and the coda's caches, if
-    it decodes through them, one entry per position. Everything else runs `_loop_steps`."""
+    `ExitPolicy`; a forced row's is exit=fixed) with no row limit, the group's caches one
+    entry per position or one per application (`KVCache`, `StepKVCache`), and the coda's
+    caches, if it decodes through them, one entry per position. Everything else runs
+    `_loop_steps`."""
     if not (B == 1 and lean is not None and lean.fuse_loops and limit is None and isinstance(policy, ExitPolicy)):
         return False
+    if any(type(caches[layer]) not in (KVCache, StepKVCache) for layer in model.cfg.groups[g]):
+        return False
     if policy.needs_decode and decode_mode(model, policy) == "coda":
-        return lean_of(lean, [caches[layer] for layer in model.coda]) is not None
+        return all(type(caches[layer]) is KVCache for layer in model.coda)
     return True
 
 
@@ -564,7 +586,8 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, settings: Deco
     lean = fast_steps(model, settings.step)
     spans = lean.span_starts(n) if lean is not None and lean.compiled and tokens.numel() else []
     if n or spans:
-        caches = new_caches(model, 1, model.cfg.block_size, settings.cache, policy.max_steps_bound)
+        caches = new_caches(model, 1, model.cfg.block_size, settings.cache,
+                            max(policy.max_steps_bound, settings.context_steps or 0))
         noise = RowNoise(settings.seed, [-1])
         warm = [None] * model.n_groups if settings.warm_start else None
         for pos in range(n):

@@ -19,17 +19,20 @@ from token to token, so `torch.compile` can fuse it into a few kernels once:
 - compiled at batch 1, a group's whole loop for a token, its exit checks included, is one
   call (`loop`: a `torch.while_loop` whose body is the application and the rule's check,
   `exits.observe_step`), so an application costs its kernels, not a call from Python, the
-  graph's guards and an eager check (`fuse_loops`; the engine falls back to a call per
-  application for what the graph does not cover: a row limit or fixed rows, per_step
-  caches, `exit.decode=coda`).
+  graph's guards and an eager check (`fuse_loops`), under either cache (`per_step`: each
+  application on its own slot), a decoding check through the head or the coda, which,
+  where it is the token's output, the loop returns; the engine falls back to a call per
+  application for a row limit (the oracle) and for batches.
 
 It reads the same parameter tensors as the model (no copy), so it always computes the
 current weights. It covers what batch-1 decoding and a batch do: a row mask `keep` (rows
 still looping) or none, or a compacted batch's row index (`group_rows`, eager: the rows
 still looping only, attended as `Block.forward` attends them), one-entry-per-position
-caches (`eval.cache=latest`), one token; the decoding engine
+caches (`eval.cache=latest`) and, eagerly, the current application's slot of a per_step
+cache (`recdepth.decode.engine.cache_views`), one token; the decoding engine
 (`recdepth.decode.engine.lean_of`) runs `Block.forward` as before for everything else
-(`per_step` caches, a chunk of tokens, the coda's `PeekCache`).
+(a chunk of tokens, the coda's `PeekCache`, per_step caches under the compiled step outside
+its batch-1 loop).
 
 Equal to `Block.forward` up to float rounding (tests compare the two: float64 within
 1e-12, float32 within 1e-5). Compiled, the masked entries' softmax weights are exactly 0,
@@ -214,7 +217,10 @@ class LeanSteps:
         """A group's loop for one token (batch 1) until its rule fires, as one
         `torch.while_loop`: each iteration is `group_token` (with `block_looping`) and the
         rule's check (`exits.observe_step`); after it, the last application's k/v are
-        written at `pos`, as the step-by-step loop leaves them. `rule` holds the rule's
+        written at `pos`, as the step-by-step loop leaves them. Per-application caches
+        (`eval.cache=per_step`, kvs [1, H, A, T, hd]): application j attends to slot j of the
+        earlier positions, each application's k/v are carried in its slot and written at
+        `pos` after the loop (the engine's `StepKVCache.finish` then fills the slots above n). `rule` holds the rule's
         name and kl direction (a graph each); its numbers are in `limits`. A decoding rule
         decodes with the head, or with `coda` (the caches of the layers after the group)
         through `leave_group`, those layers (`block_looping`: the cache before `pos`, their
@@ -226,7 +232,12 @@ class LeanSteps:
         model = self.model
         pos = pos.clone()  # a view of self.positions, which the loop also reads: its inputs may not alias
         hist = history0(rule, s[:, 0], model.cfg.padded_vocab_size)
-        kv0 = [kc.new_zeros(kc.shape[:2] + (1, kc.shape[3])) for kc, _ in kvs for _ in "kv"]  # set every iteration
+        per_step = kvs[0][0].dim() == 5  # StepKVCache tensors [1, H, A, T, hd]: application j reads and writes slot j
+        A = kvs[0][0].shape[2] if per_step else 0  # (set either way: the loop's body closes over it)
+        if per_step:  # this position's entry in every slot, carried: each application writes its own
+            kv0 = [t.index_select(3, pos)[:, :, :, 0].clone() for kc, vc in kvs for t in (kc, vc)]  # [1, H, A, hd]
+        else:
+            kv0 = [kc.new_zeros(kc.shape[:2] + (1, kc.shape[3])) for kc, _ in kvs for _ in "kv"]  # set every iteration
         coda_ws = [] if coda is None else [self.blocks[layer] for layer in model.coda]
         own = rule.needs_decode and (coda is not None or reuse)  # the body decodes (not observe_step's head)
         out0 = [s.new_zeros(1, model.cfg.padded_vocab_size)] if own else []
@@ -248,9 +259,15 @@ class LeanSteps:
             return ~fired.any()
 
         def body(n, fired, s, *rest):
-            h = rest[:H]
+            h, carried = rest[:H], rest[H : H + len(kv0)]
             u, new_kv = linear(s, adapter_w) + e_proj, []
-            for (kc, vc), w in zip(kvs, ws, strict=True):
+            j = torch.clamp(n, max=A - 1).reshape(1) if per_step else None  # this application's slot
+            for i, ((kc, vc), w) in enumerate(zip(kvs, ws, strict=True)):
+                if per_step:
+                    u, k, v = self.block_looping(u, kc.index_select(2, j)[:, :, 0], vc.index_select(2, j)[:, :, 0],
+                                                 pos, w)
+                    new_kv += [carried[2 * i].index_copy(2, j, k), carried[2 * i + 1].index_copy(2, j, v)]
+                    continue
                 u, k, v = self.block_looping(u, kc, vc, pos, w)
                 # copies with the placeholders' strides: a loop's outputs may not alias (k, v are views of one projection)
                 new_kv += [t.clone(memory_format=torch.contiguous_format) for t in (k, v)]
@@ -266,6 +283,10 @@ class LeanSteps:
         n, _, s, *rest = torch.while_loop(cond, body, (n0, fired0, s, *hist, *kv0, *out0))
         kv, done = rest[H : H + len(kv0)], rest[H + len(kv0) :]
         for i, (kc, vc) in enumerate(kvs):
+            if per_step:  # every slot at pos; the engine then fills those above n (`StepKVCache.finish`)
+                kc.index_copy_(3, pos, kv[2 * i][:, :, :, None])
+                vc.index_copy_(3, pos, kv[2 * i + 1][:, :, :, None])
+                continue
             kc.index_copy_(2, pos, kv[2 * i])
             vc.index_copy_(2, pos, kv[2 * i + 1])
         if not reuse:

@@ -234,15 +234,19 @@ def test_records_with_forced_rows_equal_the_reference(step, batch, n_layer, grou
     np.testing.assert_allclose(rec["nll"], ref_nll, rtol=0, atol=1e-10)
 
 
-def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference():
+@pytest.mark.parametrize("cache", ["latest", "per_step"])
+def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference(cache):
     """The compiled step at batch 1 (float32): a forced context row loops as exit=fixed in
     the compiled loop, and kl's checks through the coda run inside it too (the check that
-    fires is the output); records equal the eager reference within float32 rounding."""
+    fires is the output), under either cache (per_step: each application in its own slot);
+    records equal the eager reference within float32 rounding. A fixed depth below the
+    context's (exit.max_steps 2, context 4) warms up and decodes too."""
     m = model(3, dtype=torch.float32)
     tokens, labels = task_stream()
     p = exits.build("kl", 0.05, max_steps=6)
-    ref = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step="lean",
-                                                         context_steps=4, answers=False), labels=labels)[1]
+    ref = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step="module",
+                                                         context_steps=4, answers=False, cache=cache),
+                        labels=labels)[1]
     lean = engine.fast_steps(m, "compiled")
     names, real = [], lean.loop
 
@@ -253,14 +257,21 @@ def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference
     lean.loop = loop
     try:
         _, got = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2,
-                                                                step="compiled", context_steps=4, answers=False),
-                               labels=labels)
+                                                                step="compiled", context_steps=4, answers=False,
+                                                                cache=cache), labels=labels)
+        low = exits.build("fixed", None, max_steps=2)
+        settings = DecodeSettings(latency_tokens=36, warmup_tokens=0, seed=2, context_steps=4, answers=False,
+                                  cache=cache)
+        ev, shallow = evaluate_exit(m, tokens, low, 36, settings.replace(step="compiled"), labels=labels)
     finally:
         del lean.loop
     answer = labels[got["position"] + 1] > 0
     assert names.count(("fixed", False, False)) >= (~answer).sum() and names.count(("kl", True, True)) >= answer.sum()
     assert (got["apps"] == ref["apps"]).all()
     assert np.abs(got["nll"] - ref["nll"]).max() <= 1e-5
+    _, eager = evaluate_exit(m, tokens, low, 36, settings.replace(step="module", latency_tokens=0), labels=labels)
+    assert (shallow["apps"] == eager["apps"]).all() and set(shallow["apps"][:, 0].tolist()) == {2, 4}
+    assert np.abs(shallow["nll"] - eager["nll"]).max() <= 1e-5 and ev["batch_check"]["apps_mismatch"] == 0
 
 
 # ---------------------------------------------------------- time per answer

@@ -60,15 +60,17 @@ def test_lean_step_equals_block_forward(kw, dtype, tol, rule, tau, batch_size):
 
 
 def test_lean_step_replaces_block_forward_at_batch_one(monkeypatch):
-    """At batch 1 with the latest cache, no token reaches Block.forward (every layer and
-    group application is the lean step); with per_step caches, every one does."""
+    """At batch 1, with the latest cache and with per_step caches (each application on its
+    own slot of the cache, `engine.cache_views`), no token reaches Block.forward: every
+    layer and group application is the lean step; under the module step every one does."""
     m = model(PLAIN, torch.float64)
     calls = []
     real = Block.forward
     monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     score(m, "lean", build("accel", 0.05, max_steps=9), 1, n=10)
-    assert calls == []
     score(m, "lean", build("accel", 0.05, max_steps=9), 1, n=10, cache="per_step")
+    assert calls == []
+    score(m, "module", build("accel", 0.05, max_steps=9), 1, n=10, cache="per_step")
     assert len(calls) >= 10 * m.cfg.n_layer
 
 
@@ -92,7 +94,8 @@ def test_compacted_batches_take_the_lean_step_and_give_the_module_records_bit_fo
 
 
 def test_per_step_cache_under_lean_equals_module():
-    """per_step caches: looped layers run Block.forward, the others the lean step."""
+    """per_step caches: the lean step on each application's slot (batch 3: masked and
+    compacted rows too) gives the module path's records."""
     m = model(HUGINN, torch.float64)
     policy = build("stepnorm", 0.3, max_steps=7)
     ref, lean = (score(m, s, policy, 3, cache="per_step") for s in ("module", "lean"))
