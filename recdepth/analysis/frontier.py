@@ -9,8 +9,10 @@ these into the sweep directory:
                         one per group), patience (argmax_stability), max_steps,
                         warm_start (eval.warm_start, continuous compute), ce
                         with its 95% CI (over windows), ppl, ms_per_token (median, min,
-                        max, every repeat), applications per group and their mean, layer
-                        applications and FLOPs per token, tokens, tokens_per_s (batched),
+                        max, every repeat), on a task ms_per_answer (with its CI and
+                        repeats) and ms_per_context, applications per group and their mean,
+                        the cost (layer applications with the checks), the loop alone, the
+                        checks per token, FLOPs per token, tokens, tokens_per_s (batched),
                         the batch-1 check (tokens whose applications differ between batch
                         1 and batch B, largest NLL difference), reused, error
     sweep_results.md    the same as a Markdown table
@@ -60,7 +62,7 @@ log = logging.getLogger("recdepth.frontier")
 # -------------------------------------------------------------- aggregation
 COLUMNS = ["job", "overrides", "status", "exit", "tau", "patience", "max_steps", "warm_start", "ce", "ce_lo", "ce_hi", "ppl", "ms_per_token",
            "ms_min", "ms_max", "ms_repeats", "ms_per_answer", "ms_per_answer_lo", "ms_per_answer_hi",
-           "ms_per_answer_repeats", "applications_per_token", "mean_applications", "layer_applications",
+           "ms_per_answer_repeats", "ms_per_context", "applications_per_token", "mean_applications", "layer_applications",
            "loop_layer_applications", "checks_per_token", "flops_per_token", "group_layers", "outside_layers", "tokens", "tokens_per_s", "batch1_apps_mismatch",
            "batch1_max_abs_dnll", "reused", "error"]
 
@@ -102,10 +104,10 @@ def _job_row(job_dir: Path) -> dict:
                        tokens_per_s=ev.get("tokens_per_s", ""),
                        batch1_apps_mismatch=(ev.get("batch_check") or {}).get("apps_mismatch", ""),
                        batch1_max_abs_dnll=(ev.get("batch_check") or {}).get("max_abs_dnll", ""))
-            if ev.get("ms_per_answer") is not None:  # a task's time per answer (`scoring.answer_latency`)
+            if ev.get("ms_per_answer") is not None:  # a task's time per answer (`scoring.latency_of`)
                 row.update(ms_per_answer=ev["ms_per_answer"], ms_per_answer_lo=ev["ms_per_answer_ci"][0],
                            ms_per_answer_hi=ev["ms_per_answer_ci"][1],
-                           ms_per_answer_repeats=ev["ms_per_answer_repeats"])
+                           ms_per_answer_repeats=ev["ms_per_answer_repeats"], ms_per_context=ev.get("ms_per_context"))
             if ev["exit"] == "argmax_stability":  # its k; the other rules do not read it
                 row["patience"] = ev.get("patience", "")
     elif (job_dir / "error.txt").is_file():
@@ -215,7 +217,8 @@ FRONTIER_COLUMNS = ["job", "exit", "family", "warm_start", "tau", "patience", "c
                     "oracle_saving_lo", "oracle_saving_hi", "verdict", "verdict_holm"]
 RESAMPLES = 1000  # bootstrap resamples of the units (docs/spec.md §4b: at least 1000)
 ORACLE_EPS = np.concatenate([[0.0], np.logspace(-5, 0, 26)])  # the oracle curve's ε grid
-ORACLE = "oracle (best uniform depth within ε; reads the target)"  # its verdict cell: not a rule, not a bound
+# its verdict cell: not a rule; it reads the target, so no run reaches it, and it is priced as its loop alone
+ORACLE = "oracle (best uniform depth within ε; reads the target: unreachable, priced as its loop alone)"
 
 
 # Differences this small are float rounding, not a measurement: a setting decoded in another
@@ -294,7 +297,7 @@ def bootstrap(inputs: tuple[dict, dict, np.ndarray | None], resamples: int = RES
 
 def latency_keys(rows: list[dict]) -> tuple[str, str]:
     """The latency the equal-latency comparison reads: ms per answer (a task's time per
-    answer, `scoring.answer_latency`) when every timed job of the sweep has it, else ms per
+    answer, `scoring.latency_of`) when every timed job of the sweep has it, else ms per
     token; (the row's key, the key of its repeats)."""
     timed = [r for r in rows if r["status"] == "ok" and is_number(r["ms_per_token"])]
     if timed and all(is_number(r.get("ms_per_answer")) for r in timed):

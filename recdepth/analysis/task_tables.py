@@ -175,7 +175,7 @@ def best_fixed(sweep_dir: Path, evs: dict[int, dict], resamples: int = 2000) -> 
 
 
 def _answer_ms(ev: dict, prefix: str) -> dict:
-    """A job's time per answer (`scoring.answer_latency`) as best_fixed columns."""
+    """A job's time per answer (`scoring.latency_of`) as best_fixed columns."""
     ci = ev.get("ms_per_answer_ci") or ["", ""]
     return {f"{prefix}ms_per_answer": ev.get("ms_per_answer", ""), f"{prefix}ms_per_answer_lo": ci[0],
             f"{prefix}ms_per_answer_hi": ci[1]}

@@ -302,7 +302,8 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
     quality and cost (ce, applications, layer_applications, ...) are recomputed over
     them: what the sweep, the frontier, calibration and the report then read.
     `ms_per_token` and `flops_per_token` stay those of every decoded token, beside the
-    answers' own `ms_per_answer` (`answer_latency`) and `flops_per_answer`.
+    answers' own `ms_per_answer` and `flops_per_answer` (`latency_of`; `ms_per_context`:
+    the other tokens').
     `answers=True` without labels is an error."""
     answers, bos = settings.answers, settings.bos
     if labels is None:
@@ -317,12 +318,15 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
             raise ValueError("eval.tokens: the scored tokens hold no answer (score more tokens)")
         n = len(keep)
         rec["context"] = attended(rec, bos)  # before the filter: windows start at their first token
+        timing = {"ms_repeats": rec["ms_repeats"][~keep], "window": rec["window"][~keep]} if "ms_repeats" in rec else {}
+        context_latency = latency_of(timing, "context")  # the other tokens' (a task's context)
         rec = {k: (v[keep] if isinstance(v, np.ndarray) and len(v) == n else v) for k, v in rec.items()}
         rec["kept"] = np.flatnonzero(keep)  # rows of the full record (`add_latency` maps timings by it)
         latency = {k: v for k, v in ev.items() if k.startswith(("ms_", "latency", "repeats", "batch_check",
                                                                    "tokens_per_s"))}
         per_answer = _summary(model, policy, rec, settings)
-        ev = {**ev, **per_answer, **latency, **answer_latency(rec), "flops_per_answer": per_answer["flops_per_token"],
+        ev = {**ev, **per_answer, **latency, **latency_of(rec), **context_latency,
+              "flops_per_answer": per_answer["flops_per_token"],
               "flops_per_token": ev["flops_per_token"]}  # FLOPs of every decoded token beside the answers
         if "nll_by_n" in rec:  # the oracle
             ev["ce_at_max_steps"] = float(rec["nll_by_n"][:, -1].mean())
@@ -331,21 +335,24 @@ def score_task(model: LoopedGPT, policy: ExitPolicy, ev: dict, rec: dict, labels
     return ev, rec
 
 
-def answer_latency(rec: dict, resamples: int = 1000) -> dict:
+def latency_of(rec: dict, what: str = "answer", resamples: int = 1000) -> dict:
     """Time per answer (a task's answer tokens only, after `score_task` kept them): the
     batch-1 ms of the decode step that predicts an answer (its loops and checks, the
     layers after them and the head), over the timed answers. `ms_per_answer`: the median
     over timing repeats of the mean over answers; `ms_per_answer_ci`: its 95% interval,
     each resample drawing whole windows (for a task, its instances) and one timing repeat
     (`stats.latency_ci`); `ms_per_answer_repeats`: the mean of each repeat;
-    `latency_answers`: the answers timed. All None when no answer was timed."""
+    `latency_answers`: the answers timed. All None when no answer was timed. With
+    what="context", the same of the record's other tokens (`ms_per_context`, ...: the
+    positions whose target is not an answer, under `eval.context_steps` looped at fixed depth)."""
     ms = rec.get("ms_repeats")
     timed = np.zeros(0, dtype=bool) if ms is None or not ms.size else np.isfinite(ms).all(axis=1)
     if not timed.any():
-        return {"ms_per_answer": None, "ms_per_answer_ci": None, "ms_per_answer_repeats": None, "latency_answers": 0}
+        return {f"ms_per_{what}": None, f"ms_per_{what}_ci": None, f"ms_per_{what}_repeats": None,
+                f"latency_{what}s": 0}
     m, lo, hi, per_rep = stats.latency_ci(ms[timed], rec["window"][timed], resamples)
-    return {"ms_per_answer": m, "ms_per_answer_ci": [lo, hi], "ms_per_answer_repeats": per_rep,
-            "latency_answers": int(timed.sum())}
+    return {f"ms_per_{what}": m, f"ms_per_{what}_ci": [lo, hi], f"ms_per_{what}_repeats": per_rep,
+            f"latency_{what}s": int(timed.sum())}
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ from recdepth import exits
 from recdepth.analysis import stats
 from recdepth.decode import engine
 from recdepth.decode.engine import RowNoise, decode_step, new_caches
-from recdepth.decode.scoring import answer_latency, evaluate_exit, model_cost, score_task
+from recdepth.decode.scoring import evaluate_exit, latency_of, model_cost, score_task
 from recdepth.decode.settings import DecodeSettings
 from recdepth.model.looped import GPTConfig, LoopedGPT
 
@@ -276,8 +276,8 @@ def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference
 
 # ---------------------------------------------------------- time per answer
 def test_ms_per_answer_reads_the_answer_tokens_only():
-    """score_task keeps the answers; their ms (the answer's own step) make ms_per_answer:
-    answers timed at 10 and 14 ms in two repeats, context at 1 ms."""
+    """score_task keeps the answers; their ms (the answer's own step) make ms_per_answer,
+    the others' ms_per_context: answers timed at 10 and 14 ms in two repeats, context at 1 ms."""
     m = model(3)
     n = 8
     labels = np.array([0, 0, 1, 0, 1, 0, 0, 1, 1])  # targets 2, 4, 7, 8 are answers
@@ -294,6 +294,7 @@ def test_ms_per_answer_reads_the_answer_tokens_only():
     assert ev["ms_per_answer"] == 12.0 and ev["ms_per_answer_repeats"] == [10.0, 14.0]
     assert ev["flops_per_token"] == 1.0 and ev["flops_per_answer"] > 1.0  # the answers' own beside it
     assert ev["ms_per_token"] == pytest.approx((4 * 12 + 4 * 1) / 8) and ev["latency_answers"] == 4
+    assert ev["ms_per_context"] == 1.0 and ev["latency_contexts"] == 4  # the other tokens', beside it
     assert ev["ms_per_answer_ci"][0] >= 10.0 and ev["ms_per_answer_ci"][1] <= 14.0
 
 
@@ -312,4 +313,4 @@ def test_latency_interval_against_a_slow_bootstrap():
 
 
 def test_no_timed_answer_gives_no_latency():
-    assert answer_latency({"ms_repeats": np.full((3, 2), np.nan), "window": np.zeros(3)})["ms_per_answer"] is None
+    assert latency_of({"ms_repeats": np.full((3, 2), np.nan), "window": np.zeros(3)})["ms_per_answer"] is None
