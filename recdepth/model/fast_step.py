@@ -212,7 +212,7 @@ class LeanSteps:
 
     def loop_token(self, rule: ExitPolicy, s: Tensor, e_proj: Tensor, adapter_w: Tensor,
                    kvs: list[tuple[Tensor, Tensor]], pos: Tensor, ws: list[BlockWeights], limits: Tensor,
-                   gate: tuple[Tensor, Tensor] | None, g: int, coda: list[tuple[Tensor, Tensor]] | None,
+                   gate: tuple[Tensor, Tensor] | None, g: int | None, coda: list[tuple[Tensor, Tensor]] | None,
                    reuse: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         """A group's loop for one token (batch 1) until its rule fires, as one
         `torch.while_loop`: each iteration is `group_token` (with `block_looping`) and the
@@ -377,8 +377,10 @@ class LeanSteps:
         rule = _RULES.get(which)  # one object per rule, in every process-wide graph's guards
         if rule is None:
             rule = _RULES[which] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
+        # g is a constant of the graph: passed only where the body reads it (leaving the group
+        # into the coda), so groups of one shape share one graph as they did before
         s, n, logits = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
-                                  self.group_blocks[g], limits, gate, g, coda, reuse)
+                                  self.group_blocks[g], limits, gate, None if coda is None else g, coda, reuse)
         return s, n.reshape(1), logits
 
     def span_starts(self, after: int = 0) -> list[int]:
