@@ -35,6 +35,7 @@ from recdepth.config.schema import TrainConfig, validated
 from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.decode.jobs import evaluate_trained
 from recdepth.training import distributed
+from recdepth.training.checkpoints import start_from
 from recdepth.training.lit import LoopedLM, TrainingDiverged
 from recdepth.training.runs import TrainingRun, job_dir_lock, write_json
 
@@ -92,7 +93,9 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
     mcfg = config.model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)  # the vocabulary is the data's
     module = LoopedLM(model=mcfg.to_dict(), sampler=config.sampler_args(cfg), optim=dataclasses.asdict(cfg.optim),
                       max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
-                      loss=dataclasses.asdict(cfg.loss))
+                      loss=dataclasses.asdict(cfg.loss), halt=dataclasses.asdict(cfg.halt))
+    if cfg.halt.init_from and resume_step is None:  # a halting head on a trained model (halt.init_from)
+        start_from(module, cfg.halt.init_from)
     module.data_config = dataclasses.asdict(cfg.data)
     module.training_config = run.training
     if mcfg.logit_bias:

@@ -33,6 +33,7 @@ LAYERS = {  # package, subpackage or module under recdepth/ -> its layer, the lo
     "training": "glue",  # Lightning: the module, callbacks, runs, checkpoints, DDP
     "training.sampler": "core",  # loop-count samplers
     "training.objective": "core",  # where the loss is taken along the loop
+    "training.halting": "core",  # the halting losses (halt.*)
     "analysis": "core",  # loop geometry, diagnostics, exit statistics
     "analysis.frontier": "glue",  # a sweep's tables and the frontier statistics over its files
     "analysis.frontier_grid": "glue",  # a frontier's grid of settings (config lines)

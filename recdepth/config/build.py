@@ -23,7 +23,7 @@ from recdepth.config.schema import TrainConfig, validated
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.exits.gate import load_gate
 from recdepth.model.config import GPTConfig
-from recdepth.training import distributed
+from recdepth.training import distributed, halting
 
 log = logging.getLogger("recdepth.config.build")
 
@@ -49,8 +49,10 @@ def typed(cfg):
 def model_config(cfg: TrainConfig | DictConfig, vocab_size: int, n_other: int = 0) -> GPTConfig:
     run = typed(cfg)
     m = run.model
+    h = run.halt  # a halting head (halt.*): its input, initial bias and how exit=halt reads it
+    head = dict(halt_head=h.input, halt_bias=h.init_bias, halt_reading=halting.lookup(h.loss).reading) if h.on else {}
     return GPTConfig(**m.shape(), **m.options(), groups=m.groups, state_init=m.state_init, logit_bias=m.logit_bias,
-                     mean_recurrence=run.sampler.mean, vocab_size=vocab_size, n_other=n_other)
+                     mean_recurrence=run.sampler.mean, vocab_size=vocab_size, n_other=n_other, **head)
 
 
 def sampler_args(cfg: TrainConfig | DictConfig) -> dict:

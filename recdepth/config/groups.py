@@ -18,7 +18,7 @@ from recdepth import exits
 from recdepth.data.sources import DataConfig  # noqa: F401  (the `data` group: one class per source)
 from recdepth.decode.settings import DecodeSettings
 from recdepth.model.config import OPTION_DEFAULTS, check_architecture, shape_of
-from recdepth.training import objective, sampler
+from recdepth.training import halting, objective, sampler
 
 CALIBRATION_METHODS = ("empirical", "ltt")
 
@@ -148,6 +148,59 @@ class LossConfig:
 
     def __post_init__(self):
         objective.check(self.steps, self.weights, self.anneal_to, self.anneal_start, self.anneal_end)
+
+
+@dataclass
+class HaltConfig:
+    """`halt`: a halting head trained with the loop (recdepth/training/halting.py, docs/spec.md
+    §1d; read at evaluation by exit=halt). conf/halt/: none (the default), act, pondernet,
+    entropy, correct. A model with exactly one recurrence group."""
+
+    loss: str = "none"
+    """none (no head) | act | pondernet | entropy | correct (a registered halting loss)."""
+    input: str = "state"
+    """What the head reads: state (x^(n)) | normed (x^(n) / rms(x^(n)))."""
+    init_bias: float = -3.0
+    """The head's initial bias (λ ≈ 0.05 at the start; a bias >= 0 traps ACT, arXiv 2604.21999)."""
+    beta: float = halting.HaltSettings.beta
+    """The halting term's weight (>= 0): ACT's ponder cost, PonderNet's KL, Ouro's entropy
+    bonus; correct ignores it."""
+    prior: float = halting.HaltSettings.prior
+    """PonderNet's geometric prior λ_p, in (0, 1) (its mean depth is 1/λ_p)."""
+    epsilon: float = halting.HaltSettings.epsilon
+    """ACT's ε, in (0, 1): a token halts once its halting sum reaches 1 − ε."""
+    label: str = halting.HaltSettings.label
+    """correct's label: right (the argmax after n is the target) | margin (L_n − L_N <= margin)
+    | improvement (L_n − L_{n+1} <= margin, Ouro's stage II)."""
+    margin: float = halting.HaltSettings.margin
+    """Nats (>= 0), for label=margin and improvement."""
+    init_from: str | None = None
+    """A training checkpoint (last.ckpt) whose weights the run starts from; with `freeze` the
+    second stage on a frozen model (Ouro's stage II, the post-hoc gate's setting)."""
+    freeze: bool = False
+    """Train the halting head only, every other weight as `init_from` left it (needs init_from)."""
+
+    def settings(self) -> halting.HaltSettings:
+        """The numbers the loss reads."""
+        return halting.HaltSettings(beta=self.beta, prior=self.prior, epsilon=self.epsilon, label=self.label,
+                                    margin=self.margin)
+
+    @property
+    def on(self) -> bool:
+        return self.loss != "none"
+
+    def __post_init__(self):
+        if self.on:
+            halting.lookup(self.loss)
+        check_one_of("halt.input", self.input, halting.INPUTS)
+        check_number("halt.init_bias", self.init_bias, lo=-math.inf)
+        self.settings()
+        if not isinstance(self.freeze, bool):
+            raise ValueError(f"halt.freeze: expected true or false, got {self.freeze!r}")
+        if self.freeze and not self.init_from:
+            raise ValueError("halt.freeze: true needs halt.init_from=<a training checkpoint> (the frozen model)")
+        if self.init_from is not None and not self.on:
+            raise ValueError("halt.init_from: set for halt.loss=none (nothing to train on top of the checkpoint)")
 
 
 @dataclass

@@ -49,6 +49,7 @@ from recdepth.config.groups import (
     DecodeConfig,
     EvalConfig,
     ExitConfig,
+    HaltConfig,
     LossConfig,
     ModelConfig,
     SamplerConfig,
@@ -69,6 +70,7 @@ from recdepth.decode import generation
 from recdepth.decode.kv_cache import check_cache
 from recdepth.exits.calibration import ltt
 from recdepth.exits.calibration import search as calibration
+from recdepth.training import halting
 
 
 # -------------------------------------------------------------------- roots
@@ -84,6 +86,8 @@ class TrainConfig:
     sampler: SamplerConfig = field(default_factory=SamplerConfig)
     loss: LossConfig = field(default_factory=LossConfig)
     """Where the training loss is taken along the loop (`loss.steps`: last | all | trajectory)."""
+    halt: HaltConfig = field(default_factory=HaltConfig)
+    """A halting head trained with the loop (`halt=<loss>`: act | pondernet | entropy | correct)."""
     exit: ExitConfig = field(default_factory=ExitConfig)
     data: DataConfig = field(default=MISSING, metadata={"required": "select one with data=<source or task>"})
     """The data: one source's config (recdepth/data/sources/), `data=<source>` or `data=<task>`
@@ -105,6 +109,9 @@ class TrainConfig:
         if "trajectory" in {self.loss.steps, self.loss.anneal_to} and not self.data.step_width():
             raise ValueError(f"loss.steps: trajectory needs per-step targets, and data={self.data.source} has none "
                              "(a task that states them, e.g. data=roots; else loss.steps=all or last)")
+        if self.halt.on and len(self.model.groups) != 1:
+            raise ValueError(f"halt.loss: a halting head needs a model with exactly one recurrence group, "
+                             f"model.groups={self.model.groups}")
         e = self.exit  # per-group values: one per recurrence group of the model
         exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups),
                        decode=e.decode, kl_direction=e.kl_direction)
@@ -455,6 +462,9 @@ def register_configs() -> None:
     options |= {a: None for a in exits.ALIASES} | {exits.ORACLE: exits.ORACLE_EPSILON}
     for name, tau in options.items():
         cs.store(group="exit", name=name, node=ExitConfig(name=name, tau=tau))
+    # `halt`: none, and one option per registered halting loss (recdepth/training/halting.py)
+    for name in ("none", *halting.names()):
+        cs.store(group="halt", name=name, node=HaltConfig(loss=name))
     # `data`: one option per registered source (`data=<source>`, recdepth/data/sources/) and
     # per registered task (`data=<task>`: the task source with that task, recdepth/data/tasks/)
     for name in sources.names():

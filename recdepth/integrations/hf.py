@@ -250,7 +250,7 @@ def check_saveable(cfg: GPTConfig) -> None:
     """Refuse, in one line, a model whose architecture Huginn's RavenForCausalLM cannot express."""
     layer_names(cfg)  # exactly one recurrence group
     want = dict(position="rope", mlp="gated_silu", scale_embeddings=True, latent_norm=True, logit_bias=False,
-                attention_window=None)
+                attention_window=None, halt_head=None)  # halt_head: a halting head (docs/spec.md §1d)
     for key, v in want.items():
         if getattr(cfg, key) != v:
             raise ValueError(f"save_hf: model.{key}: {getattr(cfg, key)!r} has no counterpart in Huginn's "

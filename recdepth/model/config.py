@@ -20,6 +20,8 @@ SIZES: dict[str, dict[str, int]] = {
     "huginn-0125": dict(n_layer=8, n_head=55, n_embd=5280, block_size=4096, intermediate_size=17920),
 }
 STATE_INITS = ("normal", "zero", "input")
+HALT_HEADS = ("state", "normed")  # what a halting head reads (GPTConfig.halt_head)
+HALT_READINGS = ("sum", "cdf", "direct")  # how exit=halt reads it (GPTConfig.halt_reading)
 POSITIONS = ("learned", "rope")
 MLPS = ("silu", "gated_silu")
 # The architecture options beyond the shape, with the defaults that are the GPT-2 model
@@ -112,6 +114,18 @@ class GPTConfig:
     p − W + 1 .. p only (W >= 1; None: every earlier position, SPEC §1). With W = 2
     information moves one position per layer application, so a looped group propagates it
     one position per application (the carry task of docs/tasks.md)."""
+    # --- a halting head trained with the loop (`halt.*`, recdepth/training/halting.py)
+    halt_head: str | None = None
+    """None (no head), or what the halting head reads: `state` (the last recurrence group's
+    state x^(n)) or `normed` (x^(n) / rms(x^(n)), no weight). The head is one Linear(d -> 1)
+    on the last group, λ_n = σ(w · f(x^(n)) + b) (`looped.halt_logit`); one recurrence group only."""
+    halt_bias: float = -3.0
+    """The head's initial bias b (λ ≈ σ(−3) ≈ 0.05 at the start: a zero or positive bias traps
+    ACT runs, arXiv 2604.21999)."""
+    halt_reading: str = "cdf"
+    """How `exit=halt` reads the head, set by the loss that trained it: `sum` (ACT: halt once
+    1 − Σ_{j≤n} λ_j < τ), `cdf` (PonderNet, Ouro: ∏_{j≤n} (1 − λ_j) < τ) or `direct` (correct:
+    1 − λ_n < τ)."""
 
     def __post_init__(self):
         self.groups = check_architecture(self.n_layer, self.n_head, self.n_embd, self.block_size, self.groups,
@@ -123,6 +137,7 @@ class GPTConfig:
             raise ValueError(f"model.n_other: expected an integer >= 0, got {self.n_other!r}")
         if not (isinstance(self.mean_recurrence, (int, float)) and self.mean_recurrence >= 1):
             raise ValueError(f"model.mean_recurrence: expected a number >= 1, got {self.mean_recurrence!r}")
+        check_halt_head(self.halt_head, self.halt_bias, self.halt_reading, len(self.groups))
 
     @property
     def other_id(self) -> int | None:
@@ -208,6 +223,21 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
         raise ValueError(f"model.attention_window: expected null or an integer >= 1 (positions attended, the "
                          f"token's own included), got {attention_window!r}")
     return validate_groups(groups, n_layer)
+
+
+def check_halt_head(head: str | None, bias: float, reading: str, n_groups: int) -> None:
+    """The halting head's fields (one line naming `halt.*`, where a run sets them)."""
+    if head is None:
+        return
+    if head not in HALT_HEADS:
+        raise ValueError(f"halt.input: unknown {head!r} (expected one of {', '.join(HALT_HEADS)})")
+    if not _finite(bias):
+        raise ValueError(f"halt.init_bias: expected a finite number, got {bias!r}")
+    if reading not in HALT_READINGS:
+        raise ValueError(f"halt.reading: unknown {reading!r} (expected one of {', '.join(HALT_READINGS)})")
+    if n_groups != 1:
+        raise ValueError(f"halt.loss: a halting head needs a model with exactly one recurrence group (its losses "
+                         f"read the per-application losses of that group), this model has {n_groups}")
 
 
 def _finite(v) -> bool:

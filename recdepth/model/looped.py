@@ -315,6 +315,18 @@ class Adapter(nn.Module):
         return torch.cat([self.state.weight, self.input.weight], dim=1)
 
 
+def halt_logit(x: Tensor, weight: Tensor, bias: Tensor, normed: bool, eps: float = 1e-6) -> Tensor:
+    # eps is fixed (not model.norm_eps): the exit rule reads the head without the model config
+    """A halting head's logit z = w · f(x) + b over the last axis of x [..., d] (weight [d],
+    bias []), f(x) = x (`halt_head: state`) or x / rms(x) (`normed`, no weight); λ = σ(z).
+    The one definition the training pass (`LoopedGPT.forward`) and the exit rule `halt`
+    (recdepth/exits/rules.py) read. A per-row sum, not a matmul: a row's z does not depend
+    on the rows beside it (as the gate's, recdepth/exits/gate.py)."""
+    if normed:
+        x = F.rms_norm(x, (x.shape[-1],), None, eps)
+    return (x * weight).sum(-1) + bias
+
+
 # -------------------------------------------------------------------------- model
 class LoopedGPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
@@ -328,6 +340,9 @@ class LoopedGPT(nn.Module):
         self.adapters = nn.ModuleList(Adapter(d) for _ in cfg.groups)
         self.ln_f = RMSNorm(d, cfg.norm_eps)
         self.lm_bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size)) if cfg.logit_bias else None
+        # the halting head on the (one) recurrence group's state, weight [1, d], bias [1]: the
+        # shape of a one-group gate, (weight [G, d], bias [G]), which exit=halt reads it as
+        self.halt = nn.Linear(d, 1) if cfg.halt_head is not None else None
         # Execution plan: ("layer", l) runs layer l once, ("group", g) loops group g.
         starts = {g[0]: i for i, g in enumerate(cfg.groups)}
         looped = {layer for g in cfg.groups for layer in g}
@@ -376,6 +391,9 @@ class LoopedGPT(nn.Module):
         sigma = math.sqrt(2 / (5 * self.cfg.n_embd))
         sigma_out = sigma / math.sqrt(2 * self.cfg.effective_depth)
         for name, p in self.named_parameters():
+            if name.startswith("halt."):  # the halting head starts at λ = σ(halt_bias) everywhere
+                nn.init.constant_(p, self.cfg.halt_bias if name == "halt.bias" else 0.0)
+                continue
             if name == "lm_bias" or name.endswith("attn.qk_bias"):
                 nn.init.zeros_(p)
                 continue
@@ -522,6 +540,7 @@ class LoopedGPT(nn.Module):
         objective=None,
         step_targets: Tensor | None = None,
         mix: dict[str, float] | None = None,
+        halting=None,
     ) -> tuple[Tensor, Tensor | None]:
         """Parallel forward over [B, T] token ids with `loops[g]` applications of group g
         (default: round(mean_recurrence)). Returns (logits, mean cross-entropy or None).
@@ -531,6 +550,14 @@ class LoopedGPT(nn.Module):
         after each graded application of the last recurrence group (each run through the
         layers after the group and the head); without one, or `last` alone, the loss after
         the last application.
+
+        `halting` (with targets; a model with a halting head, `halt_head`): a function of the
+        keywords z, nll, right, scored and mixture (recdepth/training/halting.py, `HaltInputs`)
+        returning the halting loss, added to the loss. It sees every application n = 1 .. N of
+        the recurrence group: the head's logit z_n, the NLL of the final targets decoded after
+        n (the applications outside the backprop window decoded without gradient, their
+        states detached), whether that argmax is the target, and the NLL of the output
+        decoded from a mixture of the states (ACT).
 
         `trace`, if given, receives the hidden states in depth order, one entry per step of
         the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
@@ -544,7 +571,11 @@ class LoopedGPT(nn.Module):
         if per_step and not self.n_groups:
             raise ValueError("loss.steps: a per-step objective needs a recurrence group (model=baseline has none)")
         last_group = max((k for k, (kind, _) in enumerate(self.plan) if kind == "group"), default=-1)
+        halt = halting is not None and targets is not None
+        if halt and self.halt is None:
+            raise ValueError("halt.loss: this model has no halting head (model config halt_head is null)")
         graded: list[tuple[int, Tensor]] = []
+        states: list[Tensor] = []  # the last group's states x^(1) .. x^(N) (halting)
         x = self.embed(idx)
         for k, (kind, i) in enumerate(self.plan):
             rec = None if trace is None else []
@@ -553,22 +584,60 @@ class LoopedGPT(nn.Module):
                 if rec is not None:
                     rec.append(x)
             else:
+                if halt and k == last_group and rec is None:
+                    rec = states
                 x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec,
                                                        graded if per_step and k == last_group else None))
+                if halt and k == last_group:
+                    states = rec
             if trace is not None:
                 trace.append((kind, i, rec))
         logits = self.decode_logits(x)
         loss = None
-        if targets is not None and not per_step:  # mean token_nll over the scored targets (-1: not scored)
+        if targets is None:
+            return logits, loss
+        decoded: dict[int, Tensor] = {}  # t -> the logits after application t of the last group
+        if per_step or halt:
+            g, after, n_last = self.plan[last_group][1], self.plan[last_group + 1 :], loops[self.plan[last_group][1]]
+
+            def after_step(t: int, s: Tensor) -> Tensor:
+                if t not in decoded:
+                    decoded[t] = logits if t == n_last else self.decode_logits(self._run_layers(after, self.leave_group(g, s)))
+                return decoded[t]
+        if not per_step:  # mean token_nll over the scored targets (-1: not scored)
             scored = (targets >= 0).sum().clamp(min=1)
             loss = self.nll(logits, targets).sum() / scored
-        elif targets is not None:
-            after = self.plan[last_group + 1 :]  # the layers after the last group (its coda)
-            n = loops[self.plan[last_group][1]]
-            steps = [(t, logits if t == n else self.decode_logits(self._run_layers(after, self.leave_group(
-                self.plan[last_group][1], s)))) for t, s in graded]
-            loss = objective.loss(mix, logits, steps, targets, step_targets, self.nll)
+        else:
+            loss = objective.loss(mix, logits, [(t, after_step(t, s)) for t, s in graded], targets, step_targets,
+                                  self.nll)
+        if halt:
+            loss = loss + self._halting_loss(halting, states, after_step, targets)
         return logits, loss
+
+    def _halting_loss(self, halting, states: list[Tensor], after_step, targets: Tensor) -> Tensor:
+        """`forward`'s halting term: the inputs of a halting loss over the states x^(1) .. x^(N)
+        of the (one) recurrence group, `after_step(t, x)` the logits decoded after application t."""
+        steps = []
+        for t, s in enumerate(states, 1):
+            if s.requires_grad or not torch.is_grad_enabled():
+                steps.append(after_step(t, s))
+            else:  # outside the backprop window: its loss is a number the head's weights are fitted to
+                with torch.no_grad():
+                    steps.append(after_step(t, s))
+        stacked = torch.stack(steps)  # [N, B, T, V]
+        nll = self.nll(stacked, targets.expand(stacked.shape[:-1]))
+        right = (stacked.argmax(-1) == targets) & (targets >= 0)
+        w, b = self.halt.weight[0], self.halt.bias[0]
+        z = torch.stack([halt_logit(s, w, b, self.cfg.halt_head == "normed") for s in states])
+        g = next(i for kind, i in reversed(self.plan) if kind == "group")
+        after = self.plan[[k for k, (kind, _) in enumerate(self.plan) if kind == "group"][-1] + 1 :]
+        xs = torch.stack(states)
+
+        def mixture(p: Tensor) -> Tensor:  # ACT: the output decoded from Σ_n p_n x^(n)
+            mixed = (p.unsqueeze(-1).to(xs.dtype) * xs).sum(0)
+            return self.nll(self.decode_logits(self._run_layers(after, self.leave_group(g, mixed))), targets)
+
+        return halting(z=z.to(torch.promote_types(z.dtype, torch.float32)), nll=nll, right=right, scored=targets >= 0, mixture=mixture)
 
     def _run_layers(self, plan: Sequence[tuple[str, int]], x: Tensor) -> Tensor:
         for _, i in plan:  # layers only: nothing follows the last group but layers

@@ -73,6 +73,48 @@ def load_checkpoint(path: str | Path, device: torch.device) -> tuple[LoopedLM, d
     return module.to(device).eval(), data
 
 
+HEAD_FIELDS = ("halt_head", "halt_bias", "halt_reading")  # the halting head's (GPTConfig), which init_from may add
+
+
+def start_from(module: LoopedLM, path: str | Path) -> None:
+    """Load the weights of the training checkpoint at `path` into `module` (halt.init_from: a
+    halting head trained on top of a trained model). The two models must be one network but
+    for the halting head: a head the checkpoint has is loaded, one it lacks keeps its
+    initialisation. Anything else is a one-line ValueError naming halt.init_from."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"halt.init_from: no checkpoint file at {path}")
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        theirs, weights = dict(ckpt["hyper_parameters"]["model"]), ckpt["state_dict"]
+    except Exception as e:
+        raise ValueError(f"halt.init_from: {path} is not a recdepth training checkpoint ({type(e).__name__})") from None
+    ours = module.config.to_dict()
+    differ = sorted(k for k in ours if k not in HEAD_FIELDS and theirs.get(k, ours[k]) != ours[k])
+    if differ:
+        k = differ[0]
+        raise ValueError(f"halt.init_from: {path} is another model (model.{k}: {theirs[k]!r} there, {ours[k]!r} "
+                         "here); the run's model and data must be the checkpoint's")
+    weights = {k.removeprefix("model."): v for k, v in weights.items() if k.startswith("model.")}
+    if module.model.halt is not None:
+        for k, v in module.model.halt.state_dict().items():
+            weights.setdefault(f"halt.{k}", v)
+    missing, unexpected = module.model.load_state_dict(weights, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"halt.init_from: {path}: its weights do not fit the run's model "
+                         f"({'missing ' + missing[0] if missing else 'unexpected ' + unexpected[0]})")
+
+
+def has_halting_head(path: str | Path) -> bool:
+    """Whether the training checkpoint at `path` has a halting head (its model config's
+    halt_head); False for anything that is not a readable checkpoint (the job then says why)."""
+    try:
+        ckpt = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
+        return ckpt["hyper_parameters"]["model"].get("halt_head") is not None
+    except Exception:
+        return False
+
+
 def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int = 0) -> torch.Tensor:
     """n tokens of the checkpoint's val split from offset `start` (default: the first n, the
     test split), in the model's vocabulary."""

@@ -22,10 +22,12 @@ import time
 
 import lightning as L
 import torch
+from torch import Tensor
 from torchmetrics.aggregation import MeanMetric
 
 from recdepth.core.runtime import peak_flops
 from recdepth.model.looped import GPTConfig, LoopedGPT
+from recdepth.training import halting
 from recdepth.training.objective import Objective
 from recdepth.training.sampler import LoopSampler
 
@@ -46,13 +48,24 @@ def warmup_cosine(step: int, warmup: int, total: int, min_ratio: float) -> float
 
 class LoopedLM(L.LightningModule):
     def __init__(self, model: dict, sampler: dict, optim: dict, max_steps: int,
-                 seed: int = 0, peak_flops: float | None = None, loss: dict | None = None):
+                 seed: int = 0, peak_flops: float | None = None, loss: dict | None = None,
+                 halt: dict | None = None):
         super().__init__()
         self.save_hyperparameters()
         self.config = GPTConfig(**model)
         self.model = LoopedGPT(self.config)
         self.sampler = LoopSampler(n_groups=self.model.n_groups, seed=seed, **sampler)
         self.objective = Objective(**(loss or {}))  # where the loss is taken along the loop (loss.*)
+        # the halting loss (halt.*; recdepth/training/halting.py): None, or (loss, its numbers)
+        h = halt or {}
+        self.halting = None if h.get("loss", "none") == "none" else (
+            halting.lookup(h["loss"]), halting.HaltSettings(**{k: h[k] for k in ("beta", "prior", "epsilon", "label",
+                                                                                 "margin") if k in h}))
+        if self.halting is not None and self.model.halt is None:
+            raise ValueError(f"halt.loss={h['loss']}: the model has no halting head (model config halt_head is null)")
+        if h.get("freeze"):  # the second stage: the halting head alone learns
+            for n, p in self.model.named_parameters():
+                p.requires_grad_(n.startswith("halt."))
         self.val_ce = MeanMetric()
         self._peak: float | None = None
         self._t_last: float | None = None
@@ -84,8 +97,13 @@ class LoopedLM(L.LightningModule):
         if z is None and mix.get("trajectory"):
             raise ValueError("loss.steps: trajectory needs per-step targets, and this data has none (a task that "
                              "states them, e.g. data=roots; else loss.steps=all or last)")
+        terms: dict[str, Tensor] = {}
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
-                             generator=self.noise, objective=self.objective, step_targets=z, mix=mix)
+                             generator=self.noise, objective=self.objective, step_targets=z, mix=mix,
+                             halting=None if self.halting is None else lambda **kw: self._halting_term(terms, **kw))
+        if "halt" in terms:
+            self.log("train/halt_loss", terms["halt"])
+            self.log("train/halt_expected_n", terms["expected_n"])
         if self.objective.anneal_to is not None:
             self.log("train/anneal", mix[self.objective.anneal_to])
         bad = (~torch.isfinite(loss.detach())).float()
@@ -99,6 +117,19 @@ class LoopedLM(L.LightningModule):
         for g, n in enumerate(self._loops):
             self.log(f"train/loops_g{g}", float(n))
         return loss
+
+    def _halting_term(self, terms: dict, **inputs) -> Tensor:
+        """The halting loss of this pass (`LoopedGPT.forward`'s `halting`), kept in `terms` with
+        the mean halting depth its reading gives (Σ_n n·p_n under PonderNet's p, for the logs)."""
+        loss_fn, settings = self.halting
+        h = halting.HaltInputs(**inputs)
+        term = loss_fn.loss(h, settings)
+        with torch.no_grad():
+            p = halting.halting_distribution(h.z).exp()
+            n = torch.arange(1, p.shape[0] + 1, device=p.device, dtype=p.dtype).view(-1, 1, 1)
+            terms["expected_n"] = ((p * n).sum(0) * h.scored).sum() / h.scored.sum().clamp(min=1)
+        terms["halt"] = term.detach()
+        return term
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         # Wall time between consecutive step ends: forward, backward, optimiser and data.

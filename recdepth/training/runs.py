@@ -46,7 +46,7 @@ log = logging.getLogger("recdepth.training.runs")
 # Config keys that decide what training produces; exit, eval, logger, callbacks, run_dir
 # and runs_dir do not (a sweep over exit settings trains once). Within them, settings
 # that only change how a run reports itself, or where it runs, are dropped too.
-TRAINING_KEYS = ("seed", "batch_size", "optim", "model", "sampler", "loss", "data", "trainer")
+TRAINING_KEYS = ("seed", "batch_size", "optim", "model", "sampler", "loss", "halt", "data", "trainer")
 # Validation, checkpoints and diagnostics draw from generators of their own, so their
 # cadence changes nothing trained; nor does the accelerator or compiling (numerics aside).
 NOT_TRAINING = {"trainer": ("enable_progress_bar", "log_every_n_steps", "peak_flops", "val_check_interval",
@@ -73,7 +73,8 @@ def what_trains(training: dict) -> dict:
     options of docs/spec.md §1b dropped at their defaults (`model.rope_base` under
     learned positions), so a run from before them keeps its identity; `sampler.sigma`
     dropped under `sampler=fixed`, which never reads it; `loss` dropped where it is the loss
-    after the last application (what every run before `loss` trained with); and `data` as its source's config
+    after the last application (what every run before `loss` trained with); `halt` dropped
+    without a halting head (halt=none, every run before it); and `data` as its source's config
     (recdepth/data/sources/), the keys its source has, a key missing (a config from before
     the schema) taking its default; an old flat one upgraded first (`recdepth.data.config.
     upgrade`, which says what that does to a task run's identity). Also applied to the
@@ -106,6 +107,9 @@ def what_trains(training: dict) -> dict:
     lo = sub.get("loss")
     if lo is None or (isinstance(lo, dict) and lo.get("steps", "last") == "last" and not lo.get("anneal_to")):
         sub.pop("loss", None)  # the loss after the last application: the runs from before `loss`
+    h = sub.get("halt")
+    if h is None or (isinstance(h, dict) and h.get("loss", "none") == "none"):
+        sub.pop("halt", None)  # no halting head: the runs from before `halt`
     return sub
 
 

@@ -1,0 +1,284 @@
+"""The halting losses (recdepth/training/halting.py) against hand computations in float64, and
+the model's training pass that feeds them (`LoopedGPT.forward(halting=...)`)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from recdepth.model.looped import GPTConfig, LoopedGPT, halt_logit
+from recdepth.training import halting
+from recdepth.training.halting import HaltInputs, HaltSettings
+from recdepth.training.objective import Objective
+
+N, B, T = 6, 2, 3
+
+
+def inputs(seed=0, z_scale=2.0, mixture=None):
+    g = torch.Generator().manual_seed(seed)
+    z = z_scale * torch.randn(N, B, T, generator=g, dtype=torch.float64)
+    nll = 3 * torch.rand(N, B, T, generator=g, dtype=torch.float64)
+    right = torch.rand(N, B, T, generator=g) > 0.5
+    scored = torch.tensor([[True, True, False], [True, False, True]])
+    return HaltInputs(z, nll, right, scored, mixture or (lambda p: (p * nll).sum(0)))
+
+
+def by_hand_p(lam):
+    """PonderNet's p_n = λ_n ∏_{j<n} (1 − λ_j), the remainder at N, one token at a time."""
+    p, stay = [], 1.0
+    for n, v in enumerate(lam):
+        p.append(stay if n == len(lam) - 1 else v * stay)
+        stay *= 1 - v
+    return p
+
+
+def scored_mean(per_token, scored):
+    vals = [per_token[b][t] for b in range(B) for t in range(T) if scored[b, t]]
+    return sum(vals) / len(vals)
+
+
+def test_halting_distribution_is_ponderNets_with_the_remainder_at_N():
+    h = inputs()
+    p = halting.halting_distribution(h.z).exp()
+    lam = torch.sigmoid(h.z)
+    for b in range(B):
+        for t in range(T):
+            want = by_hand_p(lam[:, b, t].tolist())
+            assert p[:, b, t].tolist() == pytest.approx(want, rel=1e-12, abs=1e-15)
+    assert torch.allclose(p.sum(0), torch.ones(B, T, dtype=torch.float64), atol=1e-14)
+
+
+def test_truncated_geometric_is_the_renormalised_geometric():
+    lam_p = 0.3
+    g = halting.truncated_geometric(5, lam_p, torch.zeros(1, dtype=torch.float64)).exp()
+    raw = [lam_p * (1 - lam_p) ** k for k in range(5)]
+    assert g.tolist() == pytest.approx([r / sum(raw) for r in raw], rel=1e-12)
+
+
+def test_pondernet_is_the_expected_loss_plus_beta_kl_to_the_prior():
+    h, s = inputs(1), HaltSettings(beta=0.7, prior=0.25)
+    lam = torch.sigmoid(h.z)
+    raw = [0.25 * 0.75**k for k in range(N)]
+    g = [r / sum(raw) for r in raw]
+    per = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            p = by_hand_p(lam[:, b, t].tolist())
+            expected = sum(p[n] * float(h.nll[n, b, t]) for n in range(N))
+            kl = sum(p[n] * math.log(p[n] / g[n]) for n in range(N))
+            per[b][t] = expected + 0.7 * kl
+    assert float(halting.lookup("pondernet").loss(h, s)) == pytest.approx(scored_mean(per, h.scored), rel=1e-12)
+
+
+def test_entropy_is_the_expected_loss_minus_beta_entropy():
+    h, s = inputs(2), HaltSettings(beta=0.05)
+    lam = torch.sigmoid(h.z)
+    per = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            p = by_hand_p(lam[:, b, t].tolist())
+            H = -sum(v * math.log(v) for v in p)
+            per[b][t] = sum(p[n] * float(h.nll[n, b, t]) for n in range(N)) - 0.05 * H
+    assert float(halting.lookup("entropy").loss(h, s)) == pytest.approx(scored_mean(per, h.scored), rel=1e-12)
+
+
+def by_hand_act(h_units, eps):
+    """Graves's ACT for one token: N(t), R and p."""
+    total, Nt = 0.0, len(h_units)
+    for n, v in enumerate(h_units):
+        if total + v >= 1 - eps or n == len(h_units) - 1:
+            Nt = n + 1
+            break
+        total += v
+    R = 1 - sum(h_units[: Nt - 1])
+    p = [h_units[n] if n < Nt - 1 else (R if n == Nt - 1 else 0.0) for n in range(len(h_units))]
+    return Nt, R, p
+
+
+@pytest.mark.parametrize("z_scale, shift", [(2.0, 0.0), (0.5, -4.0)], ids=["halts", "runs-to-N"])
+def test_act_is_the_mixtures_loss_plus_the_ponder_cost(z_scale, shift):
+    """ACT's halting step N(t), remainder R and mixture weights by a loop over n, one token
+    at a time; the mixture function sees exactly p (a linear stand-in, Σ p_n c_n). With
+    small halting units no token reaches 1 − ε: N(t) = N and R = 1 − Σ_{n<N} h_n."""
+    h0 = inputs(3, z_scale)
+    h = h0._replace(z=h0.z + shift)
+    c = torch.arange(1, N + 1, dtype=torch.float64).view(N, 1, 1).expand(N, B, T)
+    h = h._replace(mixture=lambda p: (p * c).sum(0))
+    s = HaltSettings(beta=0.1, epsilon=0.01)
+    lam = torch.sigmoid(h.z)
+    per = [[0.0] * T for _ in range(B)]
+    reached = []
+    for b in range(B):
+        for t in range(T):
+            Nt, R, p = by_hand_act(lam[:, b, t].tolist(), 0.01)
+            reached.append(Nt)
+            per[b][t] = sum(p[n] * (n + 1) for n in range(N)) + 0.1 * (Nt + R)
+    assert float(halting.lookup("act").loss(h, s)) == pytest.approx(scored_mean(per, h.scored), rel=1e-12)
+    if shift:
+        assert set(reached) == {N}
+    else:
+        assert len(set(reached)) > 1
+
+
+@pytest.mark.parametrize("label", ["right", "margin", "improvement"])
+def test_correct_is_bce_against_its_label_at_every_application(label):
+    h, s = inputs(4), HaltSettings(label=label, margin=0.4)
+    per = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        for t in range(T):
+            nll = h.nll[:, b, t].tolist()
+            tot = 0.0
+            for n in range(N):
+                if label == "right":
+                    y = float(h.right[n, b, t])
+                elif label == "margin":
+                    y = float(nll[n] - nll[-1] <= 0.4)
+                else:
+                    y = float(n == N - 1 or nll[n] - nll[n + 1] <= 0.4)
+                lam = 1 / (1 + math.exp(-float(h.z[n, b, t])))
+                tot += -(y * math.log(lam) + (1 - y) * math.log(1 - lam))
+            per[b][t] = tot / N
+    assert float(halting.lookup("correct").loss(h, s)) == pytest.approx(scored_mean(per, h.scored), rel=1e-12)
+
+
+def test_each_loss_says_how_exit_halt_reads_it():
+    assert {n: halting.lookup(n).reading for n in halting.names()} == {
+        "act": "sum", "pondernet": "cdf", "entropy": "cdf", "correct": "direct"}
+
+
+@pytest.mark.parametrize("kw, field", [({"prior": 1.0}, "halt.prior"), ({"epsilon": 0.0}, "halt.epsilon"),
+                                       ({"beta": -1.0}, "halt.beta"), ({"label": "wrong"}, "halt.label"),
+                                       ({"margin": float("nan")}, "halt.margin")])
+def test_bad_settings_are_one_line_errors(kw, field):
+    with pytest.raises(ValueError, match=f"^{field}: ") as e:
+        HaltSettings(**kw)
+    assert "\n" not in str(e.value)
+
+
+# ---------------------------------------------------------------- the training pass
+def tiny(head="state", groups=((1,),), n_layer=3):
+    torch.manual_seed(0)
+    cfg = GPTConfig(n_layer=n_layer, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[list(g) for g in groups],
+                    state_init="zero", halt_head=head, logit_bias=False)
+    m = LoopedGPT(cfg).double()
+    with torch.no_grad():
+        m.halt.weight.normal_(0, 0.5)
+    return m
+
+
+@pytest.mark.parametrize("head", ["state", "normed"])
+def test_the_pass_hands_the_loss_each_applications_logit_and_loss(head):
+    """What `forward(halting=...)` hands a loss, against independent passes: L_n is the NLL of
+    model(idx, loops=[n]) (the first n applications of an N-run are an n-run: zero initial
+    state), z_n the head on the trace's state x^(n), `right` the argmax of that pass, and
+    the mixture at a one-hot p the NLL at that n. The loss is added to the objective's."""
+    m = tiny(head)
+    idx = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    tgt = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(2))
+    tgt[0, :3] = -1
+    seen = {}
+
+    def grab(**kw):
+        seen.update(kw)
+        return torch.zeros((), dtype=torch.float64)
+
+    _, loss = m(idx, tgt, loops=[5], objective=Objective(), halting=grab)
+    _, plain = m(idx, tgt, loops=[5])
+    assert float(loss.detach()) == pytest.approx(float(plain.detach()), rel=1e-12)  # + the zero the loss returned
+    trace = []
+    m(idx, loops=[5], trace=trace)
+    states = next(rec for kind, _, rec in trace if kind == "group")
+    for n in range(1, 6):
+        logits, _ = m(idx, loops=[n])
+        nll = m.nll(logits, tgt)
+        assert torch.allclose(seen["nll"][n - 1], nll, atol=1e-12)
+        assert torch.equal(seen["right"][n - 1], (logits.argmax(-1) == tgt) & (tgt >= 0))
+        x = states[n - 1]
+        if head == "normed":
+            x = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt()
+        z = (x * m.halt.weight[0]).sum(-1) + m.halt.bias[0]
+        assert torch.allclose(seen["z"][n - 1], z, atol=1e-12)
+        onehot = torch.zeros(5, 2, 8, dtype=torch.float64)
+        onehot[n - 1] = 1
+        assert torch.allclose(seen["mixture"](onehot), nll, atol=1e-12)
+    assert torch.equal(seen["scored"], tgt >= 0)
+
+
+def test_the_head_starts_at_its_bias_and_learns_from_the_loss():
+    m = tiny()
+    m.reset_parameters()
+    assert torch.equal(m.halt.weight, torch.zeros_like(m.halt.weight)) and float(m.halt.bias) == -3.0
+    idx = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss_fn, s = halting.lookup("pondernet"), HaltSettings()
+    _, loss = m(idx, idx, loops=[4], objective=Objective(), halting=lambda **kw: loss_fn.loss(HaltInputs(**kw), s))
+    loss.backward()
+    assert m.halt.weight.grad.abs().sum() > 0 and m.halt.bias.grad.abs() > 0
+
+
+def test_halt_logit_is_a_per_row_dot_product():
+    g = torch.Generator().manual_seed(5)
+    x, w = torch.randn(4, 7, 16, generator=g, dtype=torch.float64), torch.randn(16, generator=g, dtype=torch.float64)
+    z = halt_logit(x, w, torch.tensor(0.3, dtype=torch.float64), normed=False)
+    assert torch.allclose(z, x @ w + 0.3, atol=1e-12)
+    zn = halt_logit(x, w, torch.tensor(0.3, dtype=torch.float64), normed=True)
+    assert torch.allclose(zn, F.rms_norm(x, (16,), eps=1e-6) @ w + 0.3, atol=1e-12)
+
+
+def test_a_head_needs_one_recurrence_group():
+    with pytest.raises(ValueError, match="^halt.loss: a halting head needs a model with exactly one recurrence group"):
+        GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[[1], [2]], halt_head="state")
+    with pytest.raises(ValueError, match="^halt.input: unknown 'logits'"):
+        GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[[1]], halt_head="logits")
+
+
+@pytest.fixture
+def expected_depth(monkeypatch):
+    """A loss of this test only: Σ p_n L_n + β Σ p_n n (the expected depth as the ponder cost)."""
+    import copy
+
+    monkeypatch.setattr(halting, "_REGISTRY", copy.copy(halting._REGISTRY))
+
+    class ExpectedDepth(halting.HaltingLoss):
+        name = "expected_depth"
+        reading = "cdf"
+
+        def per_token(self, h, s):
+            p = halting.halting_distribution(h.z).exp()
+            n = torch.arange(1, p.shape[0] + 1, dtype=p.dtype).view(-1, 1, 1)
+            return (p * h.nll).sum(0) + s.beta * (p * n).sum(0)
+
+    return ExpectedDepth
+
+
+def test_a_halting_loss_is_one_class(expected_depth, env, tmp_path):
+    """docs/contributing.md, "Add a halting loss": the class above is `halt=expected_depth`;
+    a debug-size run trains a head with it through `train(cfg)` (its head moves off zero)."""
+    from recdepth.cli.runner import compose_job
+    from recdepth.train import train
+
+    assert halting.lookup("expected_depth").reading == "cdf"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RECDEPTH_CACHE", env["RECDEPTH_CACHE"])
+        mp.setenv("WANDB_MODE", "offline")
+        cfg = compose_job("config", ["debug=tiny", "model=single", "halt=expected_depth", "halt.beta=0.1",
+                                    "eval.tokens=0", "callbacks=none", f"runs_dir={tmp_path / 'runs'}",
+                                    f"run_dir={tmp_path / 'run'}"])
+        assert cfg.halt.loss == "expected_depth"
+        train(cfg)
+    ckpt = torch.load(tmp_path / "run" / "train" / "checkpoints" / "last.ckpt", weights_only=True)
+    assert ckpt["hyper_parameters"]["halt"]["loss"] == "expected_depth"
+    assert ckpt["hyper_parameters"]["model"]["halt_reading"] == "cdf"
+    assert ckpt["state_dict"]["model.halt.weight"].abs().sum() > 0
+
+
+def test_huginns_format_refuses_a_halting_head(tmp_path):
+    """Huginn's checkpoint format has no place for the head: save_hf refuses it in one line
+    rather than dropping it."""
+    from recdepth.integrations.hf import save_hf
+
+    cfg = GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[[1, 2]], position="rope",
+                    mlp="gated_silu", scale_embeddings=True, latent_norm=True, logit_bias=False, halt_head="state")
+    with pytest.raises(ValueError, match=r"^save_hf: model.halt_head: 'state' has no counterpart in Huginn's") as e:
+        save_hf(LoopedGPT(cfg), tmp_path / "hf")
+    assert "\n" not in str(e.value) and not (tmp_path / "hf" / "config.json").exists()
