@@ -82,13 +82,15 @@ TARGET_NAMES = {"max_ce_increase": "CE increase", "layer_applications": "layer a
 
 def calibration_searches(run: ReportConfig, opened, gate) -> tuple[list[calibration.Target], list[tuple]]:
     """The report's two targets and its (base policy, target) searches: every rule of
-    report.calibrate to each target, at report.max_steps (`gate`: the gate's (weight, bias))."""
+    report.calibrate to each target, at report.max_steps (`gate`: the gate's (weight, bias));
+    exit=halt only on a model with a halting head."""
     r, model = run.report, opened.model
     targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
                calibration.Target("layer_applications", r.layer_applications)]
     searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=r.max_steps,
                                  **({"gate": gate} if lookup(rule).gated else {})), opened), target)
-                for rule in r.calibrate for target in targets]
+                for rule in r.calibrate for target in targets
+                if model.halt is not None or not lookup(rule).reads_head]  # exit=halt: a model with a head
     return targets, searches
 
 
@@ -137,7 +139,8 @@ def report(cfg: DictConfig) -> dict:
 
     # 2. the frontier (report.*'s grid, the fixed reference at max_steps included) and the
     # calibrated answers on the test split: one sweep of recdepth.evaluate jobs
-    grid = settings(dataclasses.replace(r, fixed=sorted({*r.fixed, N})), max_steps=N, gate=gate_path)
+    grid = settings(dataclasses.replace(r, fixed=sorted({*r.fixed, N})), max_steps=N, gate=gate_path,
+                    head=model.halt is not None)
     rows = score_jobs(run, out / "jobs", [(s, {}) for s in grid] + answers, r.shared_rows, opened)
     fixed_ref = next(j for j in rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"]
     for row in rows:

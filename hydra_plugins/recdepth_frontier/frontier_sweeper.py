@@ -10,7 +10,8 @@ ConfigStore by recdepth/config/schema.py; `--cfg hydra` shows them): the fixed-d
 grid again with `eval.warm_start=true` (continuous compute, its own family "fixed (warm
 start)" in the summary), every rule at every τ of `hydra.sweeper.rules.<rule>`,
 argmax_stability at each k of `hydra.sweeper.patience`, the gate at each τ of
-`hydra.sweeper.gate_tau` (give `exit.gate=<gate.pt>`), and the oracle at every ε of
+`hydra.sweeper.gate_tau` (give `exit.gate=<gate.pt>`), exit=halt at each of its τ where the
+checkpoint has a halting head (`halt=<loss>` at training), and the oracle at every ε of
 `hydra.sweeper.oracle`: `frontier_grid.settings`, the same expansion `recdepth.report`
 scores. Any other override, including a sweep of your own (`eval.cache=latest,per_step`),
 applies to every job (its cartesian product with the frontier's jobs); the frontier's own
@@ -47,8 +48,16 @@ class FrontierSweeper(BasicSweeper):
         grid = FrontierSweeperConf(fixed=list(fixed), rules={k: list(v) for k, v in (rules or {}).items()},
                                    oracle=list(oracle or []), patience=list(patience or []),
                                    gate_tau=list(gate_tau or []), warm_start=warm_start, shared_rows=shared_rows)
-        self.jobs = [exit_line(s) for s in settings(grid)]
+        self.grid = grid
         self.shared_rows = shared_rows
+
+    def jobs(self, user: Sequence[str]) -> list[list[str]]:
+        """The frontier's jobs under the user's overrides `user`: exit=halt only where its
+        checkpoint (ckpt=) has a halting head."""
+        from recdepth.training.checkpoints import has_halting_head
+
+        ckpt = next((o.split("=", 1)[1] for o in user if _key(o) == "ckpt"), None)
+        return [exit_line(s) for s in settings(self.grid, head=ckpt is not None and has_halting_head(ckpt))]
 
     def validate_batch_is_legal(self, batch) -> None:
         """Hydra's check that every job composes, then (basic launcher, shared_rows > 0) the
@@ -68,7 +77,7 @@ class FrontierSweeper(BasicSweeper):
 
     def split_arguments(self, overrides, max_batch_size):  # an instance method here (a staticmethod upstream)
         user = BasicSweeper.split_arguments(overrides, None)[0]
-        batches = [u + job for u in user for job in self.jobs
+        batches = [u + job for u in user for job in self.jobs(u)
                    if not (WARM in job and any(_key(o) == "eval.warm_start" for o in u))]
         n = len(batches) if max_batch_size in (None, -1) else max_batch_size
         return [batches[i : i + n] for i in range(0, len(batches), n)]

@@ -47,7 +47,7 @@ class FrontierGrid:
     rules: dict[str, list[float]] = field(default_factory=_rules_grid)
     """Each threshold rule at each τ (drop one with `<grid>.rules.<rule>=[]`, add one with
     `+<grid>.rules.<rule>=[...]`). Default: each rule's own grid (`ExitRule.frontier`;
-    stepnorm, kl and accel)."""
+    stepnorm, kl, accel, ...; halt only on a checkpoint with a halting head)."""
     patience: list[int] = field(default_factory=list)
     """argmax_stability at each k (>= 1)."""
     gate_tau: list[float] = field(default_factory=list)
@@ -123,16 +123,21 @@ class Setting:
     warm_start: bool = False
 
 
-def settings(grid: FrontierGrid, max_steps: int | None = None, gate: str | None = None) -> list[Setting]:
+def settings(grid: FrontierGrid, max_steps: int | None = None, gate: str | None = None,
+             head: bool = False) -> list[Setting]:
     """The grid's settings in order: fixed, fixed under warm start, each rule at each τ,
     argmax_stability at each k, the gate at each τ, the oracle at each ε. `max_steps`: every
     setting but the fixed ones stops there (None: exit.max_steps as configured); `gate`: the
-    gate's file (None: given by the user as exit.gate)."""
+    gate's file (None: given by the user as exit.gate); `head`: whether the model has a
+    halting head (without one the rules that read it, exit=halt, are left out)."""
+    from recdepth import exits
+
     n = {} if max_steps is None else {"max_steps": int(max_steps)}
     fixed = [{"name": "fixed", "max_steps": int(k)} for k in grid.fixed]
     out = [Setting("fixed", e) for e in fixed]
     out += [Setting("fixed", e, warm_start=True) for e in fixed] if grid.warm_start else []
-    out += [Setting("grid", {"name": rule, "tau": float(t), **n}) for rule, taus in grid.rules.items() for t in taus]
+    out += [Setting("grid", {"name": rule, "tau": float(t), **n}) for rule, taus in grid.rules.items() for t in taus
+            if head or not exits.lookup(rule).reads_head]
     out += [Setting("grid", {"name": "argmax_stability", "patience": int(k), **n}) for k in grid.patience]
     out += [Setting("grid", {"name": "gate", "tau": float(t), **n, **({"gate": gate} if gate else {})})
             for t in grid.gate_tau]

@@ -164,7 +164,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     (`state_decode.check_is_output`), `out["logits"]` receives its logits [1, V] and the
     coda's K/V at `pos` are written as the coda's own pass would write them, so the caller
     runs neither the coda nor the head again (`decode_step`)."""
-    policy = policy.group(g)
+    policy = policy.with_head(model).group(g)  # exit=halt: the model's halting head (attached once by the jobs)
     B = e.shape[0]
     e_proj = model.adapters[g].input(e)
     if init is None:

@@ -35,11 +35,12 @@ log = logging.getLogger("recdepth.evaluate")
 
 
 def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
-    """The policy checked against the opened model (per-group values, a gate) and with its
+    """The policy checked against the opened model (per-group values, a gate), with its
+    halting head where the rule reads it (exit=halt; one line if the model has none) and its
     `auto` exit.decode and exit.kl_direction decided for it."""
     model = opened.model
     policy.check_model(model.n_groups, model.cfg.n_embd)
-    return policy.resolve(has_coda(model), hf=opened.kind == "hf")
+    return policy.with_head(model).resolve(has_coda(model), hf=opened.kind == "hf")
 
 
 # eval keys an older run's config.yaml may lack, read as the code before them did

@@ -70,6 +70,11 @@ class MixedPolicy:
     def resolve(self, coda: bool, hf: bool = False) -> MixedPolicy:
         return MixedPolicy(tuple(p.resolve(coda, hf) for p in self.policies), self.setting)
 
+    def with_head(self, model) -> MixedPolicy:
+        """Every setting with the model's halting head where its rule reads it (`ExitPolicy.with_head`)."""
+        new = tuple(p.with_head(model) for p in self.policies)
+        return self if all(a is b for a, b in zip(new, self.policies, strict=True)) else MixedPolicy(new, self.setting)
+
     def check_model(self, n_groups: int, n_embd: int) -> MixedPolicy:
         for p in self.policies:
             p.check_model(n_groups, n_embd)

@@ -53,7 +53,9 @@ class ExitPolicy:
     loop runs (`monitor`). `gate` (rule `gate` only): (weight [G, d], bias [G]) of every
     group's gate, or (weight [d], bias []) of one group's in `group(g)`'s policy.
     `decode` (`DECODES`) and `kl_direction` (`KL_DIRECTIONS`): see the module docstring;
-    `resolve` decides their `auto` for one model."""
+    `resolve` decides their `auto` for one model. A rule that reads the model's halting head
+    (exit=halt) takes it with `with_head`: its weights as `gate` (weight [1, d], bias [1]),
+    `halt_input` and `halt_reading` (the model config's halt_head and halt_reading)."""
 
     name: str
     tau: float | tuple[float, ...] | None
@@ -63,6 +65,8 @@ class ExitPolicy:
     gate: tuple[Tensor, Tensor] | None = field(default=None, compare=False, repr=False)
     decode: str = "auto"
     kl_direction: str = "auto"
+    halt_input: str = "state"
+    halt_reading: str = "cdf"
 
     @property
     def rule(self) -> ExitRule:
@@ -120,6 +124,18 @@ class ExitPolicy:
         kl = self.kl_direction if self.kl_direction != "auto" else "old_new" if hf else "new_old"
         return replace(self, decode=decode, kl_direction=kl)
 
+    def with_head(self, model) -> ExitPolicy:
+        """This policy as it runs on `model` (a LoopedGPT): a rule that reads the halting head
+        (`ExitRule.reads_head`: exit=halt) takes the model's (one line if it has none); any
+        other policy, or one that has its head already, is itself."""
+        if self.name == ORACLE or not self.rule.reads_head or self.gate is not None:
+            return self
+        if getattr(model, "halt", None) is None:
+            raise ValueError(f"exit.name: rule {self.name!r} reads the checkpoint's halting head, and this model has "
+                             "none (train one with halt=<loss>: act, pondernet, entropy or correct)")
+        head = (model.halt.weight.detach(), model.halt.bias.detach())
+        return replace(self, gate=head, halt_input=model.cfg.halt_head, halt_reading=model.cfg.halt_reading)
+
     def check_groups(self, n_groups: int) -> ExitPolicy:
         """Self, if its per-group values fit a model with `n_groups` recurrence groups;
         otherwise a one-line ValueError naming the field and the expected length."""
@@ -155,7 +171,10 @@ class ExitPolicy:
         if self.lists():
             f = next(iter(self.lists()))
             raise ValueError(f"exit.{f}: one value per group; a loop runs one group, under policy.group(g)")
-        gated = self.rule.gated
+        gated = self.rule.gated or self.rule.reads_head
+        if self.rule.reads_head and self.gate is None:
+            raise ValueError(f"exit.name: rule {self.name!r} reads the model's halting head: attach it with "
+                             "ExitPolicy.with_head(model)")
         if gated and self.gate is None:
             raise ValueError("exit.gate: rule 'gate' needs a trained gate (train one with python -m "
                              "recdepth.train_gate ckpt=<path>)")

@@ -45,7 +45,8 @@ class Step(NamedTuple):
     patience: Any
     """exit.patience (k), an int or a 0-d tensor."""
     gate: tuple[Tensor, Tensor] | None
-    """(weight [d], bias []) of the group's learned gate, for a rule that is `gated`."""
+    """(weight [d], bias []) of the group's learned gate, for a rule that is `gated`, or of
+    the model's halting head, for a rule that `reads_head`."""
     policy: Any
     """The one-group `ExitPolicy` (recdepth/exits/policy.py): the rule's static options (e.g.
     kl_direction)."""
@@ -70,6 +71,9 @@ class ExitRule:
     """Whether the rule reads exit.tau (fixed and argmax_stability do not)."""
     gated: ClassVar[bool] = False
     """Whether the rule reads a trained gate's weights (exit.gate: rule `gate`)."""
+    reads_head: ClassVar[bool] = False
+    """Whether the rule reads the model's halting head, trained with the loop (rule `halt`):
+    `Step.gate` carries its weights, `Step.policy` its input and reading (`ExitPolicy.with_head`)."""
     default_tau: ClassVar[float | None] = None
     """τ of `exit=<name>` when none is given."""
     frontier: ClassVar[tuple[float, ...]] = ()

@@ -15,6 +15,8 @@ the state, `exit.decode`):
     cosine            1 − cos(x^(n), x^(n−1)) < τ                            1        6d
     argmax_stability  argmax p^(j) equal for j = n−k … n (k = patience)      k + 1    V, after a decode
     gate              q^(n) = σ(w_g · x^(n) + b_g) < τ,  τ in (0, 1)          1        2d
+    halt              r^(n) < τ, r what the trained head leaves to halt:     1        5d
+                      1 − Σ λ_j, ∏ (1 − λ_j) or 1 − λ_n; λ_j = σ(w · f(x^(j)) + b)
 
 The last column is each rule's `check_flops` (element-wise operations, one FLOP each); a
 decode (the head, 2·d·V, and under exit.decode=coda the layers after the group) is priced
@@ -39,6 +41,7 @@ from torch import Tensor
 from recdepth.analysis import geometry as geo
 from recdepth.exits.gate import gate_probability
 from recdepth.exits.rule import ExitRule, Step
+from recdepth.model.looped import halt_logit
 
 PATIENCE = 5  # argmax_stability's default k (Huginn: 5 steps)
 
@@ -288,4 +291,47 @@ class Gate(ExitRule):
         if not (ok and 0 < tau < 1):
             raise ValueError(f"{where}: expected a probability in (0, 1) for rule 'gate' (exit once the gate's "
                              f"q < τ), got {tau!r}")
+        return float(tau)
+
+
+class Halt(ExitRule):
+    """The halting head trained with the loop (`halt.*`, recdepth/training/halting.py; docs/spec.md
+    §1d): λ_n = σ(w · f(x^(n)) + b) (`looped.halt_logit`), read as the loss that trained it says
+    (`ExitPolicy.halt_reading`, from the checkpoint), through r^(n), what is left to halt:
+    `sum` (ACT) r = 1 − Σ_{j≤n} λ_j; `cdf` (PonderNet, Ouro) r = ∏_{j≤n} (1 − λ_j), the mass of
+    the halting distribution after n; `direct` (correct) r = 1 − λ_n, the head's probability
+    that the answer after n is wrong. Halt when r^(n) < τ: τ in (0, 1), a larger τ exits
+    earlier, as every rule (ACT's training threshold 1 − ε is τ = ε; τ = 0.5 under `cdf` is the
+    halting distribution's median). History: r^(n) (1 before the first application)."""
+
+    name = "halt"
+    reads_head = True
+    default_tau = 0.5
+    frontier = (0.01, 0.03, 0.1, 0.3, 0.5)
+    report = (0.03, 0.1, 0.3)
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 5.0 * d  # w · f(x): 2d, and the rms norm of a `normed` head 3d (counted for both inputs)
+
+    def history0(self, x0: Tensor, vocab: int) -> tuple[Tensor, ...]:
+        return (x0.new_ones(x0.shape[0], dtype=torch.promote_types(x0.dtype, torch.float32)),)
+
+    def advance(self, s: Step) -> tuple[Tensor, ...]:
+        w, b = s.gate
+        lam = torch.sigmoid(halt_logit(s.x_new, w, b, s.policy.halt_input == "normed").to(s.old[0].dtype))
+        reading = s.policy.halt_reading
+        if reading == "sum":
+            return (s.old[0] - lam,)
+        if reading == "cdf":
+            return (s.old[0] * (1 - lam),)
+        return (1 - lam,)
+
+    def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
+        return new[0] < s.tau
+
+    def check_tau(self, where: str, tau) -> float:
+        ok = isinstance(tau, int | float) and not isinstance(tau, bool) and math.isfinite(tau)
+        if not (ok and 0 < tau < 1):
+            raise ValueError(f"{where}: expected a number in (0, 1) for rule 'halt' (halt once what is left of the "
+                             f"head's halting is below τ), got {tau!r}")
         return float(tau)

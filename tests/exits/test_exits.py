@@ -29,6 +29,7 @@ are at distance 0, a zero and a non-zero state at distance 1.) `tau`, `min_steps
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -1245,10 +1246,11 @@ def test_which_rules_decode(rule):
     run without one."""
     decoding = {"kl", "entropy_diff", "argmax_stability"}
     T = _traj(torch.float64)
-    if rule == "gate":  # a learned gate (tests/exits/test_gate.py): one group's, on this trajectory's width
-        d = T.params["x0"].shape[1]
+    if rule in ("gate", "halt"):  # a learned gate or halting head (tests/exits/test_gate.py, test_halt.py):
+        d = T.params["x0"].shape[1]  # one group's, on this trajectory's width
         gate = (torch.linspace(-1, 1, d, dtype=torch.float64)[None], torch.zeros(1, dtype=torch.float64))
-        policy = exits.build(rule, 0.5, max_steps=7, gate=gate).group(0)
+        policy = (exits.build(rule, 0.5, max_steps=7, gate=gate) if rule == "gate" else
+                  dataclasses.replace(exits.build(rule, 0.5, max_steps=7), gate=gate)).group(0)
     else:
         policy = exits.build(rule, 1e-3, max_steps=7)
     assert policy.needs_decode == (rule in decoding) == exits.lookup(rule).decodes

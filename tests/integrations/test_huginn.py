@@ -599,10 +599,11 @@ def varied_policy(m, rule, idx, noise):
     raise AssertionError(f"{rule}: found no setting at which rows exit at different n")
 
 
-@pytest.mark.parametrize("rule", exits.names())
+@pytest.mark.parametrize("rule", [n for n in exits.names() if not exits.lookup(n).reads_head])
 def test_model_huginn_decodes_batched_exactly_under_every_exit_rule(trained, rule):
     """The trained model=huginn (rope at each position, the latent norm on leaving the loop)
-    decoded token by token: a batch of windows gives each window its batch-1 result."""
+    decoded token by token: a batch of windows gives each window its batch-1 result. (exit=halt
+    needs a halting head, which this model has not: tests/exits/test_halt.py.)"""
     m = trained
     idx = torch.randint(0, m.cfg.vocab_size, (3, 6), generator=torch.Generator().manual_seed(4))
     policy, batched, apps = varied_policy(m, rule, idx, RowNoise(7, [10, 11, 12]))
