@@ -1,7 +1,8 @@
 """A halting head trained with the loop (issue 48) through the real commands, at debug size:
 `experiment=roots halt=pondernet` trains and evaluates under exit=halt, a frontier sweep
-scores exit=halt beside the fixed depths, `recdepth calibrate` calibrates it; a checkpoint
-without a head refuses exit=halt in one line, and a bad `halt.*` value is one line too."""
+scores exit=halt beside the fixed depths, `recdepth calibrate` calibrates it (these two in
+`make test-slow`: default-suite time); a checkpoint without a head refuses exit=halt in one
+line, and a bad `halt.*` value is one line too."""
 
 import csv
 import json
@@ -40,6 +41,7 @@ def test_a_halting_run_trains_its_head_and_evaluates_under_it(halt_run):
     assert 8.0 < ev["layer_applications"] < 8.1  # prelude, 6 applications, coda, and 5 checks of 5d FLOPs each
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_the_frontier_scores_exit_halt_on_a_checkpoint_with_a_head(halt_run, env):
     tmp, rd = halt_run
     sweep = tmp / "frontier"
@@ -56,6 +58,7 @@ def test_the_frontier_scores_exit_halt_on_a_checkpoint_with_a_head(halt_run, env
         ("fixed", ""), ("fixed", ""), ("halt", "0.3"), ("halt", "0.9")]
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_calibrate_finds_a_halting_threshold(halt_run, env, ckpt_env):
     from hydra import compose, initialize_config_dir
 

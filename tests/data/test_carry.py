@@ -276,6 +276,7 @@ def test_decode_windows_scores_against_the_scored_stream(tmp_path):
     assert np.allclose(orc["nll_by_n"][:, -1], nll.reshape(-1)[keep])
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 @torch.no_grad()
 def test_gate_data_takes_its_losses_against_the_scored_stream(tmp_path):
     """The learned gate's labels on carry: decoding_gate_data with `targets` gives, at each

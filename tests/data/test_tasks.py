@@ -285,6 +285,7 @@ def test_instance_too_long_for_the_window_is_one_line(tmp_path):
         data_module(tmp_path, "hops", block_size=16)
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env, cli_here):
     """A debug-size task through the real CLI: train (answers-only loss), its evaluation,
     recdepth.evaluate on the checkpoint and the frontier sweep, all scoring answer tokens."""

@@ -556,7 +556,7 @@ def _policies(dtype=torch.float64):
     return out
 
 
-@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), (torch.float32, 1e-4)])
+@pytest.mark.parametrize("dtype, tol", [(torch.float64, 1e-10), pytest.param(torch.float32, 1e-4, marks=pytest.mark.slow)])
 def test_mixed_settings_in_one_batch_equal_each_setting_alone(dtype, tol):
     """Every rule (per-group values and the gate included) decoded side by side, 7 rows a
     batch, so batches mix settings and windows and rows exit early and are compacted: each
@@ -716,6 +716,7 @@ def test_bench_oracle_times_both_ways_and_compares_their_records(tiny_ckpt, ckpt
     assert "first group once per window" in capsys.readouterr().out
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_bench_settings_decodes_a_frontier_grid_both_ways_alike(tiny_ckpt, ckpt_env, capsys):
     """`recdepth bench settings`: the mixed batches give each setting its own records, in
     float32 up to the rare application where a criterion lies within rounding of τ (counted;

@@ -244,6 +244,7 @@ def test_calibrate_bad_input_is_one_line(tiny_ckpt, ckpt_env, tmp_path, override
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_one(tiny_ckpt, ckpt_env, tmp_path):
     """`calibrate_policy` with max_rows (calibration.shared_rows, report.shared_rows): a round
     of per-group moves decoded as one batch gives the settings, history, rows and records

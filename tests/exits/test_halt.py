@@ -105,27 +105,28 @@ def test_batch_rows_equal_batch_one_under_noise(reading, sharing):
         assert torch.equal(apps[r : r + 1], apps_1)
 
 
-def test_eager_lean_and_compiled_loop_give_identical_applications():
+@pytest.mark.parametrize("warm", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["cold", "warm"])
+def test_eager_lean_and_compiled_loop_give_identical_applications(warm):
     """exit=halt through the module step, the eager lean step and the compiled batch-1 loop
     (one graph with the head's check inside): identical applications, NLL within float32
-    rounding; warm start too (the states the head reads start from the last token's)."""
+    rounding; warm start too (the states the head reads start from the last token's; in
+    `make test-slow`: default-suite time)."""
     m = random_head(head_model("cdf", dtype=torch.float32), scale=1.0)
     tokens = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(3))
     policy = exits.build("halt", 0.5, max_steps=9).with_head(m)
-    for warm in (False, True):
-        recs, calls = {}, []
-        compiled = D.fast_steps(m, "compiled")
-        real = compiled.loop
-        compiled.loop = lambda *a, calls=calls, real=real: calls.append(1) or real(*a)
-        try:
-            for step in ("module", "lean", "compiled"):
-                run = DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0, seed=5, step=step,
-                                     warm_start=warm)
-                _, recs[step] = S.evaluate_exit(m, tokens, policy, 19, run)
-        finally:
-            del compiled.loop
-        assert len(calls) >= 19  # the compiled loop ran, the head's check inside it, at every token
-        assert len(set(recs["module"]["apps"].ravel().tolist())) > 1
-        for step in ("lean", "compiled"):
-            assert (recs[step]["apps"] == recs["module"]["apps"]).all(), (warm, step)
-            assert abs(recs[step]["nll"] - recs["module"]["nll"]).max() <= 1e-5
+    recs, calls = {}, []
+    compiled = D.fast_steps(m, "compiled")
+    real = compiled.loop
+    compiled.loop = lambda *a, calls=calls, real=real: calls.append(1) or real(*a)
+    try:
+        for step in ("module", "lean", "compiled"):
+            run = DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0, seed=5, step=step,
+                                 warm_start=warm)
+            _, recs[step] = S.evaluate_exit(m, tokens, policy, 19, run)
+    finally:
+        del compiled.loop
+    assert len(calls) >= 19  # the compiled loop ran, the head's check inside it, at every token
+    assert len(set(recs["module"]["apps"].ravel().tolist())) > 1
+    for step in ("lean", "compiled"):
+        assert (recs[step]["apps"] == recs["module"]["apps"]).all(), (warm, step)
+        assert abs(recs[step]["nll"] - recs["module"]["nll"]).max() <= 1e-5

@@ -420,6 +420,7 @@ def test_calibrate_empirical_is_labelled_no_guarantee(tiny_ckpt, ckpt_env, tmp_p
     assert "pvalues" not in c and "ltt_risk" not in out["test"]
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_bench_ltt_shared_rows_decodes_the_path_as_one_by_one(tiny_ckpt, ckpt_env, capsys):
     """`bench ltt --ltt-shared-rows`: the path's settings decoded side by side give the rows
     (CE increase, layer applications, risks) of the path decoded setting by setting."""
