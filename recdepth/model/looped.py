@@ -316,9 +316,9 @@ class Adapter(nn.Module):
 
 
 def halt_logit(x: Tensor, weight: Tensor, bias: Tensor, normed: bool, eps: float = 1e-6) -> Tensor:
-    # eps is fixed (not model.norm_eps): the exit rule reads the head without the model config
     """A halting head's logit z = w · f(x) + b over the last axis of x [..., d] (weight [d],
-    bias []), f(x) = x (`halt_head: state`) or x / rms(x) (`normed`, no weight); λ = σ(z).
+    bias []), f(x) = x (`halt_head: state`) or x / rms(x) (`normed`, no weight, ε = 1e-6 fixed:
+    the exit rule reads the head without the model's config); λ = σ(z).
     The one definition the training pass (`LoopedGPT.forward`) and the exit rule `halt`
     (recdepth/exits/rules.py) read. A per-row sum, not a matmul: a row's z does not depend
     on the rows beside it (as the gate's, recdepth/exits/gate.py)."""
@@ -602,7 +602,7 @@ class LoopedGPT(nn.Module):
 
             def after_step(t: int, s: Tensor) -> Tensor:
                 if t not in decoded:
-                    decoded[t] = logits if t == n_last else self.decode_logits(self._run_layers(after, self.leave_group(g, s)))
+                    decoded[t] = logits if t == n_last else self._decode_after(after, g, s)
                 return decoded[t]
         if not per_step:  # mean token_nll over the scored targets (-1: not scored)
             scored = (targets >= 0).sum().clamp(min=1)
@@ -629,15 +629,19 @@ class LoopedGPT(nn.Module):
         right = (stacked.argmax(-1) == targets) & (targets >= 0)
         w, b = self.halt.weight[0], self.halt.bias[0]
         z = torch.stack([halt_logit(s, w, b, self.cfg.halt_head == "normed") for s in states])
-        g = next(i for kind, i in reversed(self.plan) if kind == "group")
-        after = self.plan[[k for k, (kind, _) in enumerate(self.plan) if kind == "group"][-1] + 1 :]
+        last = max(k for k, (kind, _) in enumerate(self.plan) if kind == "group")
+        g, after = self.plan[last][1], self.plan[last + 1 :]
         xs = torch.stack(states)
 
         def mixture(p: Tensor) -> Tensor:  # ACT: the output decoded from Σ_n p_n x^(n)
-            mixed = (p.unsqueeze(-1).to(xs.dtype) * xs).sum(0)
-            return self.nll(self.decode_logits(self._run_layers(after, self.leave_group(g, mixed))), targets)
+            return self.nll(self._decode_after(after, g, (p.unsqueeze(-1).to(xs.dtype) * xs).sum(0)), targets)
 
-        return halting(z=z.to(torch.promote_types(z.dtype, torch.float32)), nll=nll, right=right, scored=targets >= 0, mixture=mixture)
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+        return halting(z=z, nll=nll, right=right, scored=targets >= 0, mixture=mixture)
+
+    def _decode_after(self, after: Sequence[tuple[str, int]], g: int, s: Tensor) -> Tensor:
+        """The logits of group g's state s passed on (`leave_group`) through the layers `after` it."""
+        return self.decode_logits(self._run_layers(after, self.leave_group(g, s)))
 
     def _run_layers(self, plan: Sequence[tuple[str, int]], x: Tensor) -> Tensor:
         for _, i in plan:  # layers only: nothing follows the last group but layers
