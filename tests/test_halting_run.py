@@ -94,3 +94,24 @@ def test_a_bad_halt_value_is_one_line(args, message, env, cli_here, tmp_path):
     code, err, _ = cli_here("recdepth.train", ["debug=tiny", *args], tmp_path)
     assert code == 1
     assert message in err.strip().splitlines()[-1]
+
+
+def test_a_second_stage_trains_the_head_alone_on_a_frozen_model(halt_run, env):
+    """halt.init_from + halt.freeze (the post-hoc gate's setting): the run starts from the
+    checkpoint's weights, and only the halting head moves; a checkpoint of another model is
+    refused in one line naming halt.init_from."""
+    tmp, rd = halt_run
+    first = rd / "train" / "checkpoints" / "last.ckpt"
+    second = tmp / "second"
+    small = [a for a in SMALL if not a.startswith("eval.tokens=")]
+    run([*small, "halt=correct", f"halt.init_from={first}", "halt.freeze=true", "eval.tokens=0", "trainer.max_steps=2",
+         f"run_dir={second}"], cwd=tmp, env=env)
+    a = torch.load(first, map_location="cpu", weights_only=True)["state_dict"]
+    b = torch.load(second / "train" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    assert b["hyper_parameters"]["model"]["halt_reading"] == "direct"  # read as correct's head
+    moved = sorted(k for k in a if not torch.equal(a[k], b["state_dict"][k]))
+    assert moved and all(k.startswith("model.halt.") for k in moved)
+    p = run([*SMALL, "halt=correct", f"halt.init_from={first}", "model.n_embd=32", "trainer.max_steps=2",
+             f"run_dir={tmp / 'other'}"], cwd=tmp, env=env, check=False)
+    assert p.returncode == 1
+    assert "halt.init_from: " in p.stderr and "is another model (model.n_embd: " in p.stderr

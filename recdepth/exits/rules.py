@@ -318,13 +318,12 @@ class Halt(ExitRule):
 
     def advance(self, s: Step) -> tuple[Tensor, ...]:
         w, b = s.gate
-        lam = torch.sigmoid(halt_logit(s.x_new, w, b, s.policy.halt_input == "normed").to(s.old[0].dtype))
+        z = halt_logit(s.x_new, w, b, s.policy.halt_input == "normed").to(s.old[0].dtype)
         reading = s.policy.halt_reading
         if reading == "sum":
-            return (s.old[0] - lam,)
-        if reading == "cdf":
-            return (s.old[0] * (1 - lam),)
-        return (1 - lam,)
+            return (s.old[0] - torch.sigmoid(z),)
+        stay = torch.sigmoid(-z)  # 1 − λ, without the cancellation of 1 − σ(z) as λ → 1
+        return (s.old[0] * stay,) if reading == "cdf" else (stay,)
 
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return new[0] < s.tau
