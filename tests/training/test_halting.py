@@ -208,7 +208,7 @@ def test_the_pass_hands_the_loss_each_applications_logit_and_loss(head):
 def test_the_head_starts_at_its_bias_and_learns_from_the_loss():
     m = tiny()
     m.reset_parameters()
-    assert torch.equal(m.halt.weight, torch.zeros_like(m.halt.weight)) and float(m.halt.bias) == -3.0
+    assert torch.equal(m.halt.weight, torch.zeros_like(m.halt.weight)) and float(m.halt.bias.detach()) == -3.0
     idx = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(1))
     loss_fn, s = halting.lookup("pondernet"), HaltSettings()
     _, loss = m(idx, idx, loops=[4], objective=Objective(), halting=lambda **kw: loss_fn.loss(HaltInputs(**kw), s))
