@@ -70,8 +70,15 @@ class MixedPolicy:
     def resolve(self, coda: bool, hf: bool = False) -> MixedPolicy:
         return MixedPolicy(tuple(p.resolve(coda, hf) for p in self.policies), self.setting)
 
+    @functools.cached_property
+    def _wants_head(self) -> bool:
+        return any(p.name != ORACLE and p.rule.reads_head and p.gate is None for p in self.policies)
+
     def with_head(self, model) -> MixedPolicy:
-        """Every setting with the model's halting head where its rule reads it (`ExitPolicy.with_head`)."""
+        """Every setting with the model's halting head where its rule reads it (`ExitPolicy.with_head`);
+        itself, without a pass over the settings, where none needs one (the loop asks per token)."""
+        if not self._wants_head:
+            return self
         new = tuple(p.with_head(model) for p in self.policies)
         return self if all(a is b for a, b in zip(new, self.policies, strict=True)) else MixedPolicy(new, self.setting)
 

@@ -96,6 +96,14 @@ def _placeholder(x0: Tensor, *shape: int, dtype: torch.dtype | None = None, valu
     return x0.new_full((1,) * len(shape), value, dtype=dtype).expand(*shape)
 
 
+def _in_unit_interval(where: str, tau, expected: str) -> float:
+    """τ in (0, 1), or a one-line ValueError naming `where` and what was `expected`."""
+    ok = isinstance(tau, int | float) and not isinstance(tau, bool) and math.isfinite(tau)
+    if not (ok and 0 < tau < 1):
+        raise ValueError(f"{where}: expected {expected}, got {tau!r}")
+    return float(tau)
+
+
 # ------------------------------------------------------------------------ rules
 class Fixed(ExitRule):
     """Exit at max_steps, whatever the state: the fixed-depth reference. τ is ignored."""
@@ -287,11 +295,7 @@ class Gate(ExitRule):
         return gate_probability(s.x_new, *s.gate) < s.tau
 
     def check_tau(self, where: str, tau) -> float:
-        ok = isinstance(tau, int | float) and not isinstance(tau, bool) and math.isfinite(tau)
-        if not (ok and 0 < tau < 1):
-            raise ValueError(f"{where}: expected a probability in (0, 1) for rule 'gate' (exit once the gate's "
-                             f"q < τ), got {tau!r}")
-        return float(tau)
+        return _in_unit_interval(where, tau, "a probability in (0, 1) for rule 'gate' (exit once the gate's q < τ)")
 
 
 class Halt(ExitRule):
@@ -329,8 +333,5 @@ class Halt(ExitRule):
         return new[0] < s.tau
 
     def check_tau(self, where: str, tau) -> float:
-        ok = isinstance(tau, int | float) and not isinstance(tau, bool) and math.isfinite(tau)
-        if not (ok and 0 < tau < 1):
-            raise ValueError(f"{where}: expected a number in (0, 1) for rule 'halt' (halt once what is left of the "
-                             f"head's halting is below τ), got {tau!r}")
-        return float(tau)
+        return _in_unit_interval(where, tau, "a number in (0, 1) for rule 'halt' (halt once what is left of the "
+                                             "head's halting is below τ)")

@@ -123,6 +123,13 @@ def halting_distribution(z: Tensor) -> Tensor:
     return before + torch.cat([log_halt[:-1], last], 0)
 
 
+def expected_loss(h: HaltInputs) -> tuple[Tensor, Tensor]:
+    """(log p [N, ...], Σ_n p_n L_n [...]): PonderNet's halting distribution and the loss it
+    expects, the part pondernet and entropy share."""
+    log_p = halting_distribution(h.z)
+    return log_p, (log_p.exp() * h.nll).sum(0)
+
+
 def truncated_geometric(N: int, prior: float, like: Tensor) -> Tensor:
     """log g_n, n = 1 .. N: the geometric distribution of parameter λ_p = `prior`, g_n ∝
     λ_p (1 − λ_p)^(n−1), truncated to 1 .. N and renormalised ([N], like's dtype and device)."""
@@ -178,10 +185,9 @@ class PonderNet(HaltingLoss):
     reading = "cdf"
 
     def per_token(self, h: HaltInputs, s: HaltSettings) -> Tensor:
-        log_p = halting_distribution(h.z)
-        p = log_p.exp()
+        log_p, expected = expected_loss(h)
         log_g = truncated_geometric(h.z.shape[0], s.prior, h.z).view(-1, *([1] * (h.z.dim() - 1)))
-        return (p * h.nll).sum(0) + s.beta * (p * (log_p - log_g)).sum(0)
+        return expected + s.beta * (log_p.exp() * (log_p - log_g)).sum(0)
 
 
 class Entropy(HaltingLoss):
@@ -191,9 +197,8 @@ class Entropy(HaltingLoss):
     reading = "cdf"
 
     def per_token(self, h: HaltInputs, s: HaltSettings) -> Tensor:
-        log_p = halting_distribution(h.z)
-        p = log_p.exp()
-        return (p * h.nll).sum(0) + s.beta * (p * log_p).sum(0)
+        log_p, expected = expected_loss(h)
+        return expected + s.beta * (log_p.exp() * log_p).sum(0)
 
 
 class Correct(HaltingLoss):
