@@ -252,8 +252,13 @@ def test_one_grid_expands_the_same_for_make_frontier_and_the_report():
                    ("grid", ["exit=argmax_stability", "exit.patience=2", "exit.max_steps=6"]),
                    ("grid", ["exit=gate", "exit.tau=0.5", "exit.max_steps=6", "exit.gate=g.pt"]),
                    ("oracle", ["exit=oracle", "exit.tau=0.0", "exit.max_steps=6"])]
-    sweeper = FrontierSweeper([1, 3], {"accel": [0.1]}, [0.0], patience=[2], gate_tau=[0.5], warm_start=False)
-    assert sweeper.jobs == [line for _, line in [(s.family, exit_line(s)) for s in settings(grid)]]
+    sweeper = FrontierSweeper([1, 3], {"accel": [0.1], "halt": [0.3]}, [0.0], patience=[2], gate_tau=[0.5],
+                              warm_start=False)
+    headed = FrontierGrid(fixed=[1, 3], rules={"accel": [0.1], "halt": [0.3]}, patience=[2], gate_tau=[0.5],
+                          oracle=[0.0])
+    # no ckpt= among the user's overrides: no halting head to read, so exit=halt is left out
+    assert sweeper.jobs([]) == [exit_line(s) for s in settings(grid)]
+    assert ["exit=halt", "exit.tau=0.3"] in [exit_line(s) for s in settings(headed, head=True)]
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg = compose("evaluate", overrides=["ckpt=x.ckpt", "hydra/sweeper=frontier"], return_hydra_config=True)
     sw, default = cfg.hydra.sweeper, FrontierGrid()
