@@ -66,7 +66,14 @@ def test_a_command_runs_its_entry_point_with_the_rest_of_the_line(monkeypatch, a
     assert seen == {"name": module, "argv": want}
 
 
-@pytest.mark.parametrize("name", sorted(commands.COMMANDS))
+def _help_case(name: str):
+    """Each Hydra command's help composes every config group (5-10 s here): train's and
+    evaluate's run by default, the others' with `make test-slow` (docs/results/test-suite.md)."""
+    hydra = commands.COMMANDS[name][0] not in commands.ARGPARSE
+    return pytest.param(name, marks=pytest.mark.slow) if hydra and name not in ("train", "evaluate") else name
+
+
+@pytest.mark.parametrize("name", [_help_case(n) for n in sorted(commands.COMMANDS)])
 def test_every_command_has_its_help(name, monkeypatch, capsys):
     """`recdepth <command> --help` prints the command's own help and exits 0: Hydra's for
     the config commands (with the config groups), argparse's for bench and figures,

@@ -113,6 +113,7 @@ def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):
         assert len(flips) == 12 and risk == pytest.approx(np.mean([np.mean(v) for v in flips.values()]))
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_debug_carry_evaluates_and_calibrates_against_its_in_place_targets(env, ckpt_env, tmp_path):
     """Every scored target of carry is a sum bit (` 0` or ` 1`), in the evaluation and in
     both splits of an ltt calibration to an accuracy drop; its answers are the pairs'."""

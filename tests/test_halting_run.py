@@ -96,6 +96,7 @@ def test_a_bad_halt_value_is_one_line(args, message, env, cli_here, tmp_path):
     assert message in err.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_a_second_stage_trains_the_head_alone_on_a_frozen_model(halt_run, env):
     """halt.init_from + halt.freeze (the post-hoc gate's setting): the run starts from the
     checkpoint's weights, and only the halting head moves; a checkpoint of another model is

@@ -60,6 +60,7 @@ def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     assert mod.model.lm_bias is not None and mod.model.lm_bias.abs().sum() > 0
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_run_writes_loop_diagnostics_and_figures(tmp_path, env):
     """Diagnostics at step 0, at every checkpoint and at the end; the four figures; and
     `python -m recdepth.figures` redraws them from the JSON alone."""
@@ -184,7 +185,8 @@ def test_evaluate_refuses_a_checkpoint_that_would_run_code(tmp_path, env):
     assert marker.exists()
 
 
-@pytest.mark.parametrize("model, n_groups", [("baseline", 0), ("single", 1)])
+# single: slow (default-suite time); model=grouped trains in the tests above, baseline here
+@pytest.mark.parametrize("model, n_groups", [("baseline", 0), pytest.param("single", 1, marks=pytest.mark.slow)])
 def test_other_models_train(tmp_path, cli_here, model, n_groups):
     code, err, _ = cli_here("recdepth.train", [f"model={model}", f"run_dir={tmp_path / 'run'}", *TINY], tmp_path)
     assert code == 0, err[-3000:]
@@ -377,6 +379,7 @@ def test_paper_size_runs_on_cpu(tmp_path, env):
     assert d["batch"] == {"sequences": 4, "seq_len": 512, "tokens": 2048, "rows_per_pass": 1}
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_frontier_sweep_compares_every_rule_with_the_fixed_depths_and_the_oracle(tmp_path, env):
     """`hydra/sweeper=frontier` (what `make frontier` runs): one multirun of recdepth.evaluate
     with the fixed grid, the rules and the oracle; the summary's frontier.csv is built from

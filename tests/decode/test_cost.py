@@ -234,7 +234,8 @@ def test_records_with_forced_rows_equal_the_reference(step, batch, n_layer, grou
     np.testing.assert_allclose(rec["nll"], ref_nll, rtol=0, atol=1e-10)
 
 
-@pytest.mark.parametrize("cache", ["latest", "per_step"])
+# latest: slow (default-suite time, docs/results/test-suite.md); per_step runs by default
+@pytest.mark.parametrize("cache", [pytest.param("latest", marks=pytest.mark.slow), "per_step"])
 def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference(cache):
     """The compiled step at batch 1 (float32): a forced context row loops as exit=fixed in
     the compiled loop, and kl's checks through the coda run inside it too (the check that

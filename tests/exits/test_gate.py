@@ -291,6 +291,7 @@ def test_exit_policy_reads_the_gate_file(tmp_path):
 
 
 # ------------------------------------------------------------------ end to end
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_train_gate_then_evaluate_exit_gate(tmp_path, env, tiny_ckpt, ckpt_env):
     """The session's tiny checkpoint (debug=tiny), `python -m recdepth.train_gate` on it, then the
     evaluation under exit=gate in-process at τ = 0.05 and 0.95: a larger τ exits no later."""

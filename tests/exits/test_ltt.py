@@ -264,6 +264,7 @@ CAL = ["exit=fixed", "exit.max_steps=3", "eval.tokens=20", "eval.latency_tokens=
        "eval.warmup_tokens=0", "calibration.method=ltt", "calibration.loss_bound=1.0"]
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tmp_path):
     """calibration.method=ltt on the tiny checkpoint: the recorded p-values are the
     Hoeffding–Bentkus p-values of the recorded risks (closed form here), the answer is the

@@ -123,6 +123,7 @@ def test_bad_model_args_fail_in_one_line(tiny_ckpt):
     assert str(e.value).startswith("batch_size:")
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_the_command_line_writes_results_with_applications(tiny_ckpt, env, tmp_path):
     """`recdepth lm-eval` is lm_eval's command line with the model registered: a real run
     in a subprocess writes lm_eval's results file with the recdepth block."""

@@ -234,6 +234,7 @@ def test_train_gate_accepts_hf_and_fits_on_the_head_of_the_text(hf_dir, tmp_path
         assert any(head[o : o + len(row)] == row for o in range(len(head) - len(row) + 1))
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_report_accepts_hf(hf_dir, tmp_path):
     from recdepth.decode.token_files import read_tokens
     from recdepth.report import report

@@ -259,6 +259,7 @@ def test_bad_step_is_one_line():
             run()
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_compiled_step_equals_eager():
     """torch.compile'd lean step against the module path on the tiny model (float32):
     NLL within float rounding, applications identical here (a criterion within rounding

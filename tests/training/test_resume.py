@@ -90,6 +90,7 @@ def val_steps(train_dir: Path) -> list[int]:
         return [int(r["step"]) for r in csv.DictReader(f) if r.get("val/ce")]
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_the_same_command_resumes_a_killed_run_exactly(tmp_path, env, straight):
     """A is killed after step 5 (checkpoint at 4); B resumes it and is killed after step 6,
     before its own first checkpoint; C, the same command again, ends where an

@@ -14,6 +14,7 @@ from tests.cli.test_cli import TINY, run
 from tests.training.test_resume import steps_of
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_ddp_on_two_cpu_processes_trains_as_one_process_with_the_whole_batch(tmp_path, env):
     """trainer=ddp, 2 ranks (gloo) at batch 2 == 1 process at batch 4: the same windows,
     averaged gradients; noise-free initial state so the two runs draw nothing different."""
