@@ -12,6 +12,7 @@ from recdepth import bench
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_bench_speculative_times_after_the_first_token_on_the_test_split(tiny_ckpt, ckpt_env, tmp_path, monkeypatch):
     from recdepth.decode import generation
     from recdepth.decode.settings import DecodeSettings

@@ -206,6 +206,7 @@ def test_report_refuses_a_used_directory(done, tiny_ckpt):
         report(compose_report(f"ckpt={tiny_ckpt}", f"run_dir={out}", *SMALL))
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt, ckpt_env):
     """report.shared_rows (default 64): the fixed depths, the grids and the calibrated
     answers are scored together (`jobs.decode_shared`); each job's records are those

@@ -84,6 +84,7 @@ def test_the_sweep_summary_logs_its_rows_to_a_wandb_table_offline(tmp_path, tiny
     assert (mpimg.imread(image) == mpimg.imread(sweep / "fig4_exits.png")).all()
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_the_wandb_table_of_a_sweep_with_a_failed_job(tmp_path, tiny_ckpt, cli_here, monkeypatch):
     """A sweep with a failed job still logs its table, the failed job's row included."""
     code, _, sweep = sweep_in_process(tmp_path, tiny_ckpt, cli_here, monkeypatch, "logger=wandb",

@@ -311,7 +311,8 @@ def test_evaluate_exit_batched_equals_batch_one_records(rule, tau):
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("sharing", ["latest", "per_step"])
+# latest: slow (default-suite time, docs/results/test-suite.md); per_step runs by default
+@pytest.mark.parametrize("sharing", [pytest.param("latest", marks=pytest.mark.slow), "per_step"])
 def test_oracle_n_equals_brute_force(sharing):
     """SPEC §4b oracle, by brute force: for every token t and every n, decode tokens
     0..t-1 at fixed N (batch 1, the same noise keys), then token t at fixed n; the oracle's

@@ -287,6 +287,7 @@ def check_outputs(run_dir, n_groups=3):
     return gen
 
 
+@pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_generate_command_writes_agreeing_files(tiny_ckpt, env, tmp_path):
     """The real CLI with prompt text and speculative decoding: stdout is the generated
     text, the files agree, and the comparison with greedy decoding ran."""
