@@ -72,7 +72,7 @@ class MixedPolicy:
 
     @functools.cached_property
     def _wants_head(self) -> bool:
-        return any(p.name != ORACLE and p.rule.reads_head and p.gate is None for p in self.policies)
+        return any(p.needs_head for p in self.policies)
 
     def with_head(self, model) -> MixedPolicy:
         """Every setting with the model's halting head where its rule reads it (`ExitPolicy.with_head`);

@@ -124,11 +124,16 @@ class ExitPolicy:
         kl = self.kl_direction if self.kl_direction != "auto" else "old_new" if hf else "new_old"
         return replace(self, decode=decode, kl_direction=kl)
 
+    @property
+    def needs_head(self) -> bool:
+        """Whether `with_head` has work to do: a rule that reads the halting head, not yet given one."""
+        return self.name != ORACLE and self.rule.reads_head and self.gate is None
+
     def with_head(self, model) -> ExitPolicy:
         """This policy as it runs on `model` (a LoopedGPT): a rule that reads the halting head
         (`ExitRule.reads_head`: exit=halt) takes the model's (one line if it has none); any
         other policy, or one that has its head already, is itself."""
-        if self.name == ORACLE or not self.rule.reads_head or self.gate is not None:
+        if not self.needs_head:
             return self
         if getattr(model, "halt", None) is None:
             raise ValueError(f"exit.name: rule {self.name!r} reads the checkpoint's halting head, and this model has "
