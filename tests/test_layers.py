@@ -19,7 +19,7 @@ PKG = Path(recdepth.__file__).parent
 ORDER = ("core", "glue", "entry")  # lowest first
 LAYERS = {  # package, subpackage or module under recdepth/ -> its layer, the longest match decides;
     # a module at the top of recdepth/ is "entry". A feature folder may hold two layers.
-    "core": "core",  # what the folders share: the registry of extension points, the runtime
+    "core": "core",  # what the folders share: the registry of extension points, the value checks, the runtime
     "model": "core",  # the looped GPT-2, its config, the fast one-token step
     "exits": "core",  # exit rules, policies, monitors, the gate, calibration's math
     "exits.calibration.splits": "glue",  # calibrating on a checkpoint (opens models, reads configs)

@@ -54,6 +54,7 @@ import numpy as np
 from omegaconf import OmegaConf
 
 from recdepth.analysis import stats
+from recdepth.core.checks import is_number
 from recdepth.decode import token_files
 
 log = logging.getLogger("recdepth.frontier")
@@ -139,10 +140,6 @@ def _fmt(v, digits=4) -> str:
     if isinstance(v, list):  # per group: applications (floats), max_steps (integers)
         return " / ".join(f"{x:.1f}" if isinstance(x, float) else str(x) for x in v)
     return str(v)
-
-
-def is_number(v) -> bool:
-    return isinstance(v, float | int) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _uniform_fixed(r: dict) -> bool:

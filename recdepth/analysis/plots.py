@@ -19,7 +19,8 @@ import numpy as np  # noqa: E402
 from matplotlib.collections import LineCollection  # noqa: E402
 
 from recdepth.analysis.diagnostics import FLOOR_FACTOR, load_diagnostics  # noqa: E402
-from recdepth.analysis.frontier import family, is_number  # noqa: E402
+from recdepth.analysis.frontier import family  # noqa: E402
+from recdepth.core.checks import is_number  # noqa: E402
 
 log = logging.getLogger("recdepth.plots")
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from recdepth import exits
+from recdepth.core.checks import check_int, check_number, check_one_of
 from recdepth.data.sources import DataConfig  # noqa: F401  (the `data` group: one class per source)
 from recdepth.decode.settings import DecodeSettings
 from recdepth.model.config import OPTION_DEFAULTS, check_architecture, shape_of
@@ -22,29 +23,6 @@ from recdepth.training import halting, objective, sampler
 
 CALIBRATION_METHODS = ("empirical", "ltt")
 
-
-
-# ------------------------------------------------------------------ checks
-def check_int(name: str, v, lo: int, null: bool = False) -> None:
-    if v is None and null:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name}: expected an integer >= {lo}{' or null' if null else ''}, got {v!r}")
-
-
-def check_number(name: str, v, lo: float = 0.0, strict: bool = False, null: bool = False) -> None:
-    """A finite number >= lo (> lo if strict), or null if allowed."""
-    if v is None and null:
-        return
-    ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v) and (v > lo if strict else v >= lo)
-    if not ok:
-        raise ValueError(f"{name}: expected a finite number {'>' if strict else '>='} {lo:g}"
-                         f"{' or null' if null else ''}, got {v!r}")
-
-
-def check_one_of(name: str, v, choices) -> None:
-    if v not in choices:
-        raise ValueError(f"{name}: expected one of {', '.join(choices)}, got {v!r}")
 
 
 # ------------------------------------------------------------------ groups

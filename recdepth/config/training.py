@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from recdepth.analysis import diagnostics
-from recdepth.config.groups import check_int, check_number, check_one_of
+from recdepth.core.checks import check_int, check_number, check_one_of
 
 PRECISIONS = ("32-true", "bf16-mixed", "16-mixed", "bf16-true", "64-true")
 ACCELERATORS = ("auto", "cpu", "gpu", "cuda", "mps")

@@ -19,12 +19,19 @@ class Registry(dict[str, T], Generic[T]):
     def __init__(self, field: str, what: str):
         super().__init__()
         self.field, self.what = field, what
+        self._owners: dict[str, str] = {}  # name -> the defining class's module.qualname
 
     def register(self, name, entry: T, owner: type) -> None:
-        """Add `entry` under `name` (an identifier), `owner` the class that names it (for the
-        error); a later class of the same name replaces the earlier one."""
+        """Add `entry` under `name` (an identifier), `owner` the class that names it. A name
+        is one class's: another class claiming it is a one-line error naming both (the same
+        class defined again, a module re-run, replaces its entry)."""
         if not isinstance(name, str) or not name.isidentifier():
             raise TypeError(f"{owner.__qualname__}: a {self.what} needs a name, an identifier (got {name!r})")
+        here, taken = f"{owner.__module__}.{owner.__qualname__}", self._owners.get(name)
+        if taken is not None and taken != here:
+            raise ValueError(f"{here}: the {self.what} name {name!r} ({self.field}) is taken by {taken}; "
+                             "give the class another name")
+        self._owners[name] = here
         self[name] = entry
 
     def names(self) -> tuple[str, ...]:
@@ -44,4 +51,5 @@ class Registry(dict[str, T], Generic[T]):
     def __copy__(self) -> Registry[T]:  # a test's scoped copy (monkeypatch) keeps the methods
         new = Registry(self.field, self.what)
         new.update(self)
+        new._owners.update(self._owners)
         return new

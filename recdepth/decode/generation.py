@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from recdepth.core.checks import check_int
 from recdepth.decode.engine import REFERENCE, RowNoise, decode_step, noise_seed
 from recdepth.decode.kv_cache import KVCache, StepKVCache, check_cache, new_caches
 from recdepth.decode.settings import DecodeSettings
@@ -143,8 +144,7 @@ def check_speculative(cache: str, draft_steps: int, lookahead: int) -> None:
                          "token reads the previous one at its final application, which a parallel verify pass "
                          "cannot know; docs/spec.md §4d)")
     for name, v in (("draft_steps", draft_steps), ("lookahead", lookahead)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise ValueError(f"speculative.{name}: expected an integer >= 1, got {v!r}")
+        check_int(f"speculative.{name}", v, 1)
 
 
 def exit_reasons(apps: Tensor | list[int], policy: ExitPolicy) -> list[str]:

@@ -17,22 +17,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from recdepth.core.checks import check_bool, check_int
 from recdepth.decode.kv_cache import check_cache
 
 STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.fast_steps`)
 AUTO = "auto"  # latency_step: the compiled step where it is measured to pay (`scoring.latency_step_for`)
-
-
-def _check_int(field: str, v, lo: int, none: bool = False) -> None:
-    if none and v is None:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"eval.{field}: expected {'null or ' if none else ''}an integer >= {lo}, got {v!r}")
-
-
-def _check_bool(field: str, v, none: bool = False) -> None:
-    if not (isinstance(v, bool) or (none and v is None)):
-        raise ValueError(f"eval.{field}: expected {'null, ' if none else ''}true or false, got {v!r}")
 
 
 @dataclass(frozen=True)
@@ -84,15 +73,15 @@ class DecodeSettings:
             raise ValueError(f"eval.latency_step: expected null, {AUTO} or one of {', '.join(STEPS)}, "
                              f"got {self.latency_step!r}")
         for field in ("warm_start", "compact", "share_first"):
-            _check_bool(field, getattr(self, field))
-        _check_bool("answers", self.answers, none=True)
-        _check_int("seed", self.seed, -(2**63))
-        _check_int("bos", self.bos, 0, none=True)
-        _check_int("context_steps", self.context_steps, 1, none=True)
-        _check_int("batch_size", self.batch_size, 1)
-        _check_int("warmup_tokens", self.warmup_tokens, 0)
-        _check_int("latency_tokens", self.latency_tokens, 0, none=True)
-        _check_int("repeats", self.repeats, 1)
+            check_bool(f"eval.{field}", getattr(self, field))
+        check_bool("eval.answers", self.answers, null=True)
+        check_int("eval.seed", self.seed, -(2**63))
+        check_int("eval.bos", self.bos, 0, null=True)
+        check_int("eval.context_steps", self.context_steps, 1, null=True)
+        check_int("eval.batch_size", self.batch_size, 1)
+        check_int("eval.warmup_tokens", self.warmup_tokens, 0)
+        check_int("eval.latency_tokens", self.latency_tokens, 0, null=True)
+        check_int("eval.repeats", self.repeats, 1)
 
     def replace(self, **changes) -> DecodeSettings:
         """A copy with `changes`, validated again."""

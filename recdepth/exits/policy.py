@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import Tensor
 
+from recdepth.core.checks import check_int
 from recdepth.exits.monitor import ExitMonitor
 from recdepth.exits.rule import ExitRule, canonical, lookup
 from recdepth.exits.rules import PATIENCE  # and the built-in rules, registered
@@ -190,12 +191,6 @@ class ExitPolicy:
         return ExitMonitor(self, x0, decode)
 
 
-def _check_int(field: str, value, lo: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
-        raise ValueError(f"exit.{field}: expected an integer >= {lo}, got {value!r}")
-    return value
-
-
 def _check_tau(field: str, tau, key: str) -> float:
     """τ of rule `key` (its own check, `ExitRule.check_tau`), or the oracle's ε (>= 0)."""
     if key != ORACLE:
@@ -264,9 +259,9 @@ def validate(name: str, tau: float | Sequence[float] | None, min_steps: int | Se
     key = canonical(name)
     if key != ORACLE:
         lookup(key)  # an unknown name: one line listing the rules
-    min_steps = _per_group("min_steps", min_steps, lambda f, v: _check_int(f, v, 0), key)
-    max_steps = _per_group("max_steps", max_steps, lambda f, v: _check_int(f, v, 1), key)
-    patience = _check_int("patience", patience, 1)
+    min_steps = _per_group("min_steps", min_steps, lambda f, v: check_int(f"exit.{f}", v, 0), key)
+    max_steps = _per_group("max_steps", max_steps, lambda f, v: check_int(f"exit.{f}", v, 1), key)
+    patience = check_int("exit.patience", patience, 1)
     if decode not in DECODES:
         raise ValueError(f"exit.decode: expected one of auto, coda (through the layers after the loop, Huginn's), "
                          f"head (final norm + LM head), got {decode!r}")

@@ -19,11 +19,11 @@ that `fires` is never read on, because of that mask.
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar, NamedTuple
 
 from torch import Tensor
 
+from recdepth.core.checks import is_number
 from recdepth.core.registry import Registry
 
 _REGISTRY: Registry[ExitRule] = Registry("exit.name", "exit rule")  # name -> the rule (one instance: stateless)
@@ -121,7 +121,7 @@ class ExitRule:
     def check_tau(self, where: str, tau) -> float:
         """τ for this rule (one value; `where` names the field in the one-line error):
         default, a finite number > 0."""
-        if not (_is_number(tau) and math.isfinite(tau) and tau > 0):
+        if not (is_number(tau) and tau > 0):
             raise ValueError(f"{where}: expected a finite number > 0 for rule {self.name!r}, got {tau!r}")
         return float(tau)
 
@@ -129,10 +129,6 @@ class ExitRule:
 # Names no rule may take: the evaluation's oracle bound (recdepth.exits.policy) and the aliases.
 ALIASES = {"none": "fixed"}
 RESERVED = {"oracle": "the oracle bound, evaluation only", **{a: f"an alias of {n}" for a, n in ALIASES.items()}}
-
-
-def _is_number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
 
 
 def names() -> tuple[str, ...]:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from recdepth.core.checks import is_int, is_number
+
 # Size presets. `cpu` trains in minutes on a 2-core laptop; `paper` is the paper's GPT-2;
 # `tiny` is for tests (seconds); `huginn-0125` is Huginn-0125's published shape
 # (recpre/raven_config_minimal.py: RavenConfig defaults; 2 + 4 + 2 layers, with
@@ -183,7 +185,7 @@ class GPTConfig:
 
 
 def _check_positive(name: str, v) -> None:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+    if not is_int(v) or v < 1:
         raise ValueError(f"model.{name}: expected a positive integer, got {v!r}")
 
 
@@ -206,7 +208,7 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
         _check_positive("intermediate_size", intermediate_size)
     if position not in POSITIONS:
         raise ValueError(f"model.position: unknown {position!r} (expected one of {', '.join(POSITIONS)})")
-    if not _finite(rope_base) or rope_base <= 1:
+    if not is_number(rope_base) or rope_base <= 1:
         raise ValueError(f"model.rope_base: expected a finite number > 1, got {rope_base!r}")
     if position == "rope" and (n_embd // n_head) % 2:
         raise ValueError(f"model.position: rope rotates pairs of channels, but the head dimension "
@@ -216,7 +218,7 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
     for name, v in (("qk_bias", qk_bias), ("scale_embeddings", scale_embeddings), ("latent_norm", latent_norm)):
         if not isinstance(v, bool):
             raise ValueError(f"model.{name}: expected true or false, got {v!r}")
-    if not _finite(norm_eps) or norm_eps <= 0:
+    if not is_number(norm_eps) or norm_eps <= 0:
         raise ValueError(f"model.norm_eps: expected a finite number > 0, got {norm_eps!r}")
     if attention_window is not None and (isinstance(attention_window, bool) or not isinstance(attention_window, int)
                                          or attention_window < 1):
@@ -231,17 +233,13 @@ def check_halt_head(head: str | None, bias: float, reading: str, n_groups: int) 
         return
     if head not in HALT_HEADS:
         raise ValueError(f"halt.input: unknown {head!r} (expected one of {', '.join(HALT_HEADS)})")
-    if not _finite(bias):
+    if not is_number(bias):
         raise ValueError(f"halt.init_bias: expected a finite number, got {bias!r}")
     if reading not in HALT_READINGS:
         raise ValueError(f"halt.reading: unknown {reading!r} (expected one of {', '.join(HALT_READINGS)})")
     if n_groups != 1:
         raise ValueError(f"halt.loss: a halting head needs a model with exactly one recurrence group (its losses "
                          f"read the per-application losses of that group), this model has {n_groups}")
-
-
-def _finite(v) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def validate_groups(groups, n_layer: int) -> list[list[int]]:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from recdepth.core.checks import is_number
 from recdepth.core.registry import Registry
 
 _REGISTRY: Registry[HaltingLoss] = Registry("halt.loss", "halting loss")
@@ -77,17 +78,13 @@ class HaltSettings:
 
     def __post_init__(self):
         for name, v, lo, hi in (("beta", self.beta, 0.0, math.inf), ("margin", self.margin, 0.0, math.inf)):
-            if not _number(v) or not lo <= v < hi:
+            if not is_number(v) or not lo <= v < hi:
                 raise ValueError(f"halt.{name}: expected a finite number >= {lo:g}, got {v!r}")
         for name, v in (("prior", self.prior), ("epsilon", self.epsilon)):
-            if not _number(v) or not 0 < v < 1:
+            if not is_number(v) or not 0 < v < 1:
                 raise ValueError(f"halt.{name}: expected a number in (0, 1), got {v!r}")
         if self.label not in LABELS:
             raise ValueError(f"halt.label: expected one of {', '.join(LABELS)}, got {self.label!r}")
-
-
-def _number(v) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
 class HaltingLoss:

@@ -178,7 +178,7 @@ def test_an_out_of_range_value_is_refused_in_one_line(overrides, field, expected
 @pytest.mark.parametrize("overrides, field, expected", [
     (["ckpt=x.ckpt", "device=gpu"], "device", "auto, cpu, cuda or cuda:<n>"),
     (["ckpt=x.ckpt", "eval.tokens=0"], "eval.tokens", ">= 1"),
-    (["ckpt=x.ckpt", "eval.context_steps=0"], "eval.context_steps", "null or an integer >= 1"),
+    (["ckpt=x.ckpt", "eval.context_steps=0"], "eval.context_steps", "an integer >= 1 or null"),
     (["ckpt=x.ckpt", "exit.tau=-1"], "exit.tau", "> 0"),
     (["ckpt=x.ckpt", "exit=argmax_stability", "exit.patience=-1"], "exit.patience", ">= 1"),
     (["ckpt=x.ckpt", "exit=cosine", "exit.tau=[1e-3,-1]"], "exit.tau[1]", "> 0"),

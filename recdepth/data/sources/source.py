@@ -21,18 +21,11 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.core.checks import check_int
 from recdepth.core.registry import Registry
 from recdepth.data.token_cache import SourceSpec, TokenCache, prepare_tokens
 
 _REGISTRY: Registry[type[DataConfig]] = Registry("data.source", "source")  # name -> the source's class
-
-
-def check_int(name: str, v, lo: int, null: bool = False) -> None:
-    """One line naming `name` unless v is an integer >= lo (or null, where allowed)."""
-    if v is None and null:
-        return
-    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-        raise ValueError(f"{name}: expected an integer >= {lo}{' or null' if null else ''}, got {v!r}")
 
 
 @dataclass

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.core.checks import check_int
 from recdepth.data import tasks
-from recdepth.data.sources.source import DataConfig, check_int
+from recdepth.data.sources.source import DataConfig
 from recdepth.data.token_cache import TokenCache, prepare_task_tokens
 
 LOSSES = ("all", "answers")

@@ -35,7 +35,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from recdepth.data.tasks.task import NAMES, Instance, Task, _is_int
+from recdepth.core.checks import is_int
+from recdepth.data.tasks.task import NAMES, Instance, Task
 
 
 @dataclass
@@ -56,7 +57,7 @@ class Roots(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        if not (_is_int(self.nodes) and 1 <= self.nodes <= len(NAMES)):
+        if not (is_int(self.nodes) and 1 <= self.nodes <= len(NAMES)):
             raise ValueError(f"data.task.nodes: expected an integer in 1..{len(NAMES)} (one name per node), "
                              f"got {self.nodes!r}")
         for key in ("size", "extrapolation"):
@@ -64,7 +65,7 @@ class Roots(Task):
             if hi > self.nodes - 1:
                 raise ValueError(f"data.task.{key}: {hi} hops need a chain of {hi + 1} nodes, more than "
                                  f"data.task.nodes={self.nodes} (expected hops <= nodes - 1)")
-        if not (_is_int(self.queries) and 1 <= self.queries <= self.nodes):
+        if not (is_int(self.queries) and 1 <= self.queries <= self.nodes):
             raise ValueError(f"data.task.queries: expected an integer in 1..data.task.nodes={self.nodes}, "
                              f"got {self.queries!r}")
 

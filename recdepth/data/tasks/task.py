@@ -49,6 +49,7 @@ import random
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from recdepth.core.checks import is_int
 from recdepth.core.registry import Registry
 
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -70,10 +71,6 @@ Token = tuple[str, int] | tuple[str, int, tuple[str, ...]] | tuple[str, int, tup
 Instance = list[Token]
 
 _REGISTRY: Registry[type[Task]] = Registry("data.task.name", "task")  # name -> the task's class
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 @dataclass
@@ -104,7 +101,7 @@ class Task:
                              f"data=<task>: {', '.join(_REGISTRY)})")
         for key in ("size", "extrapolation"):
             v = getattr(self, key)
-            if not (isinstance(v, list | tuple) and len(v) == 2 and all(_is_int(x) for x in v)):
+            if not (isinstance(v, list | tuple) and len(v) == 2 and all(is_int(x) for x in v)):
                 raise ValueError(f"data.task.{key}: expected [lo, hi] (two integers), got {v!r}")
             lo, hi = v
             if not self.min_size() <= lo <= hi:

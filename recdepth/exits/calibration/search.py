@@ -33,13 +33,13 @@ the search says so (`Result.met` False) and returns the one closest to it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from recdepth.analysis.stats import Cost
+from recdepth.core.checks import is_number
 
 TARGETS = ("max_ce_increase", "layer_applications", "max_accuracy_drop")
 
@@ -59,7 +59,7 @@ class Target:
         if self.kind not in TARGETS:
             raise ValueError(f"target: expected one of {', '.join(TARGETS)}, got {self.kind!r}")
         v = self.value
-        ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        ok = is_number(v)
         expect = {"max_ce_increase": (lambda x: x >= 0, ">= 0 (nats)"),
                   "layer_applications": (lambda x: x > 0, "> 0 (layer applications per token)"),
                   "max_accuracy_drop": (lambda x: 0 <= x < 1, "in [0, 1) (a fraction of the answers: 0.01 = one point)")}
