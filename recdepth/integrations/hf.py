@@ -73,6 +73,7 @@ BLOCK = (("norm_1.weight", "norm1.weight"), ("norm_2.weight", "norm2.weight"), (
          ("attn.qk_bias", "attn.qk_bias"), ("attn.proj.weight", "attn.proj.weight"),
          ("mlp.fc.weight", "mlp.fc.weight"), ("mlp.proj.weight", "mlp.proj.weight"))
 ADAPTER = "transformer.adapter.weight"
+ADAPTER_HALVES = ("adapters.0.state.weight", "adapters.0.input.weight")  # ours: Huginn's adapter split
 
 
 # ------------------------------------------------------------------ names
@@ -111,7 +112,12 @@ def to_hf(model: LoopedGPT, dtype: torch.dtype | None = None) -> dict[str, Tenso
     own), with the rope table `freqs_cis`; the tied head is left out, as
     `save_pretrained` leaves it."""
     cfg, sd = model.cfg, model.state_dict()
-    out = {hf: sd[ours] for hf, ours in name_map(cfg).items()}
+    names = name_map(cfg)
+    unmapped = sorted(set(sd) - set(names.values()) - set(ADAPTER_HALVES))
+    if unmapped:  # a parameter with no Huginn name would be dropped, and load_hf would then miss it
+        raise ValueError(f"save_hf: parameter {unmapped[0]!r} has no Huginn name (add it to name_map in "
+                         f"recdepth/integrations/hf.py; {len(unmapped)} unmapped: {', '.join(unmapped)})")
+    out = {hf: sd[ours] for hf, ours in names.items()}
     out[ADAPTER] = model.adapters[0].weight()
     out = {k: v.detach().to("cpu", dtype or v.dtype).contiguous().clone() for k, v in out.items()}
     out["freqs_cis"] = freqs_cis(cfg)
@@ -123,7 +129,7 @@ def from_hf(cfg: GPTConfig, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
     state and input halves: Huginn's adapter reads cat([state, input embeddings]))."""
     sd = {ours: tensors[hf] for hf, ours in name_map(cfg).items()}
     state, inp = tensors[ADAPTER].split(cfg.n_embd, dim=1)
-    sd["adapters.0.state.weight"], sd["adapters.0.input.weight"] = state.contiguous(), inp.contiguous()
+    sd[ADAPTER_HALVES[0]], sd[ADAPTER_HALVES[1]] = state.contiguous(), inp.contiguous()
     return sd
 
 
@@ -365,7 +371,13 @@ def load_hf(path: str | Path, device: str | torch.device = "cpu",
     files, listing = weight_files(d)
     tensors, optional = _read(files, listing, hf_shapes(model), dtype)
     _check_optional(cfg, files, tensors)
-    model.load_state_dict(from_hf(cfg, tensors), strict=True, assign=True)
+    sd = from_hf(cfg, tensors)
+    missing, unexpected = sorted(set(model.state_dict()) - set(sd)), sorted(set(sd) - set(model.state_dict()))
+    if missing or unexpected:  # the mapping and the model disagree (a parameter added to one of them)
+        what = "; ".join(f"{k} {', '.join(v)}" for k, v in (("missing", missing), ("unexpected", unexpected)) if v)
+        raise ValueError(f"{d}: load_hf: the mapped tensors and the model disagree ({what}; "
+                         "name_map in recdepth/integrations/hf.py)")
+    model.load_state_dict(sd, strict=True, assign=True)
     model = model.to(device).eval()
     info = {"path": str(d), "files": sorted({f.name for f in files.values()}), "config": raw,
             "defaulted": defaulted, "optional": sorted(optional), "params": model.num_params(),

@@ -329,6 +329,31 @@ def halt_logit(x: Tensor, weight: Tensor, bias: Tensor, normed: bool, eps: float
 
 
 # -------------------------------------------------------------------------- model
+# How `LoopedGPT.reset_parameters` starts each parameter, by its name with the layer indices
+# taken out: every parameter is named here, so a new one is a choice, not a silent default
+# (docs/contributing.md, "Change the block"). sigma: truncated normal at σ; out: at σ_out (the
+# output projections); fc: the MLP's input (gated_silu: half at σ, half at σ_out); ones,
+# zeros; halt: the halting head (weight 0, bias halt_bias).
+INIT = {
+    "wte.weight": "sigma", "wpe.weight": "sigma", "h.attn.qkv.weight": "sigma",
+    "adapters.input.weight": "sigma", "adapters.state.weight": "sigma",
+    "h.attn.proj.weight": "out", "h.mlp.proj.weight": "out", "h.mlp.fc.weight": "fc",
+    "h.norm1.weight": "ones", "h.norm2.weight": "ones", "h.norm3.weight": "ones", "h.norm4.weight": "ones",
+    "ln_f.weight": "ones", "h.attn.qk_bias": "zeros", "lm_bias": "zeros",
+    "halt.weight": "halt", "halt.bias": "halt",
+}
+
+
+def init_of(name: str) -> str:
+    """How `reset_parameters` starts the parameter `name` (a state-dict name): its entry in
+    `INIT`; a parameter INIT does not name is a one-line error."""
+    key = ".".join(part for part in name.split(".") if not part.isdigit())
+    if key not in INIT:
+        raise ValueError(f"LoopedGPT.reset_parameters: parameter {name!r} has no initialisation; add {key!r} to "
+                         "INIT in recdepth/model/looped.py (docs/contributing.md, 'Change the block')")
+    return INIT[key]
+
+
 class LoopedGPT(nn.Module):
     def __init__(self, cfg: GPTConfig):
         super().__init__()
@@ -392,22 +417,20 @@ class LoopedGPT(nn.Module):
         sigma = math.sqrt(2 / (5 * self.cfg.n_embd))
         sigma_out = sigma / math.sqrt(2 * self.cfg.effective_depth)
         for name, p in self.named_parameters():
-            if name.startswith("halt."):  # the halting head starts at λ = σ(halt_bias) everywhere
+            how = init_of(name)
+            if how == "halt":  # the halting head starts at λ = σ(halt_bias) everywhere
                 nn.init.constant_(p, self.cfg.halt_bias if name == "halt.bias" else 0.0)
-                continue
-            if name == "lm_bias" or name.endswith("attn.qk_bias"):
+            elif how == "zeros":
                 nn.init.zeros_(p)
-                continue
-            if p.dim() == 1:  # norm weights
+            elif how == "ones":
                 nn.init.ones_(p)
-                continue
-            if self.cfg.mlp == "gated_silu" and name.endswith("mlp.fc.weight"):
+            elif how == "fc" and self.cfg.mlp == "gated_silu":
                 # Huginn's init_glu: the SiLU half at σ, the linear half at σ_out
                 for half, s in zip(p.chunk(2, dim=0), (sigma, sigma_out)):
                     nn.init.trunc_normal_(half, mean=0.0, std=s, a=-3 * s, b=3 * s)
-                continue
-            s = sigma_out if name.endswith(("attn.proj.weight", "mlp.proj.weight")) else sigma
-            nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
+            else:
+                s = sigma_out if how == "out" else sigma
+                nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
 
     @torch.no_grad()
     def init_logit_bias(self, log_prior: Tensor) -> None:

@@ -340,6 +340,35 @@ def test_save_refuses_what_huginn_cannot_express(tmp_path, kw, key):
     assert not any(tmp_path.iterdir())
 
 
+def test_a_parameter_with_no_huginn_name_is_refused_on_save_and_missing_on_load_in_one_line(tmp_path, monkeypatch):
+    """docs/contributing.md, "Change the block": a parameter added to the block that hf.py's
+    name_map does not map is neither dropped by save_hf nor a raw RuntimeError in load_hf."""
+    from recdepth.model import looped
+
+    base = dict(groups=[[1, 2]], logit_bias=False, position="rope", mlp="gated_silu", latent_norm=True,
+                scale_embeddings=True)
+    cfg = GPTConfig(n_layer=5, n_head=2, n_embd=16, block_size=8, vocab_size=64, **base)
+    m = LoopedGPT(cfg)
+    m.h[1].register_parameter("gain", torch.nn.Parameter(torch.ones(())))  # the newcomer's new parameter
+    with pytest.raises(ValueError) as e:
+        save_hf(m, tmp_path / "a")
+    one_line(e, "save_hf", "'h.1.gain'", "name_map")
+    assert not (tmp_path / "a" / "model.safetensors").exists()
+
+    save_hf(LoopedGPT(cfg), tmp_path / "b")  # a checkpoint of the block as it was
+    init = looped.Block.__init__
+
+    def with_gain(self, *a, **kw):  # the block now has a gain: the mapping fills no tensor for it
+        init(self, *a, **kw)
+        self.gain = torch.nn.Parameter(torch.ones(()))
+
+    monkeypatch.setattr(looped.Block, "__init__", with_gain)
+    monkeypatch.setitem(looped.INIT, "h.gain", "ones")
+    with pytest.raises(ValueError) as e:
+        load_hf(tmp_path / "b")
+    one_line(e, "load_hf", "missing h.0.gain", "name_map", str(tmp_path / "b"))
+
+
 # ------------------------------------------------------------ (d) bad directories
 @pytest.mark.parametrize("case, file, parts", [
     ("no_config", "config.json", ["missing"]),

@@ -282,3 +282,22 @@ def test_scale_embeddings_scales_token_and_learned_position(position):
             want = want + plain.wpe.weight[pos0 : pos0 + 5]
         torch.testing.assert_close(plain.embed(idx, pos0), want)
         torch.testing.assert_close(scaled.embed(idx, pos0), want * math.sqrt(d))
+
+
+def test_reset_parameters_names_every_parameter_and_refuses_one_it_does_not_know():
+    """A parameter the init table (looped.INIT) does not name is a one-line error, not a
+    truncated normal it was never meant to start from (a gain meant to start at 1)."""
+    from recdepth.model import looped
+
+    m = LoopedGPT(GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=8, vocab_size=32, groups=[[1, 2]]))
+    m.h[2].register_parameter("gain", torch.nn.Parameter(torch.zeros(())))
+    with pytest.raises(ValueError) as e:
+        m.reset_parameters()
+    msg = str(e.value)
+    assert "\n" not in msg and "'h.2.gain'" in msg and "'h.gain'" in msg and "INIT" in msg
+    looped.INIT["h.gain"] = "ones"
+    try:
+        m.reset_parameters()
+        assert m.h[2].gain.item() == 1.0
+    finally:
+        del looped.INIT["h.gain"]
