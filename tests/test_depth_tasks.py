@@ -12,11 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from tests.cli.test_cli import run
-
-SMALL = ["debug=tiny", "experiment=roots", "data.train_records=200", "data.test_records=6",
-         "data.validation_records=12", "data.extrapolation_records=4", "eval.tokens=288",  # 6 records x 48
-         "eval.latency_tokens=2", "eval.context_steps=4", "callbacks=none"]
+from tests.helpers import SMALL, run
 
 
 @pytest.fixture(scope="module")

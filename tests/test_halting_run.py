@@ -12,8 +12,7 @@ import sys
 import pytest
 import torch
 
-from tests.cli.test_cli import run
-from tests.test_depth_tasks import SMALL
+from tests.helpers import SMALL, run
 
 
 @pytest.fixture(scope="module")

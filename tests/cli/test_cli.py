@@ -10,20 +10,11 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import REPO
+from tests.helpers import TINY, run
+
 
 # Tiny but real: the shipped corpus, the paper's groups, every stage of a run
 # (conf/debug/tiny.yaml; overrides given beside it win over its values).
-TINY = ["debug=tiny"]
-
-
-def run(args, cwd, env, check=True):
-    p = subprocess.run([sys.executable, "-m", "recdepth.train", *args], cwd=cwd, env=env,
-                       capture_output=True, text=True, timeout=600)
-    if check and p.returncode != 0:
-        raise AssertionError(f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}")
-    return p
-
-
 def test_cli_run_writes_config_checkpoint_and_metrics(tmp_path, env):
     # Run from an unrelated working directory: conf/ must be found from the package.
     run(["model=grouped", "exit=accel", "exit.tau=1e-2", *TINY], cwd=tmp_path, env=env)

@@ -21,7 +21,7 @@ from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tokenizer import EOT_ID, gpt2
-from tests.data.test_roots import assert_splits_disjoint, symbols_of  # shared with the roots tests
+from tests.data.helpers import assert_splits_disjoint, symbols_of
 
 COUNTS = dict(train_records=48, test_records=24, validation_records=24, extrapolation_records=24)
 SPLITS = ("train", "validation", "test", "extrapolation")

@@ -18,7 +18,7 @@ from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tokenizer import EOT_ID, gpt2
-from recdepth.data.vocabulary import Vocab
+from tests.data.helpers import assert_splits_disjoint, symbols_of
 
 LETTERS = string.ascii_lowercase + string.ascii_uppercase  # node i's name: the i-th letter
 COUNTS = dict(train_records=64, test_records=32, validation_records=32, extrapolation_records=32)
@@ -58,13 +58,6 @@ def solve(symbols: list[str], nodes: int) -> list[tuple[int, str, list[str]]]:
         path = walk(table, symbols[i])
         out.append((i + 1, path[-1] if path else symbols[i], path))
     return out
-
-
-def symbols_of(vocab: Vocab, ids) -> list[str]:
-    """Model ids -> their text, stripped (EOT as "<eot>", newline as "\\n")."""
-    enc = gpt2()
-    return ["<eot>" if t == EOT_ID else ("\n" if enc.decode([t]) == "\n" else enc.decode([t]).strip())
-            for t in vocab.to_gpt2(np.asarray(ids)).tolist()]
 
 
 def split_arrays(dm: TokenDataModule, split: str):
@@ -158,19 +151,6 @@ def test_roots_generator_is_deterministic_and_its_splits_share_no_instance():
     # a small instance space (4 nodes, 0-1 hops, one query): without the hash split, train
     # would hold all of test
     assert_splits_disjoint(tasks.Roots(size=[0, 1], extrapolation=[2, 3], nodes=4, queries=1))
-
-
-def assert_splits_disjoint(small: tasks.Task) -> None:
-    """Draws of a task with a small instance space share no instance between any two splits
-    (the hash split), and the test split is not empty."""
-    def take(split, n):
-        it = tasks.instances(small, split, 0)
-        return {" ".join(tok[0] for tok in next(it)) for _ in range(n)}
-
-    train, val, test, extra = take("train", 3000), take("validation", 300), take("test", 300), take("extrapolation", 300)
-    assert not (train & test) and not (train & val) and not (val & test)
-    assert not (extra & (train | val | test))
-    assert len(test) >= 3
 
 
 @pytest.mark.parametrize("task, field", [

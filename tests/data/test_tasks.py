@@ -21,7 +21,7 @@ from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tasks import task as task_module
 from recdepth.data.tokenizer import EOT_ID, gpt2
 from recdepth.data.vocabulary import Vocab
-from tests.cli.test_cli import run
+from tests.helpers import run
 
 COUNTS = dict(train_records=300, test_records=8, validation_records=8, extrapolation_records=8)
 BUILTIN = ("hops", "addition", "modsum")  # the shipped tasks (a test may register more)

@@ -9,26 +9,8 @@ from recdepth.decode import mixed as mixed_settings
 from recdepth.decode.engine import RowNoise, decode_step, new_caches
 from recdepth.decode.scoring import evaluate_exit, evaluate_oracle
 from recdepth.decode.settings import DecodeSettings
-from recdepth.model.looped import GPTConfig, LoopedGPT
-
-
-def model(groups, state_init="zero", seed=0):
-    torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=5, n_head=2, n_embd=32, block_size=12, vocab_size=60, groups=groups,
-                    mean_recurrence=3, state_init=state_init)
-    return LoopedGPT(cfg).double().eval()
-
-
-def decode_all(m, idx, policy, gen=None, sharing="latest", compact=True, noise=None):
-    B, T = idx.shape
-    caches = new_caches(m, B, T, sharing, policy.max_steps_bound)
-    out, apps = [], []
-    for t in range(T):
-        logits, a = decode_step(m, idx[:, t], t, caches, policy, DecodeSettings(compact=compact), generator=gen,
-                                noise=noise)
-        out.append(logits)
-        apps.append(a)
-    return torch.stack(out, 1), torch.stack(apps, 1)
+from recdepth.model.looped import LoopedGPT
+from tests.decode.helpers import decode_all, model
 
 
 def test_kv_cache_decoding_equals_parallel_forward_without_recurrence():
@@ -243,21 +225,20 @@ def test_kl_and_entropy_sum_as_the_zeroed_terms_do(dtype):
     assert torch.allclose(exits.entropy(new).double(), -(n64.exp() * n64).sum(-1), rtol=tol, atol=tol)
 
 
-# Every rule, with a τ at which it exits at varied n on this model (argmax_stability: its k),
-# and per-group values (this model has two groups).
-RULES = [("fixed", None, {}), ("stepnorm", 0.3, {}), ("stepnorm_rel", 0.05, {}), ("kl", 1e-3, {}), ("accel", 0.5, {}),
-         ("accel_rel", 0.6, {}), ("entropy_diff", 1e-3, {}), ("cosine", 1e-2, {}),
-         ("argmax_stability", None, {"patience": 2}), ("cosine", [1e-2, 1e-3], {}),
-         ("argmax_stability", None, {"patience": 1, "min_steps": [0, 4], "max_steps": [12, 9]}),
-         # the learned gate (recdepth/exits/gate.py): a random one per group, weight [2, 32], bias [2]
-         ("gate", [0.5, 0.3], {"gate": (0.3 * torch.randn(2, 32, generator=torch.Generator().manual_seed(11),
-                                                          dtype=torch.float64), torch.tensor([0.0, 0.5]))})]
-
-
-def test_the_rule_table_covers_every_rule():
-    """Every registered rule is in RULES, but for those that read a halting head, which needs
-    a model with one recurrence group (this one has two): tests/exits/test_halt.py."""
-    assert {r for r, _, _ in RULES} == {n for n in exits.names() if not exits.lookup(n).reads_head}
+# Every registered rule (but those reading a halting head, which needs a model with one
+# recurrence group: tests/exits/test_halt.py) at a τ where it exits at varied n on this model
+# (argmax_stability: its k); a rule not in TUNED (a newcomer's) at its own default τ. Then
+# per-group values (this model has two groups) and the learned gate.
+TUNED = {"fixed": (None, {}), "stepnorm": (0.3, {}), "stepnorm_rel": (0.05, {}), "kl": (1e-3, {}),
+         "accel": (0.5, {}), "accel_rel": (0.6, {}), "entropy_diff": (1e-3, {}), "cosine": (1e-2, {}),
+         "argmax_stability": (None, {"patience": 2})}
+RULES = [(n, *TUNED.get(n, (exits.lookup(n).default_tau, {}))) for n in exits.names()
+         if not (exits.lookup(n).reads_head or exits.lookup(n).gated)] + [
+    ("cosine", [1e-2, 1e-3], {}),
+    ("argmax_stability", None, {"patience": 1, "min_steps": [0, 4], "max_steps": [12, 9]}),
+    # the learned gate (recdepth/exits/gate.py): a random one per group, weight [2, 32], bias [2]
+    ("gate", [0.5, 0.3], {"gate": (0.3 * torch.randn(2, 32, generator=torch.Generator().manual_seed(11),
+                                                     dtype=torch.float64), torch.tensor([0.0, 0.5]))})]
 
 
 @pytest.mark.parametrize("rule, tau, kw", RULES, ids=lambda v: str(v).replace(" ", ""))

@@ -16,7 +16,7 @@ from recdepth.decode.engine import RowNoise, decode_step, noise_seed, windows
 from recdepth.decode.kv_cache import new_caches
 from recdepth.decode.scoring import evaluate_exit, evaluate_oracle
 from recdepth.decode.settings import DecodeSettings
-from tests.decode.test_decoding import model
+from tests.decode.helpers import model
 
 T = 12  # the tiny models' block size
 

@@ -20,7 +20,7 @@ from recdepth import exits
 from recdepth.decode.engine import RowNoise
 from recdepth.integrations.hf import load_hf, save_hf
 from recdepth.model.looped import GPTConfig, LoopedGPT, apply_rope, rope_angles
-from tests.decode.test_decoding import decode_all
+from tests.decode.helpers import decode_all
 
 # A tiny Huginn: prelude 1, core 2, coda 2 layers; d = 32, 4 heads of 8; gated MLP width 48.
 D, HEADS, HD, INTER, P, C, K, V, BLOCK = 32, 4, 8, 48, 1, 2, 2, 100, 16

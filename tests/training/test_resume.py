@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.cli.test_cli import run
+from tests.helpers import run
+from tests.training.helpers import steps_of
 
 # Long enough that a kill after the first checkpoint lands mid-run; every 4 steps a
 # checkpoint, validations in between (a resumed run skips the one its checkpoint preceded).
@@ -69,10 +70,6 @@ def straight(tmp_path_factory, env):
     run([*ARGS, f"run_dir={d / 'run'}"], cwd=d, env=env)
     m = json.loads((d / "run" / "metrics.json").read_text())
     return m, Path(m["train_dir"])
-
-
-def steps_of(train_dir: Path) -> list[int]:
-    return sorted(int(f.stem.split("_")[1]) for f in train_dir.glob("diagnostics/step_*.json"))
 
 
 def killed(when: str, args, cwd, env) -> None:

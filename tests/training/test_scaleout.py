@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from tests.cli.test_cli import TINY, run
-from tests.training.test_resume import steps_of
+from tests.helpers import TINY, run
+from tests.training.helpers import steps_of
 
 
 @pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md

@@ -1,0 +1,27 @@
+"""Helpers the generated tasks' tests share (tests/data/test_roots.py, test_carry.py)."""
+
+import numpy as np
+
+from recdepth.data import tasks
+from recdepth.data.tokenizer import EOT_ID, gpt2
+from recdepth.data.vocabulary import Vocab
+
+
+def symbols_of(vocab: Vocab, ids) -> list[str]:
+    """Model ids -> their text, stripped (EOT as "<eot>", newline as "\\n")."""
+    enc = gpt2()
+    return ["<eot>" if t == EOT_ID else ("\n" if enc.decode([t]) == "\n" else enc.decode([t]).strip())
+            for t in vocab.to_gpt2(np.asarray(ids)).tolist()]
+
+
+def assert_splits_disjoint(small: tasks.Task) -> None:
+    """Draws of a task with a small instance space share no instance between any two splits
+    (the hash split), and the test split is not empty."""
+    def take(split, n):
+        it = tasks.instances(small, split, 0)
+        return {" ".join(tok[0] for tok in next(it)) for _ in range(n)}
+
+    train, val, test, extra = take("train", 3000), take("validation", 300), take("test", 300), take("extrapolation", 300)
+    assert not (train & test) and not (train & val) and not (val & test)
+    assert not (extra & (train | val | test))
+    assert len(test) >= 3
