@@ -381,7 +381,7 @@ def main(argv=None):
                    help="callbacks: trainer.max_steps of both runs (default: the config's 800)")
     p.add_argument("--ckpt", default=None, help="exits: a training checkpoint (default: a fresh cpu-size model)")
     p.add_argument("--rules", nargs="+", default=["fixed", "stepnorm", "kl", "accel"],
-                   help="exits: rules (any registered rule, recdepth/exits/rules.py, e.g. entropy_diff cosine argmax_stability)")
+                   help="exits: rules (any registered rule, recdepth/exits/rules/builtin.py, e.g. entropy_diff cosine argmax_stability)")
     p.add_argument("--taus", type=float, nargs="+", default=[1e-5, 1e-4, 1e-3, 1e-2], help="exits: thresholds")
     p.add_argument("--tokens", type=int, default=256,
                    help="exits: tokens scored at batch 1 per rule and τ; settings, oracle: test-split tokens")

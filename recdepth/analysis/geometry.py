@@ -2,7 +2,7 @@
 
 Two kinds of input:
 - pointwise forms on states/steps shaped `[..., d]` — what the exit rules evaluate after
-  every application (the exit rules, recdepth/exits/rules.py, call these, it never re-derives them);
+  every application (the exit rules, recdepth/exits/rules/builtin.py, call these, it never re-derives them);
 - trajectory forms on a recorded trajectory shaped `[K+1, ..., d]` (x^(0) .. x^(K), the
   states a group computes) — what the diagnostics evaluate. Each is written in terms of
   the pointwise form, so both read the same definition.

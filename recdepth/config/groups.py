@@ -190,7 +190,7 @@ class ExitConfig:
     model's groups by `TrainConfig` (and, for a checkpoint, by the evaluation)."""
 
     name: str = exits.DEFAULT_RULE
-    """A registered rule (the built-in ones: recdepth/exits/rules.py; or one of your own), none
+    """A registered rule (the built-in ones: recdepth/exits/rules/builtin.py; or one of your own), none
     (fixed) or oracle (evaluation only). `exit=<name>` sets it with the rule's own default τ."""
     tau: Any = exits.lookup(exits.DEFAULT_RULE).default_tau
     """Threshold τ (finite, > 0; gate: a probability in (0, 1); the oracle's ε >= 0), one or

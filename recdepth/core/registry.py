@@ -6,6 +6,9 @@ one is writing its class; commands list and look them up here by name.
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from collections.abc import Iterable
 from typing import Generic, TypeVar
 
 T = TypeVar("T")
@@ -53,3 +56,13 @@ class Registry(dict[str, T], Generic[T]):
         new.update(self)
         new._owners.update(self._owners)
         return new
+
+
+def import_folder(package: str, path: Iterable[str]) -> None:
+    """Import every module in a package's folder (`package`: its dotted name, `path`: its
+    `__path__`), so that a file dropped there defining an extension (a rule in exits/rules/,
+    a task in data/tasks/, a source in data/sources/) registers it with no import written
+    anywhere else."""
+    for m in sorted(pkgutil.iter_modules(path), key=lambda m: m.name):
+        if not m.name.startswith("_"):
+            importlib.import_module(f"{package}.{m.name}")

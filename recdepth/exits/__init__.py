@@ -11,6 +11,10 @@
 The names below are the package's API (`from recdepth import exits; exits.build(...)`).
 """
 
+# first: a rule file in exits/rules/ (imported while this package loads) may import these from here
+from recdepth.exits.rule import ALIASES, ExitRule, Step, canonical, grid, is_rule, lookup, names
+
+# isort: split
 from recdepth.exits.monitor import ExitMonitor, history0, iterate, observe_step
 from recdepth.exits.policy import (
     DECODES,
@@ -24,7 +28,6 @@ from recdepth.exits.policy import (
     build,
     validate,
 )
-from recdepth.exits.rule import ALIASES, ExitRule, Step, canonical, grid, is_rule, lookup, names
 from recdepth.exits.rules import argmax_run, entropy, entropy_change, kl_divergence, log_probs
 
 __all__ = ["ALIASES", "DECODES", "DEFAULT_RULE", "KL_DIRECTIONS", "ORACLE", "ORACLE_EPSILON", "PATIENCE", "PER_GROUP", "ExitMonitor", "ExitPolicy",

@@ -10,7 +10,7 @@ With N = max_steps and x_g^(n) group g's state after n applications:
     gate      q_g^(n) = σ(w_g · x_g^(n) + b_g)                             (`gate_probability`)
               the predicted probability that continuing still lowers the loss
     fit       logistic regression of y on x, one per group                 (`fit_gate`)
-    rule      exit after application n when q_g^(n) < τ   (recdepth/exits/rules.py, rule `gate`)
+    rule      exit after application n when q_g^(n) < τ   (recdepth/exits/rules/builtin.py, rule `gate`)
 
 DEVIATION from the issue's wording ("whether one more application still lowers the
 loss by more than a margin"): the label compares with the full depth N, not with n + 1.

@@ -1,6 +1,6 @@
 """An exit setting, validated: `ExitPolicy` and `build` / `validate` (SPEC §3, §3b, §3c).
 
-A policy is a rule (recdepth/exits/rules.py, by name) with its numbers: τ, min_steps and
+A policy is a rule (recdepth/exits/rules/builtin.py, by name) with its numbers: τ, min_steps and
 max_steps each one value for every group or a list of one value per recurrence group
 (SPEC §3b; `policy.group(g)` is the one-value policy group g loops under), argmax_stability's
 patience, the learned gate's weights, and how a decoding rule decodes a state:
@@ -71,7 +71,7 @@ class ExitPolicy:
 
     @property
     def rule(self) -> ExitRule:
-        """The rule this policy runs (recdepth/exits/rules.py); the oracle has none."""
+        """The rule this policy runs (recdepth/exits/rules/builtin.py); the oracle has none."""
         return lookup(self.name)
 
     @property

@@ -1,7 +1,7 @@
 """What an exit rule is: `ExitRule`, the one class a rule is, and the registry of rules.
 
 A rule decides, per row, whether a group's loop may stop after application n. It is one
-subclass of `ExitRule` (the built-in ones: recdepth/exits/rules.py): its metadata as class
+subclass of `ExitRule` (the built-in ones: recdepth/exits/rules/builtin.py): its metadata as class
 attributes, and its check as two functions of tensors, `advance` (the history a rule
 carries from one application to the next) and `fires` (the test after application n).
 Both the eager monitor (`recdepth.exits.monitor.ExitMonitor`, the decoding engine's) and

@@ -321,7 +321,7 @@ def halt_logit(x: Tensor, weight: Tensor, bias: Tensor, normed: bool, eps: float
     bias []), f(x) = x (`halt_head: state`) or x / rms(x) (`normed`, no weight, ε = 1e-6 fixed:
     the exit rule reads the head without the model's config); λ = σ(z).
     The one definition the training pass (`LoopedGPT.forward`) and the exit rule `halt`
-    (recdepth/exits/rules.py) read. A per-row sum, not a matmul: a row's z does not depend
+    (recdepth/exits/rules/builtin.py) read. A per-row sum, not a matmul: a row's z does not depend
     on the rows beside it (as the gate's, recdepth/exits/gate.py)."""
     if normed:
         x = F.rms_norm(x, (x.shape[-1],), None, eps)

@@ -21,7 +21,7 @@ x^(n), what `loss.steps` computes) into one scalar, added to the objective of `l
                model, fitted by logistic regression.
 
 Each is the mean over the scored tokens (target >= 0) of a per-token quantity. What the head
-means at inference (`exit=halt`, recdepth/exits/rules.py) is the loss's `reading`, through what
+means at inference (`exit=halt`, recdepth/exits/rules/builtin.py) is the loss's `reading`, through what
 is left to halt after n: `sum` (ACT: 1 − Σ_{j≤n} λ_j; ACT trains to halt once it is below ε),
 `cdf` (PonderNet, Ouro: ∏_{j≤n} (1 − λ_j), the halting distribution's mass after n; below 0.5:
 its median) or `direct` (correct: 1 − λ_n, the probability that the answer after n is wrong);

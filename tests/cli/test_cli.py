@@ -334,7 +334,7 @@ def test_wheel_ships_the_configs(tmp_path):
     (whl,) = tmp_path.glob("recdepth-*.whl")
     names = set(zipfile.ZipFile(whl).namelist())
     for f in ("recdepth/conf/config.yaml", "recdepth/conf/model/grouped.yaml",
-              "recdepth/conf/callbacks/loop_dynamics.yaml", "recdepth/exits/rules.py",
+              "recdepth/conf/callbacks/loop_dynamics.yaml", "recdepth/exits/rules/builtin.py",
               "recdepth/data/tasks/hops.py", "recdepth/data/sources/shakespeare.py",
               "recdepth/conf/evaluate.yaml",
               "recdepth/assets/gpt2.tiktoken.xz",

@@ -322,7 +322,7 @@ def yaml_defaults(name: str) -> list:
 
 
 def test_the_exit_group_is_the_registry():
-    """`exit=<name>` options are the registered rules (recdepth/exits/rules.py), fixed's alias
+    """`exit=<name>` options are the registered rules (recdepth/exits/rules/builtin.py), fixed's alias
     none and the oracle, no file each: an option is the rule's name and its own default τ."""
     from recdepth import exits
 

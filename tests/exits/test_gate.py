@@ -1,4 +1,4 @@
-"""The learned exit gate (recdepth/exits/gate.py, rule `gate` in recdepth/exits/rules.py, SPEC §3c).
+"""The learned exit gate (recdepth/exits/gate.py, rule `gate` in recdepth/exits/rules/builtin.py, SPEC §3c).
 
 Expected values come from the spec's equations, computed independently here:
     label   y^(n) = [nll(n) − nll(N) > margin]       (n = 1 .. N − 1)

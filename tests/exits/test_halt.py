@@ -1,4 +1,4 @@
-"""exit=halt: the rule that reads a halting head trained with the loop (recdepth/exits/rules.py,
+"""exit=halt: the rule that reads a halting head trained with the loop (recdepth/exits/rules/builtin.py,
 `Halt`), on hand-made trajectories and in every decode path."""
 
 import math

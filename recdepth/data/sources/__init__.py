@@ -9,11 +9,13 @@ cache.
   files.py        your own .txt/.jsonl/.json/.parquet files
   task.py         a generated task (recdepth/data/tasks/): `data=<task>`, `data.task.*`
 
-A source of your own is one file: a dataclass subclass of `TextSource` (or `DataConfig`)
-with its name as the default of `source`; importing it registers it, and `data=<name>`
-selects it. This package imports the built-in ones.
+A source of your own is one file in this folder: a dataclass subclass of `TextSource` (or
+`DataConfig`) with its name as the default of `source`. This package imports every module
+of its folder (`import_folder`), so the file registers its source, and `data=<name>`
+selects it.
 """
 
+from recdepth.core.registry import import_folder
 from recdepth.data.sources.files import FilesData
 from recdepth.data.sources.fineweb import FinewebData
 from recdepth.data.sources.shakespeare import ShakespeareData
@@ -21,3 +23,5 @@ from recdepth.data.sources.source import DataConfig, TextSource, lookup, names
 from recdepth.data.sources.task import TaskData
 
 __all__ = ["DataConfig", "FilesData", "FinewebData", "ShakespeareData", "TaskData", "TextSource", "lookup", "names"]
+
+import_folder(__name__, __path__)  # a source file of one's own, beside the built-in ones

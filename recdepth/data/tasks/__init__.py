@@ -8,11 +8,12 @@ Core layer: torch and numpy only (no Lightning, Hydra or `datasets`).
   answers.py   scoring the answer tokens of an evaluation (`score_answers`, `spearman`)
   hops.py, addition.py, modsum.py, roots.py, carry.py   the built-in tasks, one class each
 
-A task of your own is one file: a dataclass subclass of `Task` (task.py says what it
-holds); importing it registers it, and `data=<name>` selects it. This package imports the
-built-in ones, so they are registered wherever tasks are used.
+A task of your own is one file in this folder: a dataclass subclass of `Task` (task.py says
+what it holds). This package imports every module of its folder (`import_folder`), so the
+file registers its task wherever tasks are used, and `data=<name>` selects it.
 """
 
+from recdepth.core.registry import import_folder
 from recdepth.data.tasks.addition import Addition  # the built-in tasks register on import
 from recdepth.data.tasks.answers import average_ranks, score_answers, spearman
 from recdepth.data.tasks.carry import Carry
@@ -40,3 +41,5 @@ from recdepth.data.tasks.task import (
 __all__ = ["BUCKETS", "DIGITS", "MAX_REDRAWS", "NAMES", "NO_STEP", "SPLITS", "SYMBOLS", "TASK_VERSION", "Addition",
            "Carry", "Hops", "Instance", "Modsum", "Roots", "Task", "Token", "average_ranks", "bucket", "instances", "lookup",
            "names", "records", "score_answers", "spearman", "symbol_ids"]
+
+import_folder(__name__, __path__)  # a task file of one's own, beside the built-in ones

@@ -26,8 +26,8 @@ by the engine that runs it, and the two make a check's price in layer equivalent
 Each equation is one function: `geometry.step_norm`, `geometry.relative_step_norm`,
 `geometry.acceleration`, `geometry.relative_acceleration`, `geometry.state_cosine_distance`
 (state math, recdepth/analysis/geometry.py) and `kl_divergence`, `entropy`, `entropy_change`,
-`argmax_run` (distribution math, below). To add a rule, write a class like these in any
-module that is imported before the run (here, for a built-in one): docs/contributing.md.
+`argmax_run` (distribution math, below). To add a rule, write a class like these in a file
+of its own in this folder (recdepth/exits/rules/): docs/contributing.md.
 """
 
 from __future__ import annotations
