@@ -21,6 +21,7 @@ from torch import Tensor
 
 import recdepth.data.tasks as tasks
 from recdepth.analysis import stats
+from recdepth.core.progress import Progress
 from recdepth.core.runtime import has_cpp_compiler
 from recdepth.decode.engine import (
     REFERENCE,
@@ -177,11 +178,13 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     warm_up(model, tokens, policy, settings)
 
     parts, t0 = [], time.perf_counter()
-    for b in range(0, len(wins), settings.batch_size):
-        ws = wins[b : b + settings.batch_size]
-        nll, apps, _, ok = decode_windows(model, tokens, ws, policy, settings, first_window=first_window,
-                                          labels=labels, targets=targets)
-        parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok, targets))
+    with Progress(f"decoding under {policy.name}", len(wins)) as progress:
+        for b in range(0, len(wins), settings.batch_size):
+            ws = wins[b : b + settings.batch_size]
+            nll, apps, _, ok = decode_windows(model, tokens, ws, policy, settings, first_window=first_window,
+                                              labels=labels, targets=targets)
+            parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok, targets))
+            progress.update(len(ws))
     batch_seconds = time.perf_counter() - t0
     rec = merge_records(parts)
     rec["ms"] = np.full(n_tokens, np.nan)
@@ -221,7 +224,9 @@ def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
     pairs = [(k, w) for k in range(len(policies)) for w in range(len(wins))]
     parts: list[list[dict]] = [[] for _ in policies]
     t0 = time.perf_counter()
+    progress = Progress(f"decoding {len(policies)} settings side by side", len(pairs), unit="rows")
     for b in range(0, len(pairs), max_rows):
+        progress.update(0)  # a bar from the first batch on
         chunk = pairs[b : b + max_rows]
         ws = [wins[w] for _, w in chunk]
         mixed = MixedPolicy(tuple(policies), torch.tensor([k for k, _ in chunk], device=tokens.device))
@@ -231,6 +236,8 @@ def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
             rows = [i for i, (kk, _) in enumerate(chunk) if kk == k]
             parts[k].append(records([ws[i] for i in rows], nll[rows], apps[rows], tokens, T, first_window, bos,
                                      ok[rows], targets))
+        progress.update(len(chunk))
+    progress.close()
     return [merge_records(p) for p in parts], time.perf_counter() - t0
 
 
@@ -373,13 +380,15 @@ def time_tokens(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: 
     tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, settings.bos)
     warm_up(model, tokens, policy, settings.replace(warmup_tokens=0))
     secs, nll1, apps1 = [], [], []
-    for w in wins:
-        nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, settings, timed=True,
-                                           first_window=first_window, labels=labels, targets=targets)
-        r = records([w], nll, apps, tokens, T, first_window, settings.bos)
-        secs += sec[: w[1]]
-        nll1.append(r["nll"])
-        apps1.append(r["apps"])
+    with Progress(f"timing {policy.name} at batch 1", len(wins)) as progress:  # drawn between windows, untimed
+        for w in wins:
+            nll, apps, sec, _ = decode_windows(model, tokens, [w], policy, settings, timed=True,
+                                               first_window=first_window, labels=labels, targets=targets)
+            r = records([w], nll, apps, tokens, T, first_window, settings.bos)
+            secs += sec[: w[1]]
+            nll1.append(r["nll"])
+            apps1.append(r["apps"])
+            progress.update()
     model.train(was_training)
     return 1000 * np.asarray(secs), np.concatenate(nll1), np.concatenate(apps1)
 
@@ -436,7 +445,9 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
     tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, bos)
     fixed = build("fixed", None, max_steps=N)
     parts, by_n, ok_by_n, t0 = [], [], [], time.perf_counter()
+    progress = Progress(f"decoding the oracle ({N} depths a window)", len(wins))
     for b in range(0, len(wins), batch_size):
+        progress.update(0)
         ws = wins[b : b + batch_size]
         limit = torch.arange(1, N + 1, device=tokens.device).repeat(len(ws))
         nll, _, _, ok = decode_windows(model, tokens, ws, fixed, settings.replace(context_steps=None), reps=N,
@@ -447,6 +458,8 @@ def evaluate_oracle(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_toke
         parts.append(records(ws, nll[:, -1], torch.zeros(len(ws), nll.shape[-1], model.n_groups,
                                                              dtype=torch.long), tokens, T, first_window, bos,
                              targets=targets))
+        progress.update(len(ws))
+    progress.close()
     seconds = time.perf_counter() - t0
     rec = merge_records(parts)
     rec["nll_by_n"] = np.concatenate(by_n)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from recdepth.core.progress import Progress
 from recdepth.decode.engine import REFERENCE, decode_windows
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.gate import check_gate_setting
@@ -58,7 +59,9 @@ def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, settin
     limit = torch.arange(1, N + 1, device=device)  # row n − 1 stops after n applications
     feats: list[list[Tensor]] = [[] for _ in range(G)]
     nlls: list[Tensor] = []
+    progress = Progress(f"decoding the gate's states ({N} depths a window)", W)
     for w in range(W):
+        progress.update(0)
         trace: list[Tensor] = []
         nll, _, _, _ = decode_windows(model, windows[w].to(device=device, dtype=torch.long), [(0, T)], fixed,
                                       settings, reps=N, limit=limit, first_window=w, trace=trace,
@@ -67,6 +70,8 @@ def decoding_gate_data(model: LoopedGPT, windows: Tensor, max_steps: int, settin
         nlls.append(nll.T[keep[w]].float())              # [K_w, N]
         for g in range(G):
             feats[g].append(st[: N - 1, :, g].transpose(0, 1)[keep[w]])  # [K_w, N − 1, d]
+        progress.update()
+    progress.close()
     model.train(was_training)
     nll_by_n = torch.cat(nlls)
     return [(torch.cat(feats[g]), nll_by_n) for g in range(G)]
