@@ -16,17 +16,17 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from recdepth.exits.gate import load_gate
+from recdepth.config.build import conf_dir
+from recdepth.config.schema import validated
 from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.exits import build
-from recdepth.exits.calibration.splits import (
+from recdepth.exits.calibration.on_checkpoint import (
     CalibrationSplit,
     calibrate_many,
     calibration_split,
     load_splits,
 )
-from recdepth.config.build import conf_dir
-from recdepth.config.schema import validated
+from recdepth.exits.gate import load_gate
 from recdepth.report import calibration_searches
 
 

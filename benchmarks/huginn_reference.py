@@ -30,10 +30,10 @@ import torch
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 from recdepth.decode.generation import greedy
-from recdepth.model.looped import GPTConfig, LoopedGPT
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
 from recdepth.integrations.hf import load_hf, save_hf
+from recdepth.model.looped import GPTConfig, LoopedGPT
 
 REF = Path(sys.argv[1])
 NEW = int(sys.argv[2]) if len(sys.argv) > 2 else 64

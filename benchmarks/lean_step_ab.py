@@ -4,7 +4,7 @@ interleaved rounds in one process (`recdepth.benchmarks.decode.layer_seconds`, t
 bench decode` times the three `eval.step`s), on fresh models of the default and paper
 shapes (untrained: the cost does not depend on the weights).
 
-    git show <commit>:recdepth/model/fast_step.py > /tmp/lean_step_other.py
+    git show <commit>:recdepth/model/lean_step.py > /tmp/lean_step_other.py
     OMP_NUM_THREADS=2 python benchmarks/lean_step_ab.py /tmp/lean_step_other.py [rounds]
 
 One layer application = the slope of one decode step's time at context 64 from n = 2 to 6
@@ -19,12 +19,12 @@ import sys
 import torch
 
 from recdepth.benchmarks.decode import GROUPS, filled, layer_seconds
-from recdepth.decode.engine import decode_step
-from recdepth.model.fast_step import LeanSteps
-from recdepth.model.looped import GPTConfig, LoopedGPT
 from recdepth.core.runtime import tune_cpu_allocator
+from recdepth.decode.engine import decode_step
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
+from recdepth.model.lean_step import LeanSteps
+from recdepth.model.looped import GPTConfig, LoopedGPT
 
 spec = importlib.util.spec_from_file_location("lean_step_other", sys.argv[1])
 other = importlib.util.module_from_spec(spec)
@@ -40,9 +40,9 @@ for size, batches in (("cpu", (1, 16)), ("paper", (1,))):
                 "compiled (this)": LeanSteps(model, True)}
 
     def use(m, k, v=variants):
-        """Decode with variant k: the lean step `engine.fast_steps` hands out (the model's
-        `_fast_steps`, its built steps by `eval.step`) is that variant."""
-        m._fast_steps = {"lean": v[k]}
+        """Decode with variant k: the lean step `engine.lean_steps` hands out (the model's
+        `_lean_steps`, its built steps by `eval.step`) is that variant."""
+        m._lean_steps = {"lean": v[k]}
         return DecodeSettings(step="lean")
 
     for B in batches:

@@ -7,7 +7,7 @@ First, every rule of `report.calibrate` is calibrated per group on the calibrati
 (val tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
 `report.max_ce_increase` nats above fixed at max_steps, and at most
 `report.layer_applications` layer applications per token; the searches in lockstep, each
-round's settings decoded side by side (`splits.calibrate_many`). Then one frontier sweep scores,
+round's settings decoded side by side (`on_checkpoint.calibrate_many`). Then one frontier sweep scores,
 on the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evaluate`),
   - the frontier's grid (`report.*`, the fields of `frontier_grid.FrontierGrid`, expanded by
     `frontier_grid.settings` as `make frontier` expands `hydra.sweeper.*`): the fixed
@@ -60,8 +60,8 @@ from recdepth.decode.jobs import decode_shared, for_model
 from recdepth.decode.scoring import model_cost
 from recdepth.decode.token_files import read_tokens
 from recdepth.evaluate import evaluate
-from recdepth.exits.calibration import search as calibration
-from recdepth.exits.calibration.splits import (
+from recdepth.exits.calibration import search
+from recdepth.exits.calibration.on_checkpoint import (
     EMPIRICAL_TOKENS,
     calibrate_many,
     calibration_split,
@@ -80,13 +80,13 @@ log = logging.getLogger("recdepth.report")
 TARGET_NAMES = {"max_ce_increase": "CE increase", "layer_applications": "layer applications"}
 
 
-def calibration_searches(run: ReportConfig, opened, gate) -> tuple[list[calibration.Target], list[tuple]]:
+def calibration_searches(run: ReportConfig, opened, gate) -> tuple[list[search.Target], list[tuple]]:
     """The report's two targets and its (base policy, target) searches: every rule of
     report.calibrate to each target, at report.max_steps (`gate`: the gate's (weight, bias));
     exit=halt only on a model with a halting head."""
     r, model = run.report, opened.model
-    targets = [calibration.Target("max_ce_increase", r.max_ce_increase),
-               calibration.Target("layer_applications", r.layer_applications)]
+    targets = [search.Target("max_ce_increase", r.max_ce_increase),
+               search.Target("layer_applications", r.layer_applications)]
     searches = [(for_model(build(rule, _start_tau(rule), groups=model.n_groups, min_steps=0, max_steps=r.max_steps,
                                  **({"gate": gate} if lookup(rule).gated else {})), opened), target)
                 for rule in r.calibrate for target in targets
@@ -145,7 +145,7 @@ def report(cfg: DictConfig) -> dict:
     fixed_ref = next(j for j in rows if j["family"] == "fixed" and j["eval"]["max_steps"] == N)["rec"]["nll"]
     for row in rows:
         if row["family"] == "calibrated":
-            target = calibration.Target(**row["calibration"]["target"])
+            target = search.Target(**row["calibration"]["target"])
             row["test_target"] = test_check(target, row["rec"], {"nll": fixed_ref}, split.cost)
 
     table = comparison(rows, targets, model_cost(model))
@@ -196,7 +196,7 @@ def score_jobs(run: ReportConfig, jobs_dir: Path, jobs: list[tuple[Setting, dict
 
 
 # ---------------------------------------------------------------- the table
-def select(rows: list[dict], target: calibration.Target) -> list[int]:
+def select(rows: list[dict], target: search.Target) -> list[int]:
     """The calibrated jobs of one target in the order the report ranks them, from their
     calibration-split numbers only (`row["calibration"]`: met, ce, layer_applications): the
     settings that met the target on calibration first, by fewest layer applications (CE
@@ -215,7 +215,7 @@ def select(rows: list[dict], target: calibration.Target) -> list[int]:
     return [j["job"] for j in sorted(cand, key=key)]
 
 
-def comparison(rows: list[dict], targets: list[calibration.Target], cost, resamples: int = frontier.RESAMPLES) -> dict:
+def comparison(rows: list[dict], targets: list[search.Target], cost, resamples: int = frontier.RESAMPLES) -> dict:
     """Every calibrated job against the fixed frontier at its own layer applications
     (`stats.compare`, paired over windows), and per target the winner and runner-up chosen
     on the calibration split (`select`), then scored on the test split: the target's test
@@ -280,7 +280,7 @@ def _f(v, digits=4, sign=False) -> str:
     return f"{v:+.{digits}f}" if sign else f"{v:.{digits}f}"
 
 
-def markdown(table: dict, targets: list[calibration.Target], run: ReportConfig, seconds: float) -> str:
+def markdown(table: dict, targets: list[search.Target], run: ReportConfig, seconds: float) -> str:
     lines = [f"# Exit rules compared on {run.ckpt or run.hf}", "",
              f"Test split: {run.eval.tokens} tokens (val offsets 0–{run.eval.tokens}); calibration split: "
              f"{run.calibration.tokens or EMPIRICAL_TOKENS} tokens after it, with its own noise keys. Rules are ranked and the winner "

@@ -72,7 +72,7 @@ def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):
     from recdepth.config.build import conf_dir
     from recdepth.config.schema import validated
     from recdepth.exits import build
-    from recdepth.exits.calibration.splits import calibration_split, load_splits, policy_at
+    from recdepth.exits.calibration.on_checkpoint import calibration_split, load_splits, policy_at
 
     tmp, rd = roots_run
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"

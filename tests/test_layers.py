@@ -22,7 +22,7 @@ LAYERS = {  # package, subpackage or module under recdepth/ -> its layer, the lo
     "core": "core",  # what the folders share: the registry of extension points, the value checks, the runtime
     "model": "core",  # the looped GPT-2, its config, the fast one-token step
     "exits": "core",  # exit rules, policies, monitors, the gate, calibration's math
-    "exits.calibration.splits": "glue",  # calibrating on a checkpoint (opens models, reads configs)
+    "exits.calibration.on_checkpoint": "glue",  # calibrating on a checkpoint (opens models, reads configs)
     "decode": "core",  # the decoding engine, its settings, scoring, generation
     "decode.jobs": "glue",  # a command's evaluation job: settings from the config, files, the sweep hand-over
     "decode.token_files": "glue",  # eval_tokens.csv

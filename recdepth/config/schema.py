@@ -68,8 +68,7 @@ from recdepth.data import config as data_config_io
 from recdepth.data import sources, tasks
 from recdepth.decode import generation
 from recdepth.decode.kv_cache import check_cache
-from recdepth.exits.calibration import ltt
-from recdepth.exits.calibration import search as calibration
+from recdepth.exits.calibration import ltt, search
 from recdepth.training import halting
 
 
@@ -261,9 +260,9 @@ class TargetConfig:
     [0, 1): 0.01 = one point), with calibration.method=ltt; minimise layer applications."""
 
     def __post_init__(self):
-        for kind in calibration.TARGETS:
+        for kind in search.TARGETS:
             if getattr(self, kind) is not None:
-                calibration.Target(kind, getattr(self, kind))
+                search.Target(kind, getattr(self, kind))
 
 
 @dataclass
@@ -272,7 +271,7 @@ class CalibrationConfig:
 
     tokens: int | None = None
     """Calibration tokens, taken from the val split right after the test split's eval.tokens + 1
-    (>= 1; on a task, its validation split). null: sized to the target (`splits.calibration_size`):
+    (>= 1; on a task, its validation split). null: sized to the target (`on_checkpoint.calibration_size`):
     2048 for the empirical search; for ltt four times the windows a zero loss needs to certify
     the target (`ltt.units_needed`), or all there are, refused in one line below once that."""
     per_group: bool = True
@@ -340,7 +339,7 @@ class ReportSettings(FrontierGrid):
     """Every scored setting (the grid and the calibrated answers) is decoded as one batch of
     settings × windows, this many rows a batch (`jobs.decode_shared`; each setting's
     records are its own), as is each calibration search's round of independent settings
-    (`splits.calibrate_policy`); 0: setting by setting."""
+    (`on_checkpoint.calibrate_policy`); 0: setting by setting."""
     calibrate: list[str] = field(default_factory=lambda: [n for n in exits.names() if exits.lookup(n).calibrated])
     """The rules calibrated per group to each target (fixed: one max_steps per group). Default:
     every rule (`ExitRule.calibrated`)."""
@@ -361,8 +360,8 @@ class ReportSettings(FrontierGrid):
         for rule in self.calibrate:
             if not exits.is_rule(rule):
                 raise ValueError(f"report.calibrate: unknown exit rule {rule!r} (expected any of {', '.join(exits.names())})")
-        calibration.Target("max_ce_increase", self.max_ce_increase)
-        calibration.Target("layer_applications", self.layer_applications)
+        search.Target("max_ce_increase", self.max_ce_increase)
+        search.Target("layer_applications", self.layer_applications)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from recdepth.decode.mixed import MixedPolicy
 from recdepth.decode.settings import DecodeSettings
 from recdepth.decode.state_decode import CodaDecoder, check_is_output, decode_mode, state_decoder
 from recdepth.exits.policy import ExitPolicy, build
-from recdepth.model.fast_step import LeanSteps
+from recdepth.model.lean_step import LeanSteps
 from recdepth.model.looped import LoopedGPT
 
 REFERENCE = DecodeSettings()  # the engine's defaults: Block.forward, one window a batch
@@ -67,15 +67,15 @@ class RowNoise:
         return [noise_seed(self.seed, q, position, group) for q in seqs]
 
 
-def fast_steps(model: LoopedGPT, step: str) -> LeanSteps | None:
+def lean_steps(model: LoopedGPT, step: str) -> LeanSteps | None:
     """The one-token step `step` names (`DecodeSettings.step`) for `model`: None for
-    "module" (`Block.forward`, the reference); "lean" = `recdepth.model.fast_step`'s
+    "module" (`Block.forward`, the reference); "lean" = `recdepth.model.lean_step`'s
     static-shape step, eager; "compiled" = the same under torch.compile (graphs built on
-    first use). Built once per model and step and kept with the model (`_fast_steps`, a
+    first use). Built once per model and step and kept with the model (`_lean_steps`, a
     cache: which step runs is always the settings' choice)."""
     if step == "module":
         return None
-    built = model.__dict__.setdefault("_fast_steps", {})
+    built = model.__dict__.setdefault("_lean_steps", {})
     if step not in built:
         if step not in ("lean", "compiled"):
             DecodeSettings(step=step)  # the one-line error naming eval.step
@@ -109,7 +109,7 @@ def cache_views(c: KVCache) -> tuple[Tensor, Tensor]:
 def apply_group(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
                 rows: Tensor | None, reps: int | None = None, lean: LeanSteps | None = None) -> Tensor:
     """One application of group g for one token, `model.apply_group` or the `lean` step
-    (`fast_steps`, where `lean_of` says it applies; rows None, a bool mask over the batch, or an index of the rows s holds: a
+    (`lean_steps`, where `lean_of` says it applies; rows None, a bool mask over the batch, or an index of the rows s holds: a
     compacted batch; with an index, `reps`: the rows' history is shared in blocks of that
     many, `LeanSteps.block_rows`)."""
     mine = [caches[layer] for layer in model.cfg.groups[g]]
@@ -143,7 +143,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     Two ways to run it, each a named function: the compiled loop as one graph where
     `fuses_loop` says so, else the reference loop `_loop_steps` (its rows compacted or
     masked as `settings.compact` says, `_apply_rows`). `settings`: its `step`
-    (`fast_steps`), `compact` and `context_steps` are read here.
+    (`lean_steps`), `compact` and `context_steps` are read here.
 
     `noise` keys each row's initial state (otherwise all rows draw from `generator`);
     `limit` [B], if given, stops row b after limit[b] applications at the latest (a per-row
@@ -158,7 +158,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
     state decodes it as `exit.decode` says (`state_decoder`: the head, or through the coda
     without writing its cache). `reps`: the rows' history is shared in blocks of that many
     (the oracle's, `decode_step`'s `shared`); the lean step then reads it once per block
-    (`fast_step.attend_shared`), on the compacted rows from the first application.
+    (`lean_step.attend_shared`), on the compacted rows from the first application.
 
     `out` (a dict, batch 1): where the check that fired decoded the token's own output
     (`state_decode.check_is_output`), `out["logits"]` receives its logits [1, V] and the
@@ -179,7 +179,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         policy = forced(settings.context_steps) if bool(fixed_rows[0]) else policy
         fixed_rows = None
     mine = [caches[layer] for layer in model.cfg.groups[g]]
-    fast = fast_steps(model, settings.step)
+    fast = lean_steps(model, settings.step)
     reuse = out is not None and B == 1 and check_is_output(model, g, policy)
     if fuses_loop(model, g, fast, policy, B, limit, caches):
         coda = [(caches[layer].k, caches[layer].v) for layer in model.coda] \
@@ -331,7 +331,7 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, None, noise.seeds(pos, g, last)) if init is None else init[last]
     step_caches = [sub[layer] for layer in mine if isinstance(sub[layer], StepKVCache)]
-    trajectory, lean = [], fast_steps(model, settings.step)
+    trajectory, lean = [], lean_steps(model, settings.step)
     for j in range(steps):
         for c in step_caches:
             c.step = j
@@ -375,7 +375,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     first = _first_group(model) if shared else None
-    fast = fast_steps(model, settings.step)
+    fast = lean_steps(model, settings.step)
     out = {} if tokens.shape[0] == 1 else None  # batch 1: a check that decoded the output is the output
     for kind, i in model.plan:
         if kind == "layer":
@@ -583,7 +583,7 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, settings: Deco
     so that no graph is compiled inside a timed pass (it compiles every span of the block,
     reached or not), and with `context_steps` the loop of a forced context row (`forced`)."""
     n = min(settings.warmup_tokens, model.cfg.block_size, tokens.numel())
-    lean = fast_steps(model, settings.step)
+    lean = lean_steps(model, settings.step)
     spans = lean.span_starts(n) if lean is not None and lean.compiled and tokens.numel() else []
     if n or spans:
         caches = new_caches(model, 1, model.cfg.block_size, settings.cache,

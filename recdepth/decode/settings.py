@@ -3,7 +3,7 @@ one frozen object validated once (SPEC §4; docs/spec.md §4 for the recdepth op
 
 The engine (`recdepth.decode.engine`), scoring (`recdepth.decode.scoring`) and generation
 (`recdepth.decode.generation`) take it instead of loose keyword arguments, and read the fast
-path they run from its `step` by name (`engine.fast_steps`). The commands build it from
+path they run from its `step` by name (`engine.lean_steps`). The commands build it from
 the run config's `eval` block (`recdepth.decode.jobs.decode_settings`); the rule's own
 choices (exit.decode, exit.kl_direction) stay with the exit policy.
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from recdepth.core.checks import check_bool, check_int
 from recdepth.decode.kv_cache import check_cache
 
-STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.fast_steps`)
+STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.lean_steps`)
 AUTO = "auto"  # latency_step: the compiled step where it is measured to pay (`scoring.latency_step_for`)
 
 
@@ -37,7 +37,7 @@ class DecodeSettings:
     for the previous token of the window (the first token: the initial state)."""
     step: str = "module"
     """How a token's layers are computed: module (`Block.forward`, the reference) | lean
-    (`recdepth.model.fast_step`, eager) | compiled (lean under torch.compile)."""
+    (`recdepth.model.lean_step`, eager) | compiled (lean under torch.compile)."""
     seed: int = 0
     """Noise key of the initial states (`engine.noise_seed`)."""
     bos: int | None = None

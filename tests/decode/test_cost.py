@@ -248,7 +248,7 @@ def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference
     ref = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step="module",
                                                          context_steps=4, answers=False, cache=cache),
                         labels=labels)[1]
-    lean = engine.fast_steps(m, "compiled")
+    lean = engine.lean_steps(m, "compiled")
     names, real = [], lean.loop
 
     def loop(g, s, e_proj, kvs, pos, policy, coda=None, reuse=False):

@@ -335,7 +335,7 @@ def test_attention_over_a_shared_history_equals_each_rows_own(pos, active):
     """`attend_shared` (the history read once per block of rows) equals `attend_rows` (each
     row's own cache) when every row of a block holds the same entries before pos and its
     own at pos, for every row subset, at pos 0 (only its own entry) too. float64."""
-    from recdepth.model.fast_step import attend_shared
+    from recdepth.model.lean_step import attend_shared
     from recdepth.model.looped import attend_rows
 
     g = torch.Generator().manual_seed(pos)
@@ -360,12 +360,12 @@ def test_attention_over_a_shared_history_equals_each_rows_own(pos, active):
                                                               ([[1], [2], [3]], "per_step", False, None)])
 def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(groups, sharing, warm_start, bos):
     """Under the lean step the oracle's rows read their window's shared history once per
-    window (`fast_step.attend_shared`, in the later groups and the layers outside the loops):
+    window (`lean_step.attend_shared`, in the later groups and the layers outside the loops):
     NLL at every n and the oracle's n equal the module step's (each row attending to its own
     cache), float64 to rounding, and the shared attention really ran."""
     import numpy as np
 
-    from recdepth.model import fast_step as L
+    from recdepth.model import lean_step as L
 
     m = model(groups, state_init="normal")
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(6))

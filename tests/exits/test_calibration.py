@@ -252,8 +252,12 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
     changes the NLL in its last bits, no decision)."""
     from recdepth.config.schema import validated
     from recdepth.exits import build
+    from recdepth.exits.calibration.on_checkpoint import (
+        calibrate_policy,
+        calibration_split,
+        load_splits,
+    )
     from recdepth.exits.calibration.search import Target
-    from recdepth.exits.calibration.splits import calibrate_policy, calibration_split, load_splits
 
     cfg = compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=60", "device=cpu",
                       f"run_dir={tmp_path}")
@@ -291,12 +295,12 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
     searches share a batch, and a batch never mixes rules that read the logits (kl) with
     rules that do not (a mixed batch would compute the logits for all its rows)."""
     from recdepth.exits import build
-    from recdepth.exits.calibration.search import Target
-    from recdepth.exits.calibration.splits import (
+    from recdepth.exits.calibration.on_checkpoint import (
         calibrate_many,
         calibrate_policy,
         calibration_split,
     )
+    from recdepth.exits.calibration.search import Target
 
     run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
     split = calibration_split(run, model, cal_tokens)
@@ -338,12 +342,12 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
     import torch
 
     from recdepth.exits import build
-    from recdepth.exits.calibration.search import Target
-    from recdepth.exits.calibration.splits import (
+    from recdepth.exits.calibration.on_checkpoint import (
         CalibrationSplit,
         calibrate_many,
         calibration_split,
     )
+    from recdepth.exits.calibration.search import Target
 
     run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
     N = 4
@@ -385,7 +389,7 @@ def tiny_split(tiny_ckpt, tmp_path):
     """The validated calibrate config of the tiny checkpoint's 30-token calibration split,
     its model in float64 (decisions then never hang on float32 rounding) and the tokens."""
     from recdepth.config.schema import validated
-    from recdepth.exits.calibration.splits import load_splits
+    from recdepth.exits.calibration.on_checkpoint import load_splits
 
     run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
                                 "device=cpu", f"run_dir={tmp_path}"))
@@ -395,6 +399,6 @@ def tiny_split(tiny_ckpt, tmp_path):
 
 def calibrate_policy_fresh(run, model, cal_tokens, base, target, ce_ref):
     """`calibrate_policy` on a split of its own (nothing shared with another search)."""
-    from recdepth.exits.calibration.splits import calibrate_policy, calibration_split
+    from recdepth.exits.calibration.on_checkpoint import calibrate_policy, calibration_split
 
     return calibrate_policy(calibration_split(run, model, cal_tokens), base, target, True, 6, ce_ref)

@@ -94,7 +94,7 @@ def test_a_rule_defined_in_a_test_runs_alike_eager_and_compiled_as_one_graph(ste
     tokens = torch.randint(0, 40, (40,), generator=torch.Generator().manual_seed(3))
     recs, calls = [], []
     for step in ("lean", "compiled"):
-        lean = D.fast_steps(m, step)
+        lean = D.lean_steps(m, step)
         real = lean.loop
         lean.loop = lambda *a, real=real, step=step: calls.append(step) or real(*a)
         _, rec = S.evaluate_exit(m, tokens, policy, 16, DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0,

@@ -115,7 +115,7 @@ def test_eager_lean_and_compiled_loop_give_identical_applications(warm):
     tokens = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(3))
     policy = exits.build("halt", 0.5, max_steps=9).with_head(m)
     recs, calls = {}, []
-    compiled = D.fast_steps(m, "compiled")
+    compiled = D.lean_steps(m, "compiled")
     real = compiled.loop
     compiled.loop = lambda *a, calls=calls, real=real: calls.append(1) or real(*a)
     try:

@@ -274,7 +274,7 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     from recdepth.config.schema import validated
     from recdepth.decode.token_files import read_tokens
     from recdepth.exits import build
-    from recdepth.exits.calibration.splits import calibration_split, load_splits
+    from recdepth.exits.calibration.on_checkpoint import calibration_split, load_splits
 
     run = tmp_path / "ltt"
     opts = [f"ckpt={tiny_ckpt}", f"run_dir={run}", *CAL, "target.max_ce_increase=0.5", "calibration.tokens=300",
@@ -373,8 +373,8 @@ def test_calibration_size_sizes_ltt_to_its_target():
     windows refused with what they need (on a task, the validation records)."""
     from types import SimpleNamespace as NS
 
+    from recdepth.exits.calibration.on_checkpoint import calibration_size
     from recdepth.exits.calibration.search import Target
-    from recdepth.exits.calibration.splits import calibration_size
 
     def run(method, tokens=None, eps=0.05, bound=0.1):
         return NS(calibration=NS(method=method, tokens=tokens, epsilon=eps, loss_bound=bound))

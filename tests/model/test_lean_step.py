@@ -1,4 +1,4 @@
-"""The lean decode step (recdepth/model/fast_step.py, `eval.step`): the static-shape single-token
+"""The lean decode step (recdepth/model/lean_step.py, `eval.step`): the static-shape single-token
 layer equals `Block.forward` on the decoding cache, eager and compiled, for every option
 of the block, and the engine really takes it where it applies."""
 
@@ -11,7 +11,7 @@ from recdepth.decode import engine as D
 from recdepth.decode import scoring as S
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.model.fast_step import LeanSteps
+from recdepth.model.lean_step import LeanSteps
 from recdepth.model.looped import Block, GPTConfig, LoopedGPT, gated_silu, linear
 
 PLAIN = {}
@@ -53,7 +53,7 @@ def test_lean_step_equals_block_forward(kw, dtype, tol, rule, tau, batch_size):
     policy = build(rule, tau, max_steps=9)
     ref = score(m, "module", policy, batch_size)
     ev, lean = evaluate(m, "lean", policy, batch_size)
-    assert ev["step"] == "lean" and not D.fast_steps(m, "lean").compiled  # the run decoded with the eager lean step
+    assert ev["step"] == "lean" and not D.lean_steps(m, "lean").compiled  # the run decoded with the eager lean step
     assert abs(lean["nll"] - ref["nll"]).max() <= tol
     assert (lean["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1 or rule == "fixed"  # the rule really varies depth
@@ -102,21 +102,21 @@ def test_per_step_cache_under_lean_equals_module():
     assert abs(lean["nll"] - ref["nll"]).max() <= 1e-12 and (lean["apps"] == ref["apps"]).all()
 
 
-def test_fast_steps_are_built_once_per_step_and_module_has_none(monkeypatch):
-    """`engine.fast_steps`: the lean steps of a model are built once and kept (a decode
+def test_lean_steps_are_built_once_per_step_and_module_has_none(monkeypatch):
+    """`engine.lean_steps`: the lean steps of a model are built once and kept (a decode
     under them reuses them, asking again returns the same object, not rebuilt), the
     compiled ones are their own; "module" has none, and a decode under it runs
     Block.forward whatever was built before (no step is left attached to the model)."""
     m = model(PLAIN, torch.float32)
-    lean = D.fast_steps(m, "lean")
+    lean = D.lean_steps(m, "lean")
     assert lean is not None and not lean.compiled
     score(m, "lean", build("fixed", None, max_steps=2), 1, n=3)
-    assert D.fast_steps(m, "lean") is lean  # the decode used the steps built, not new ones
-    assert D.fast_steps(m, "lean") is lean  # the same steps again, not rebuilt
-    compiled = D.fast_steps(m, "compiled")
-    assert compiled.compiled and compiled is not lean and D.fast_steps(m, "compiled") is compiled
-    assert D.fast_steps(m, "lean") is lean  # building the compiled steps leaves the eager ones
-    assert D.fast_steps(m, "module") is None and DecodeSettings().step == "module"  # the reference: Block.forward
+    assert D.lean_steps(m, "lean") is lean  # the decode used the steps built, not new ones
+    assert D.lean_steps(m, "lean") is lean  # the same steps again, not rebuilt
+    compiled = D.lean_steps(m, "compiled")
+    assert compiled.compiled and compiled is not lean and D.lean_steps(m, "compiled") is compiled
+    assert D.lean_steps(m, "lean") is lean  # building the compiled steps leaves the eager ones
+    assert D.lean_steps(m, "module") is None and DecodeSettings().step == "module"  # the reference: Block.forward
     calls, real = [], Block.forward
     monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     score(m, "module", build("fixed", None, max_steps=2), 1, n=3)
@@ -242,7 +242,7 @@ def test_has_cpp_compiler_follows_torchs_search(monkeypatch):
 def test_bad_step_is_one_line():
     m = model(PLAIN, torch.float32)
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
-        D.fast_steps(m, "fast")
+        D.lean_steps(m, "fast")
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
         DecodeSettings(step="fast")
     with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
@@ -270,7 +270,7 @@ def test_compiled_step_equals_eager():
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
     ev, comp = evaluate(m, "compiled", policy, 2)
-    assert ev["step"] == "compiled" and D.fast_steps(m, "compiled").compiled  # the run decoded with the compiled step
+    assert ev["step"] == "compiled" and D.lean_steps(m, "compiled").compiled  # the run decoded with the compiled step
     assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
     assert (comp["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1
@@ -302,7 +302,7 @@ def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
 
     def run(step, fuse):
-        lean = D.fast_steps(m, step)
+        lean = D.lean_steps(m, step)
         lean.fuse_loops = fuse
         calls, real = [], lean.loop
 

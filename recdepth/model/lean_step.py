@@ -106,7 +106,7 @@ class LeanSteps:
     """The lean single-token steps of one model (see the module docstring).
 
     `compile`: run them through `torch.compile` (fullgraph; graphs built on first use); False runs the same functions
-    eagerly. Built once per model and step by `recdepth.decode.engine.fast_steps(model, step)`,
+    eagerly. Built once per model and step by `recdepth.decode.engine.lean_steps(model, step)`,
     which the engine calls with the step its `DecodeSettings` name."""
 
     def __init__(self, model: LoopedGPT, compile: bool = False):

@@ -25,8 +25,7 @@ from recdepth.decode.engine import span
 from recdepth.decode.jobs import decode_settings
 from recdepth.decode.scoring import evaluate_exit, evaluate_exits, model_cost
 from recdepth.decode.settings import DecodeSettings
-from recdepth.exits.calibration import ltt
-from recdepth.exits.calibration import search as calibration
+from recdepth.exits.calibration import ltt, search
 from recdepth.exits.policy import ExitPolicy, build
 from recdepth.training.checkpoints import open_model, resolve_device
 
@@ -131,11 +130,11 @@ class CalibrationSplit:
         return rec
 
 
-def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
+def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: search.Target, per_group: bool,
                      max_evals: int, ce_ref: float | None = None, max_rows: int = 0,
                      decode: Callable[[list[ExitPolicy]], list[dict]] | None = None
-                     ) -> tuple[ExitPolicy, calibration.Result, dict, list]:
-    """Search `base`'s knob (`calibration.knob`) to `target` on the calibration split.
+                     ) -> tuple[ExitPolicy, search.Result, dict, list]:
+    """Search `base`'s knob (`search.knob`) to `target` on the calibration split.
     Returns the calibrated policy, the search result, its per-token record there and the
     rows of calibration.csv. `ce_ref` (CE of fixed at max_steps there) is computed if not given.
     Settings that do not depend on each other (both ends of the bisection, a round of
@@ -143,7 +142,7 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
     `CalibrationSplit.decode_many`); `decode` (policies -> their records) replaces that
     (`calibrate_many`'s lockstep)."""
     G = split.model.n_groups
-    field, grid = calibration.knob(base.name, base.max_steps_bound)
+    field, grid = search.knob(base.name, base.max_steps_bound)
     groups = G if (per_group and field != "patience") else 1
     if ce_ref is None:
         ce_ref = float(split.decode(build("fixed", None, max_steps=base.max_steps))["nll"].mean())
@@ -159,15 +158,15 @@ def calibrate_policy(split: CalibrationSplit, base: ExitPolicy, target: calibrat
         records.update(zip(settings, recs, strict=True))
         return [(r["nll"], r["apps"], r["cost"]) for r in recs]
 
-    res = calibration.search(lambda s: evaluate_many([s])[0], len(grid), groups, target, ce_ref,
+    res = search.search(lambda s: evaluate_many([s])[0], len(grid), groups, target, ce_ref,
                              per_group=groups > 1, max_evals=max_evals, cost=split.cost, evaluate_many=evaluate_many)
     rows = [{"field": field, "values": [grid[i] for i in p.setting], "ce": p.ce, "ce_increase": p.ce - ce_ref,
              "layer_applications": p.cost, "per_group": list(p.per_group),
-             "meets": calibration.meets(p, target, ce_ref)} for p in res.history]
+             "meets": search.meets(p, target, ce_ref)} for p in res.history]
     return at(res.best.setting), res, records[res.best.setting], rows
 
 
-def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, calibration.Target]], per_group: bool,
+def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, search.Target]], per_group: bool,
                    max_evals: int, ce_ref: float, max_rows: int) -> list[tuple]:
     """`calibrate_policy` of several (base, target) searches in lockstep (recdepth.report's
     20): each search runs in a thread of its own until it asks for its next decodes; once
@@ -190,7 +189,7 @@ def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, cal
     out: dict[int, tuple] = {}
     failed: dict[int, BaseException] = {}
 
-    def run(i: int, base: ExitPolicy, target: calibration.Target) -> None:
+    def run(i: int, base: ExitPolicy, target: search.Target) -> None:
         def decode(policies: list[ExitPolicy]) -> list[dict]:
             with cond:
                 asked[i] = policies
@@ -243,9 +242,9 @@ def calibrate_many(split: CalibrationSplit, searches: list[tuple[ExitPolicy, cal
     return [out[i] for i in range(len(searches))]
 
 
-def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration.Target, per_group: bool,
+def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: search.Target, per_group: bool,
                   max_evals: int, epsilon: float, loss_bound: float,
-                  ref: dict | None = None, shared_rows: int = 0) -> tuple[ExitPolicy, calibration.Result, dict, list, dict]:
+                  ref: dict | None = None, shared_rows: int = 0) -> tuple[ExitPolicy, search.Result, dict, list, dict]:
     """Learn then Test on the calibration split (`recdepth.exits.calibration.ltt`, docs/spec.md §4e): the
     settings of `base`'s knob along a fixed path, most conservative first (`ltt.staircase`
     over the per-group grid with `per_group`, else the shared grid), each window's loss its
@@ -255,7 +254,7 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
     not certified (fixed-sequence testing never reads further) or after `max_evals` (a
     prefix of a fixed sequence is a fixed sequence: still valid). The answer is the last
     certified setting; if none is, `fixed` at max_steps (full depth, loss 0). Returns the
-    policy, a `calibration.Result` (history: the decoded settings), the answer's per-token
+    policy, a `search.Result` (history: the decoded settings), the answer's per-token
     record, the rows of calibration.csv ("meets" = certified) and calibration.json's method
     block. `shared_rows` (calibration.shared_rows): the path's next settings are decoded as
     one batch of settings × windows of about this many rows (`CalibrationSplit.decode_many`;
@@ -266,7 +265,7 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
         raise ValueError("calibration.method: ltt needs target.max_ce_increase or target.max_accuracy_drop (a "
                          "layer-applications budget has no risk to certify); use calibration.method=empirical for it")
     G = split.model.n_groups
-    field, grid = calibration.knob(base.name, base.max_steps_bound)
+    field, grid = search.knob(base.name, base.max_steps_bound)
     groups = G if (per_group and field != "patience") else 1
     path = ltt.staircase(len(grid), groups)
     full = build("fixed", None, max_steps=base.max_steps)
@@ -296,7 +295,7 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
 
     out = ltt.ltt_lazy(losses(), alpha, epsilon)
     k, n = out["certified"], out["n"]
-    points = [calibration.point(s, rec["nll"], rec["apps"], split.cost, rec["cost"]) for s, rec in decoded]
+    points = [search.point(s, rec["nll"], rec["apps"], split.cost, rec["cost"]) for s, rec in decoded]
     rows = [{"field": field, "values": [grid[i] for i in p.setting], "ce": p.ce, "ce_increase": p.ce - ce_ref,
              "layer_applications": p.cost, "per_group": list(p.per_group), "meets": i < k,
              "risk": out["risks"][i], "pvalue": out["pvalues"][i]} for i, p in enumerate(points)]
@@ -304,7 +303,7 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
         policy, best, rec = at(decoded[k - 1][0]), points[k - 1], decoded[k - 1][1]
     else:
         policy, rec = full, ref
-        best = calibration.point((), ref["nll"], ref["apps"], split.cost, ref["cost"])
+        best = search.point((), ref["nll"], ref["apps"], split.cost, ref["cost"])
     stopped = ("first uncertified setting" if k < len(decoded) else
                "end of the path" if len(decoded) == len(path) else "calibration.max_evals")
     n_min = ltt.min_alpha(n, epsilon)  # calibration_size refused fewer windows than alpha needs
@@ -324,10 +323,10 @@ def calibrate_ltt(split: CalibrationSplit, base: ExitPolicy, target: calibration
     }
     log.info("ltt: %s (%d windows, alpha %.4g, epsilon %g; walk stopped at the %s)", method["status"], n, alpha,
              epsilon, stopped)
-    return policy, calibration.Result(best, True, ce_ref, target, points), rec, rows, method
+    return policy, search.Result(best, True, ce_ref, target, points), rec, rows, method
 
 
-def check_method(c, target: calibration.Target) -> None:
+def check_method(c, target: search.Target) -> None:
     """calibration.method=ltt needs a CE target below calibration.loss_bound or an accuracy
     target; an accuracy target needs ltt (one line otherwise)."""
     if c.method != "ltt":
@@ -343,7 +342,7 @@ def check_method(c, target: calibration.Target) -> None:
                          f"{target.value:g}): the clipped loss never exceeds the bound, so nothing would be tested")
 
 
-def ltt_test_risk(rec: dict, ref: dict, target: calibration.Target, loss_bound: float, alpha: float) -> dict:
+def ltt_test_risk(rec: dict, ref: dict, target: search.Target, loss_bound: float, alpha: float) -> dict:
     """The answer's LTT risk on the test split (mean window loss: `ltt.answer_flips` for an
     accuracy target, else `ltt.window_losses`) against alpha, from its record and the full-depth
     reference `ref` (nll, correct): what the guarantee is about, measured once on the test windows."""
@@ -355,7 +354,7 @@ def ltt_test_risk(rec: dict, ref: dict, target: calibration.Target, loss_bound: 
     return {"ltt_risk": r, "ltt_alpha": alpha, "ltt_risk_within_alpha": r <= alpha}
 
 
-def target_of(run: CalibrateConfig) -> calibration.Target:
+def target_of(run: CalibrateConfig) -> search.Target:
     """The one target set in run.target (one line naming the fields otherwise)."""
     t = {k: v for k, v in dataclasses.asdict(run.target).items() if v is not None}
     if len(t) != 1:
@@ -363,7 +362,7 @@ def target_of(run: CalibrateConfig) -> calibration.Target:
                          f"target.layer_applications=<layer applications per token> or "
                          f"target.max_accuracy_drop=<fraction> (ltt), got {t or 'none'}")
     (kind, value), = t.items()
-    return calibration.Target(kind, value)
+    return search.Target(kind, value)
 
 
 def verdict(lo: float, hi: float, bound: float) -> str:
@@ -372,7 +371,7 @@ def verdict(lo: float, hi: float, bound: float) -> str:
     return "held" if hi <= bound else "violated" if lo > bound else "not resolved"
 
 
-def test_check(target: calibration.Target, rec: dict, ref: dict | None, cost: stats.Cost,
+def test_check(target: search.Target, rec: dict, ref: dict | None, cost: stats.Cost,
                resamples: int = 1000) -> dict:
     """The target on the test split with its paired 95% bootstrap interval over windows
     (`ref`: the full-depth record, nll and correct, for the CE and accuracy targets)."""
@@ -398,7 +397,7 @@ def noise_window(n_test: int, block_size: int, bos: int | None = None) -> int:
     return -(-n_test // span(block_size, bos))
 
 
-def load_splits(run: CalibrateConfig | ReportConfig, target: calibration.Target | None = None):
+def load_splits(run: CalibrateConfig | ReportConfig, target: search.Target | None = None):
     """The validated config's model (`checkpoints.open_model`: ckpt= or hf=) on run.device,
     the split ranges (`splits`), the test and calibration token streams (held-out tokens
     [0, eval.tokens] and the calibration tokens + 1 after them, as many as
@@ -430,7 +429,7 @@ EMPIRICAL_TOKENS = 2048  # calibration.tokens=null under the empirical search
 LTT_MARGIN = 4  # calibration.tokens=null under ltt: this many times the windows a zero loss needs
 
 
-def calibration_size(run, target: calibration.Target | None, room: int, block_size: int,
+def calibration_size(run, target: search.Target | None, room: int, block_size: int,
                      bos: int | None = None, task: bool = False) -> int:
     """Calibration tokens: calibration.tokens where set, else sized to the target —
     EMPIRICAL_TOKENS for the empirical search; for Learn then Test LTT_MARGIN times the
