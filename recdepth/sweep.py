@@ -8,7 +8,7 @@ task's tables and fig4_exits.{png,pdf} into the sweep directory (what each holds
 recdepth/analysis/frontier.py; the figure: recdepth/analysis/plots.py's `fig4`), and a W&B table with
 the same rows when the sweep's config has `logger.wandb`. The frontier's bootstrap and the
 figure read every job's records, so redoing them after every job would make a sweep's summary
-work grow with the square of its jobs (measured: docs/journal.md, 2026-11-26); `summarize(dir)`
+work grow with the square of its jobs (measured: docs/results/sweep-time.md); `summarize(dir)`
 writes the whole summary of a sweep stopped before its end. A job that raised is recorded
 as `failed` (its error in `<job>/error.txt`); the others are still aggregated, and the
 command exits non-zero after the sweep (`recdepth.cli.runner`).

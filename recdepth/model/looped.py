@@ -188,7 +188,7 @@ def attend_rows(q: Tensor, ck: Tensor, cv: Tensor, rows: Tensor) -> Tensor:
     `rows` (an index into ck, cv [B, H, n, hd]) only. Under half the rows: over a copy of
     their entries; else over the full cache (no copy of it) with zero queries in the other
     rows, keeping the listed rows' output (the faster of the two at each fraction, measured
-    on the oracle: docs/journal.md)."""
+    on the oracle: docs/results/decode-speed.md)."""
     if 2 * rows.numel() < ck.shape[0]:
         return F.scaled_dot_product_attention(q, ck.index_select(0, rows), cv.index_select(0, rows))
     qf = q.new_zeros((ck.shape[0], *q.shape[1:]))
