@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
 from recdepth.config.build import exit_policy
+from recdepth.config.groups import EVAL_FROM_CHECKPOINT
 from recdepth.config.schema import validated
 from recdepth.decode.jobs import SWEEP, Precomputed, for_model, run_eval, split_start
 from recdepth.training.checkpoints import open_model, resolve_device
@@ -55,6 +56,8 @@ def evaluate(cfg: DictConfig, record: dict | None = None, opened=None,
     start_job(run_dir, cfg)
     ev = run_eval(model, tokens, policy, cfg, run_dir, opened.vocab_to_gpt2, bos=opened.bos, labels=labels,
                   shared=shared[1] if shared else None, targets=targets)
+    taken = OmegaConf.select(cfg, "eval.from_checkpoint") or []  # a task checkpoint's own (cli.runner.checkpoint_eval)
+    ev["settings_from"] = {k: "checkpoint" if k in taken else "command" for k in EVAL_FROM_CHECKPOINT}
     metrics = {**(record or {}), opened.kind: opened.source, "groups": model.cfg.groups, "params": model.num_params(),
                "device": str(device), "eval": ev}
     write_json(run_dir / "metrics.json", metrics)

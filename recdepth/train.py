@@ -31,6 +31,7 @@ from omegaconf import DictConfig, OmegaConf
 from recdepth.cli.runner import hydra_main, refuse, start_job, task
 from recdepth.cli.runner import job_dir as cli_job_dir
 from recdepth.config import build as config
+from recdepth.config.groups import EVAL_FROM_CHECKPOINT
 from recdepth.config.schema import TrainConfig, validated
 from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.decode.jobs import evaluate_trained
@@ -98,6 +99,8 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
         start_from(module, cfg.halt.init_from)
     module.data_config = dataclasses.asdict(cfg.data)
     module.training_config = run.training
+    if cfg.data.source == "task":  # a task checkpoint evaluates itself (its experiment's eval settings)
+        module.eval_config = {k: getattr(cfg.eval, k) for k in EVAL_FROM_CHECKPOINT}
     if mcfg.logit_bias:
         module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
     if dm.id_map is not None:

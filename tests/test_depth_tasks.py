@@ -43,14 +43,25 @@ def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
     sweep = tmp / f"frontier_{cache}"
     q = subprocess.run(
         [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
-         f"hydra.sweep.dir={sweep}", "eval.tokens=288", "eval.latency_tokens=0", "eval.context_steps=3",
-         f"eval.cache={cache}", "hydra.sweeper.fixed=[1,3]", "hydra.sweeper.rules.kl=[0.01]",
+         f"hydra.sweep.dir={sweep}", "eval.latency_tokens=0", "eval.context_steps=3",
+         *([] if cache == "per_step" else [f"eval.cache={cache}"]),  # per_step: the checkpoint's own
+         "hydra.sweeper.fixed=[1,3]", "hydra.sweeper.rules.kl=[0.01]",
          "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]", "hydra.sweeper.oracle=[0.01]",
          "hydra.sweeper.warm_start=false", "exit.max_steps=3"],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert q.returncode == 0, q.stderr[-3000:]
     jobs = list(csv.DictReader(open(sweep / "sweep_results.csv")))
     assert len(jobs) == 4 and all(r["status"] == "ok" for r in jobs)
+    # the checkpoint's own eval.tokens (SMALL's 288) and cache where the command line set none;
+    # the jobs decoded side by side all the same (the sweep's shared decode took them)
+    for j in range(4):
+        m = json.loads((sweep / str(j) / "metrics.json").read_text())
+        assert m["eval"]["cache"] == cache and m["eval"]["settings_from"] == {
+            "tokens": "checkpoint", "context_steps": "command",
+            "cache": "checkpoint" if cache == "per_step" else "command"}
+        assert "tokens: 288" in (sweep / str(j) / "config.yaml").read_text()
+        if m["eval"]["exit"] != "oracle":
+            assert m["eval"]["shared_batch"] == 3
     diff = list(csv.DictReader(open(sweep / "difficulty.csv")))
     assert {r["exit"] for r in diff} == {"fixed", "kl", "oracle"}
     assert (sweep / "frontier_accuracy.csv").is_file()
@@ -59,6 +70,28 @@ def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
     # the fixed n = 1 job's answers each cost prelude + 1 application + coda = 3 layer applications
     one = next(r for r in diff if r["exit"] == "fixed" and r["max_steps"] == "1")
     assert float(one["layer_applications"]) == pytest.approx(3.0)
+
+
+def test_a_task_checkpoint_evaluates_with_its_experiments_settings(roots_run, env):
+    """`recdepth evaluate ckpt=<task checkpoint>` with no eval.* scores as its experiment chose
+    (eval.tokens, context_steps, cache: here SMALL's 288 and 4, roots' per_step), metrics.json
+    saying so; a value on the command line wins."""
+    tmp, rd = roots_run
+    ckpt = rd / "train" / "checkpoints" / "last.ckpt"
+    for name, extra in (("own", []), ("mine", ["eval.cache=latest", "eval.tokens=96"])):
+        p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", f"ckpt={ckpt}", "exit=fixed", "exit.max_steps=2",
+                            "eval.latency_tokens=0", f"run_dir={tmp / name}", *extra],
+                           cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    own = json.loads((tmp / "own" / "metrics.json").read_text())["eval"]
+    mine = json.loads((tmp / "mine" / "metrics.json").read_text())["eval"]
+    assert own["cache"] == "per_step" and own["settings_from"] == dict.fromkeys(("tokens", "context_steps", "cache"),
+                                                                                   "checkpoint")
+    text = (tmp / "own" / "config.yaml").read_text()
+    assert "tokens: 288" in text and "context_steps: 4" in text
+    assert mine["cache"] == "latest" and mine["settings_from"] == {"tokens": "command", "context_steps": "checkpoint",
+                                                                   "cache": "command"}
+    assert "tokens: 96" in (tmp / "mine" / "config.yaml").read_text()
 
 
 def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):

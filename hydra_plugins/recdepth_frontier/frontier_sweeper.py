@@ -64,6 +64,7 @@ class FrontierSweeper(BasicSweeper):
         batch's settings decoded side by side ahead of the jobs."""
         super().validate_batch_is_legal(batch)
         if self.shared_rows and isinstance(self.launcher, BasicLauncher):
+            from recdepth.cli.runner import checkpoint_eval
             from recdepth.decode.jobs import SWEEP, decode_shared
 
             jobs = []
@@ -72,6 +73,7 @@ class FrontierSweeper(BasicSweeper):
                 with open_dict(cfg):  # the job's config: no hydra node; its run_dir is not read
                     del cfg["hydra"]
                     cfg.run_dir = "."
+                checkpoint_eval(cfg, list(overrides))  # as the job itself will (recdepth.cli.runner.task)
                 jobs.append(cfg)
             decode_shared(jobs, self.shared_rows, into=SWEEP)  # the jobs take theirs (recdepth.evaluate)
 

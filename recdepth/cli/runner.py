@@ -12,6 +12,8 @@ dict`, that starts with `job_dir`, `refuse` and `start_job`, and is made a comma
     start_job(run_dir, cfg)   the directory and its config.yaml (the resolved config)
     compose_job(name, overrides)  conf/<name>.yaml composed with overrides, as its command
                           line would (a command that runs another's jobs: the report)
+    checkpoint_eval(cfg, overrides)  a task checkpoint's own eval settings where the command
+                          line sets none (every command's job does this before it starts)
     run_hydra_main(main)  call a @hydra.main function: `--multirun` may stand anywhere
                           among the overrides (`hoist_mode_flags`), a config OmegaConf
                           refuses is one line naming the field (`schema.config_error`),
@@ -75,10 +77,35 @@ def task(job: Callable[[DictConfig], dict], key: str) -> Callable[[DictConfig], 
     `<module>._task`, so a launcher that pickles it (submitit) pickles it by reference."""
 
     def _task(cfg: DictConfig) -> float:
+        checkpoint_eval(cfg, HydraConfig.get().overrides.task if HydraConfig.initialized() else [])
         return guarded(job, cfg, key)
 
     _task.__module__, _task.__qualname__ = job.__module__, "_task"
     return _task
+
+
+def override_key(override: str) -> str:
+    """The config key of a command-line override (`+eval.cache=per_step` -> eval.cache)."""
+    return override.split("=", 1)[0].lstrip("+~")
+
+
+def checkpoint_eval(cfg: DictConfig, overrides: list[str]) -> list[str]:
+    """A task checkpoint evaluates itself: the eval settings its experiment chose, carried by
+    `ckpt=` (`checkpoints.eval_defaults`, the keys `EVAL_FROM_CHECKPOINT`), become cfg.eval's
+    (in place) where `overrides`, the command line, sets none; cfg.eval.from_checkpoint lists
+    the keys taken, which a job's metrics.json reports. Returns them. Nothing for hf= or a
+    checkpoint that carries none (its evaluation keeps the command's defaults)."""
+    ckpt, block = OmegaConf.select(cfg, "ckpt"), OmegaConf.select(cfg, "eval")
+    if not ckpt or block is None or "from_checkpoint" not in block:
+        return []
+    from recdepth.training.checkpoints import eval_defaults
+
+    given = {override_key(o) for o in overrides}
+    carried = {k: v for k, v in eval_defaults(ckpt).items() if k in block and f"eval.{k}" not in given}
+    for k, v in carried.items():
+        block[k] = v
+    block.from_checkpoint = sorted(carried)
+    return sorted(carried)
 
 
 def compose_job(config_name: str, overrides: list[str]) -> DictConfig:

@@ -245,6 +245,9 @@ class DecodeConfig:
     eager) | module (Block.forward, the reference) | compiled (lean under torch.compile;
     seconds to compile). Equal up to float rounding; their speed by model size:
     docs/results/decode-speed.md (`recdepth bench decode`)."""
+    from_checkpoint: list[str] = field(default_factory=list)
+    """Set by the command, not by you: the keys of this block it took from a task checkpoint
+    (`EVAL_FROM_CHECKPOINT`, where the command line set none)."""
 
     def __post_init__(self):
         self.settings()  # validated once, by the object the engine reads
@@ -252,6 +255,12 @@ class DecodeConfig:
     def settings(self, **more) -> DecodeSettings:
         """These fields (and `more`: the seed, a BOS id) as the engine's `DecodeSettings`."""
         return DecodeSettings(cache=self.cache, warm_start=self.warm_start, step=self.step, **more)
+
+
+# The eval keys a task's checkpoint carries (its experiment's choices: conf/experiment/) and the
+# evaluation commands (evaluate, calibrate, report, train-gate, make frontier) take as their
+# defaults on it; a value on the command line wins (recdepth.cli.runner.checkpoint_eval).
+EVAL_FROM_CHECKPOINT = ("tokens", "context_steps", "cache")
 
 
 @dataclass

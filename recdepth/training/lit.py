@@ -79,6 +79,9 @@ class LoopedLM(L.LightningModule):
         # the training config it was trained under (set by train.py): a resume refuses a
         # checkpoint whose config differs from the run's
         self.training_config: dict | None = None
+        # a task run's evaluation settings (set by train.py): the defaults of the evaluation
+        # commands on this checkpoint (recdepth.config.groups.EVAL_FROM_CHECKPOINT)
+        self.eval_config: dict | None = None
         # Initial-state noise of training passes: its own generator (created on the
         # training device in on_train_start), so the stream a resumed run continues is
         # exactly the one it saved, whatever else used the global RNG in between.
@@ -225,6 +228,8 @@ class LoopedLM(L.LightningModule):
             checkpoint["data_config"] = self.data_config
         if self.training_config is not None:
             checkpoint["training_config"] = self.training_config
+        if self.eval_config is not None:
+            checkpoint["eval_config"] = self.eval_config
 
     def on_load_checkpoint(self, checkpoint):
         if "loop_sampler" in checkpoint:
