@@ -20,7 +20,7 @@ from recdepth.config.build import conf_dir
 from recdepth.config.schema import validated
 from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.exits import build
-from recdepth.exits.calibration.on_checkpoint import (
+from recdepth.app.calibration import (
     CalibrationSplit,
     calibrate_many,
     calibration_split,

@@ -4,7 +4,7 @@ interleaved rounds in one process (`recdepth.benchmarks.decode.layer_seconds`, t
 bench decode` times the three `eval.step`s), on fresh models of the default and paper
 shapes (untrained: the cost does not depend on the weights).
 
-    git show <commit>:recdepth/model/lean_step.py > /tmp/lean_step_other.py
+    git show <commit>:recdepth/decode/lean_step.py > /tmp/lean_step_other.py
     OMP_NUM_THREADS=2 python benchmarks/lean_step_ab.py /tmp/lean_step_other.py [rounds]
 
 One layer application = the slope of one decode step's time at context 64 from n = 2 to 6
@@ -23,7 +23,7 @@ from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.decode.engine import decode_step
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.model.lean_step import LeanSteps
+from recdepth.decode.lean_step import LeanSteps
 from recdepth.model.looped import GPTConfig, LoopedGPT
 
 spec = importlib.util.spec_from_file_location("lean_step_other", sys.argv[1])

@@ -20,7 +20,7 @@ from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.decode.scoring import decode_policies
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
+from recdepth.app.checkpoints import checkpoint_data, load_checkpoint
 
 
 def main(argv: list[str]) -> None:

@@ -27,7 +27,7 @@ from recdepth.core.runtime import tune_cpu_allocator
 from recdepth.decode.scoring import time_tokens
 from recdepth.decode.settings import DecodeSettings
 from recdepth.decode.state_decode import has_coda
-from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
+from recdepth.app.checkpoints import checkpoint_data, load_checkpoint
 
 
 def policy(spec: str, model) -> exits.ExitPolicy:

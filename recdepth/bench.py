@@ -196,7 +196,7 @@ def bench_exits(args) -> dict:
     tune_cpu_allocator()
     torch.manual_seed(0)
     if args.ckpt:
-        from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
+        from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
         model = module.model

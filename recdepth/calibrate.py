@@ -22,7 +22,7 @@ per-window fraction of answers lost) is at most the target with probability >= 1
 calibration.epsilon, or nothing is certified and the answer is full depth; `empirical`
 (the default) is the search, with no guarantee. `calibration.tokens=null` (the default)
 sizes the calibration split to the target, and under ltt a split too small to certify it
-is refused in one line that says what it needs (`on_checkpoint.calibration_size`). The run
+is refused in one line that says what it needs (`app.calibration.calibration_size`). The run
 directory gets:
     calibration.json    the answer, the exit override line, calibration and test numbers
     calibration.csv     every setting decoded on the calibration split (per-group values, CE, A)
@@ -44,13 +44,8 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
-from recdepth.config.build import exit_policy
-from recdepth.config.schema import validated
-from recdepth.decode import token_files
-from recdepth.decode.jobs import decode_settings, for_model, run_eval
-from recdepth.decode.scoring import evaluate_exit
-from recdepth.exits.calibration.on_checkpoint import (
+from recdepth.analysis import token_files
+from recdepth.app.calibration import (
     calibrate_ltt,
     calibrate_policy,
     calibration_split,
@@ -62,6 +57,11 @@ from recdepth.exits.calibration.on_checkpoint import (
     target_of,
     test_check,
 )
+from recdepth.app.jobs import decode_settings, for_model, run_eval
+from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.build import exit_policy
+from recdepth.config.schema import validated
+from recdepth.decode.scoring import evaluate_exit
 from recdepth.exits.policy import build
 from recdepth.training.runs import write_json
 

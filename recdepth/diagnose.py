@@ -22,9 +22,9 @@ import torch
 from omegaconf import DictConfig
 
 from recdepth.analysis import diagnostics
+from recdepth.app.checkpoints import open_model, resolve_device
 from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
 from recdepth.config.schema import validated
-from recdepth.training.checkpoints import open_model, resolve_device
 from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.diagnose")

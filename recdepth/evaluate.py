@@ -22,12 +22,12 @@ import logging
 
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.app.checkpoints import open_model, resolve_device
+from recdepth.app.jobs import SWEEP, Precomputed, for_model, run_eval, split_start
 from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
 from recdepth.config.build import exit_policy
 from recdepth.config.groups import EVAL_FROM_CHECKPOINT
 from recdepth.config.schema import validated
-from recdepth.decode.jobs import SWEEP, Precomputed, for_model, run_eval, split_start
-from recdepth.training.checkpoints import open_model, resolve_device
 from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.evaluate")

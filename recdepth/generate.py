@@ -32,17 +32,17 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from recdepth.analysis.depth_view import draw_png, write_html, write_tokens
+from recdepth.app.checkpoints import resolve_device
+from recdepth.app.prompts import Stream, load_model, pieces, prompt_of
 from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
 from recdepth.config.build import exit_policy
 from recdepth.config.schema import GenerateConfig, validated
+from recdepth.decode.depth_view import draw_png, write_html, write_tokens
 from recdepth.decode.engine import warm_up
 from recdepth.decode.generation import Generation, greedy, speculative
-from recdepth.decode.prompts import Stream, load_model, pieces, prompt_of
 from recdepth.decode.state_decode import has_coda
 from recdepth.exits.policy import ExitPolicy
 from recdepth.model.looped import LoopedGPT
-from recdepth.training.checkpoints import resolve_device
 from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.generate")

@@ -1,5 +1,5 @@
 """`recdepth lm-eval ...` (`python -m recdepth.harness ...`): EleutherAI's lm-evaluation-harness
-command line with `--model recdepth` registered (recdepth/integrations/lm_eval.py: the model_args,
+command line with `--model recdepth` registered (recdepth/app/lm_eval.py: the model_args,
 what each request type computes, and the applications per task in the results).
 
     recdepth lm-eval --model recdepth --model_args ckpt=<run>/train/checkpoints/last.ckpt,exit=accel,tau=1e-3 \\
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         import lm_eval.__main__ as lm_eval_main
 
-        import recdepth.integrations.lm_eval  # noqa: F401  (registers --model recdepth)
+        import recdepth.app.lm_eval  # noqa: F401  (registers --model recdepth)
     except ImportError as e:
         raise SystemExit(f"recdepth lm-eval: lm-evaluation-harness is not installed (pip install -e \".[eval]\"): {e}") from None
     sys.argv = ["recdepth lm-eval", *(sys.argv[1:] if argv is None else argv)]

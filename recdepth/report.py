@@ -7,7 +7,7 @@ First, every rule of `report.calibrate` is calibrated per group on the calibrati
 (val tokens after the test split, `recdepth.calibrate`) to each of two targets: CE at most
 `report.max_ce_increase` nats above fixed at max_steps, and at most
 `report.layer_applications` layer applications per token; the searches in lockstep, each
-round's settings decoded side by side (`on_checkpoint.calibrate_many`). Then one frontier sweep scores,
+round's settings decoded side by side (`app.calibration.calibrate_many`). Then one frontier sweep scores,
 on the checkpoint's test split (val tokens [0, eval.tokens], as `recdepth.evaluate`),
   - the frontier's grid (`report.*`, the fields of `frontier_grid.FrontierGrid`, expanded by
     `frontier_grid.settings` as `make frontier` expands `hydra.sweeper.*`): the fixed
@@ -53,15 +53,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from recdepth import sweep
 from recdepth.analysis import frontier, stats
-from recdepth.analysis.frontier_grid import Setting, exit_line, settings
-from recdepth.cli.runner import compose_job, hydra_main, job_dir, refuse, start_job, task
-from recdepth.config.schema import ReportConfig, TrainGateConfig, validated
-from recdepth.decode.jobs import decode_shared, for_model
-from recdepth.decode.scoring import model_cost
-from recdepth.decode.token_files import read_tokens
-from recdepth.evaluate import evaluate
-from recdepth.exits.calibration import search
-from recdepth.exits.calibration.on_checkpoint import (
+from recdepth.analysis.token_files import read_tokens
+from recdepth.app.calibration import (
     EMPIRICAL_TOKENS,
     calibrate_many,
     calibration_split,
@@ -69,6 +62,13 @@ from recdepth.exits.calibration.on_checkpoint import (
     load_splits,
     test_check,
 )
+from recdepth.app.jobs import decode_shared, for_model
+from recdepth.cli.runner import compose_job, hydra_main, job_dir, refuse, start_job, task
+from recdepth.config.frontier_grid import Setting, exit_line, settings
+from recdepth.config.schema import ReportConfig, TrainGateConfig, validated
+from recdepth.decode.scoring import model_cost
+from recdepth.evaluate import evaluate
+from recdepth.exits.calibration import search
 from recdepth.exits.gate import load_gate
 from recdepth.exits.policy import build
 from recdepth.exits.rule import lookup

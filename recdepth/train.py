@@ -28,15 +28,15 @@ import torch
 from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
 from omegaconf import DictConfig, OmegaConf
 
+from recdepth.app.checkpoints import start_from
+from recdepth.app.jobs import evaluate_trained
 from recdepth.cli.runner import hydra_main, refuse, start_job, task
 from recdepth.cli.runner import job_dir as cli_job_dir
 from recdepth.config import build as config
 from recdepth.config.groups import EVAL_FROM_CHECKPOINT
 from recdepth.config.schema import TrainConfig, validated
 from recdepth.core.runtime import tune_cpu_allocator
-from recdepth.decode.jobs import evaluate_trained
 from recdepth.training import distributed
-from recdepth.training.checkpoints import start_from
 from recdepth.training.lit import LoopedLM, TrainingDiverged
 from recdepth.training.runs import TrainingRun, job_dir_lock, write_json
 

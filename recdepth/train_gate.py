@@ -8,7 +8,7 @@ The windows are drawn (seeded by `seed`) from the checkpoint's own train split, 
 val split, which holds the evaluation's tokens (on a task, whole records, and by default
 only the answers are fitted on). For every group g and n < N = gate.max_steps the state
 x_g^(n) is a feature and [NLL(n) − NLL(N) > gate.margin] its label (`recdepth.exits.gate`); the
-states are those the decoding engine visits (gate.states=decode, `recdepth.exits.gate_states`)
+states are those the decoding engine visits (gate.states=decode, `recdepth.decode.gate_states`)
 or the parallel pass's (gate.states=parallel), the classes weighted equally (gate.balance).
 The run directory gets `gate.pt` (what exit=gate reads: weight [G, d], bias [G] and the
 metadata), `gate.json` (the metadata) and `config.yaml`.
@@ -24,13 +24,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from recdepth.app.checkpoints import open_model, resolve_device
 from recdepth.cli.runner import hydra_main, job_dir, refuse, start_job, task
 from recdepth.config.schema import validated
 from recdepth.decode.engine import span
+from recdepth.decode.gate_states import decoding_gate_data
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.gate import collect_gate_data, fit_gate, gate_labels, save_gate
-from recdepth.exits.gate_states import decoding_gate_data
-from recdepth.training.checkpoints import open_model, resolve_device
 from recdepth.training.runs import write_json
 
 log = logging.getLogger("recdepth.train_gate")

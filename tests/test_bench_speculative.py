@@ -40,7 +40,7 @@ def test_bench_speculative_times_after_the_first_token_on_the_test_split(tiny_ck
     firsts = [seen[7 * (i + 1)] for i in range(n)]
     assert len({(f[0], f[2]) for f in firsts}) == n
     # prompts: the first P tokens of the first n windows of the held-out stream (the test split)
-    from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
+    from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
 
     module, data = load_checkpoint(tiny_ckpt, torch.device("cpu"))
     T = module.model.cfg.block_size

@@ -101,11 +101,11 @@ def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):
     one line that names the validation records it needs."""
     from hydra import compose, initialize_config_dir
 
+    from recdepth.app.calibration import calibration_split, load_splits, policy_at
     from recdepth.calibrate import calibrate
     from recdepth.config.build import conf_dir
     from recdepth.config.schema import validated
     from recdepth.exits import build
-    from recdepth.exits.calibration.on_checkpoint import calibration_split, load_splits, policy_at
 
     tmp, rd = roots_run
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
@@ -148,10 +148,10 @@ def test_debug_carry_evaluates_and_calibrates_against_its_in_place_targets(env, 
     both splits of an ltt calibration to an accuracy drop; its answers are the pairs'."""
     from hydra import compose, initialize_config_dir
 
+    from recdepth.analysis.token_files import read_tokens
     from recdepth.calibrate import calibrate
     from recdepth.config.build import conf_dir
     from recdepth.data.tokenizer import gpt2
-    from recdepth.decode.token_files import read_tokens
 
     rd = tmp_path / "job"
     run(["debug=tiny", "experiment=carry", "data.train_records=100", "data.test_records=4",

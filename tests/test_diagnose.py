@@ -30,7 +30,7 @@ def done(tiny_ckpt, ckpt_env, tmp_path_factory):
 
 
 def test_diagnostics_match_a_direct_computation(done, tiny_ckpt):
-    from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
+    from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
 
     out, metrics = done
     step = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)["global_step"]

@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
 from recdepth.decode.scoring import evaluate_exit
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CI has none)")
 

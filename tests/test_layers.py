@@ -20,31 +20,33 @@ ORDER = ("core", "glue", "entry")  # lowest first
 LAYERS = {  # package, subpackage or module under recdepth/ -> its layer, the longest match decides;
     # a module at the top of recdepth/ is "entry". A feature folder may hold two layers.
     "core": "core",  # what the folders share: the registry of extension points, the value checks, the runtime
-    "model": "core",  # the looped GPT-2, its config, the fast one-token step
-    "exits": "core",  # exit rules, policies, monitors, the gate, calibration's math
-    "exits.calibration.on_checkpoint": "glue",  # calibrating on a checkpoint (opens models, reads configs)
-    "decode": "core",  # the decoding engine, its settings, scoring, generation
-    "decode.jobs": "glue",  # a command's evaluation job: settings from the config, files, the sweep hand-over
-    "decode.token_files": "glue",  # eval_tokens.csv
-    "decode.prompts": "glue",  # codecs and prompts for generation
+    "model": "core",  # the looped GPT-2 and its config
+    "analysis": "core",  # loop geometry, diagnostics, exit statistics
+    "analysis.token_files": "glue",  # eval_tokens.csv
+    "analysis.frontier": "glue",  # a sweep's tables and the frontier statistics over its files
+    "analysis.task_tables": "glue",  # a task's sweep by difficulty
+    "analysis.plots": "glue",  # figures (matplotlib)
     "data": "glue",  # data sources, token caches, the data module
     "data.sources": "glue",  # one file per data source
     "data.tasks": "core",  # the generated tasks' math
-    "training": "glue",  # Lightning: the module, callbacks, runs, checkpoints, DDP
+    "exits": "core",  # exit rules, policies, monitors, the gate, calibration's math
+    "decode": "core",  # the decoding engine, the lean step, its settings, scoring, generation, the gate's states
+    "decode.depth_view": "glue",  # a generation's depth as files
+    "training": "glue",  # Lightning: the module, callbacks, runs, DDP
     "training.sampler": "core",  # loop-count samplers
     "training.objective": "core",  # where the loss is taken along the loop
     "training.halting": "core",  # the halting losses (halt.*)
-    "analysis": "core",  # loop geometry, diagnostics, exit statistics
-    "analysis.frontier": "glue",  # a sweep's tables and the frontier statistics over its files
-    "analysis.frontier_grid": "glue",  # a frontier's grid of settings (config lines)
-    "analysis.task_tables": "glue",  # a task's sweep by difficulty
-    "analysis.plots": "glue",  # figures (matplotlib)
-    "analysis.depth_view": "glue",  # a generation's depth as files
-    "config": "glue",  # the Hydra config schema and the objects built from it
+    "integrations": "glue",  # Hugging Face checkpoints (Huginn's format)
+    "config": "glue",  # the Hydra config schema, the frontier's grid and the objects built from them
+    "app": "glue",  # what the commands share: opening checkpoints, evaluation jobs, calibration, lm-eval
     "cli": "glue",  # the commands' runner
-    "integrations": "glue",  # Hugging Face checkpoints, lm-evaluation-harness
     "benchmarks": "entry",  # the bench command's subcommands
 }
+# The folders in the order they stand, lowest first: a module imports from its own folder and
+# the folders before it only (test_no_import_goes_up_the_folder_order). The features, then the
+# config that builds them, then what drives them for the commands, then the commands.
+FOLDERS = ("core", "model", "analysis", "data", "exits", "decode", "training", "integrations", "config", "app",
+           "cli", "benchmarks", "entry")
 CORE_THIRD_PARTY = {"torch", "numpy"}
 LONG = 600  # a module over this many lines says why in its docstring ("Over 600 lines: ...")
 
@@ -139,6 +141,31 @@ def test_no_import_points_up():
     bad = [f"{m} ({layer_of(m)}) imports {d} ({layer_of(d)})"
            for m, deps in graph().items() for d in deps if rank[layer_of(d)] > rank[layer_of(m)]]
     assert not bad, "upward imports: " + "; ".join(bad)
+
+
+def folder_of(m: str) -> str:
+    """The folder a module stands in (a module at the top of recdepth/: "entry")."""
+    top = m.split(".")[0]
+    return top if (PKG / top).is_dir() else "entry"
+
+
+def against_order(g: dict[str, set[str]]) -> list[str]:
+    """The imports in `g` (module -> what it imports) from a folder later in FOLDERS."""
+    rank = {f: i for i, f in enumerate(FOLDERS)}
+    return sorted(f"{m} ({folder_of(m)}) imports {d} ({folder_of(d)})" for m, deps in g.items() for d in deps
+                  if rank[folder_of(d)] > rank[folder_of(m)])
+
+
+def test_no_import_goes_up_the_folder_order():
+    assert {folder_of(m) for m in modules()} == set(FOLDERS), "a folder missing from FOLDERS, or one that is gone"
+    bad = against_order(graph())
+    assert not bad, "imports against the folders' order: " + "; ".join(bad)
+
+
+def test_the_folder_order_check_sees_an_import_against_it():
+    """A model module importing the decoder (above it) is reported; the same import the other way is not."""
+    g = {"model.looped": {"decode.engine", "core.checks"}, "decode.engine": {"model.looped", "exits.policy"}}
+    assert against_order(g) == ["model.looped (model) imports decode.engine (decode)"]
 
 
 def find_cycle(g: dict[str, set[str]]) -> list[str] | None:

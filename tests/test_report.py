@@ -12,8 +12,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
+from recdepth.analysis.token_files import read_tokens
 from recdepth.config.build import conf_dir
-from recdepth.decode.token_files import read_tokens
 
 SMALL = ["report.max_steps=4", "report.fixed=[1,4]", "report.rules.accel=[0.1]", "report.rules.kl=[0.01]",
          *(f"report.rules.{r}=[]" for r in ("stepnorm", "stepnorm_rel", "accel_rel", "entropy_diff", "cosine")), "report.patience=[1]",
@@ -213,10 +213,10 @@ def test_the_grid_scored_as_one_batch_equals_each_setting_alone(done, tiny_ckpt,
     of its setting decoded alone; the oracle decodes alone."""
     import torch
 
+    from recdepth.app.checkpoints import checkpoint_data, load_checkpoint
     from recdepth.config.build import exit_policy
     from recdepth.decode.scoring import evaluate_exit
     from recdepth.decode.settings import DecodeSettings
-    from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
 
     out, _ = done
     module, data = load_checkpoint(tiny_ckpt, torch.device("cpu"))

@@ -4,7 +4,7 @@ frontier (SPEC §4b), for `make frontier`:
     python -m recdepth.evaluate --multirun hydra/sweeper=frontier ckpt=<path> hydra.sweep.dir=<dir>
 
 runs, as jobs of one sweep, the settings of its grid (`hydra.sweeper.*`: the fields and
-defaults of `recdepth.analysis.frontier_grid.FrontierSweeperConf`, registered in Hydra's
+defaults of `recdepth.config.frontier_grid.FrontierSweeperConf`, registered in Hydra's
 ConfigStore by recdepth/config/schema.py; `--cfg hydra` shows them): the fixed-depth grid
 (`exit=fixed exit.max_steps=n`), with `hydra.sweeper.warm_start` (default true) the same
 grid again with `eval.warm_start=true` (continuous compute, its own family "fixed (warm
@@ -22,7 +22,7 @@ grid). The sweep summary (`recdepth.sweep.SweepSummary`) then writes `frontier.c
 With Hydra's basic launcher (jobs one after another in this process) and
 `hydra.sweeper.shared_rows` > 0 (default 64), the jobs that differ only in their exit
 setting are decoded before they run as one batch of settings × windows, up to that many
-rows a batch (`recdepth.decode.jobs.decode_shared`); each job then writes its own
+rows a batch (`recdepth.app.jobs.decode_shared`); each job then writes its own
 directory and files from those results, which equal its decoding alone. 0 decodes job by job.
 """
 
@@ -34,7 +34,7 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import open_dict
 
-from recdepth.analysis.frontier_grid import WARM, FrontierSweeperConf, exit_line, settings
+from recdepth.config.frontier_grid import WARM, FrontierSweeperConf, exit_line, settings
 
 
 class FrontierSweeper(BasicSweeper):
@@ -54,7 +54,7 @@ class FrontierSweeper(BasicSweeper):
     def jobs(self, user: Sequence[str]) -> list[list[str]]:
         """The frontier's jobs under the user's overrides `user`: exit=halt only where its
         checkpoint (ckpt=) has a halting head."""
-        from recdepth.training.checkpoints import has_halting_head
+        from recdepth.app.checkpoints import has_halting_head
 
         ckpt = next((o.split("=", 1)[1] for o in user if _key(o) == "ckpt"), None)
         return [exit_line(s) for s in settings(self.grid, head=ckpt is not None and has_halting_head(ckpt))]
@@ -64,8 +64,8 @@ class FrontierSweeper(BasicSweeper):
         batch's settings decoded side by side ahead of the jobs."""
         super().validate_batch_is_legal(batch)
         if self.shared_rows and isinstance(self.launcher, BasicLauncher):
+            from recdepth.app.jobs import SWEEP, decode_shared
             from recdepth.cli.runner import checkpoint_eval
-            from recdepth.decode.jobs import SWEEP, decode_shared
 
             jobs = []
             for overrides in batch:

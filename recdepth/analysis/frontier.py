@@ -53,9 +53,8 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from recdepth.analysis import stats
+from recdepth.analysis import stats, token_files
 from recdepth.core.checks import is_number
-from recdepth.decode import token_files
 
 log = logging.getLogger("recdepth.frontier")
 

@@ -2,7 +2,7 @@
 docs/spec.md §4b (fixed-depth frontier, oracle, intervals, cost).
 
 Every exit-rule evaluation ("job") of one checkpoint scores the same held-out tokens in
-the same order and writes one row per token (recdepth/decode/token_files.py): window,
+the same order and writes one row per token (recdepth/analysis/token_files.py): window,
 nll[i] (nats), apps[i, g] (applications of recurrence group g) and ms[i] (batch-1
 latency, NaN where not timed). A job's CE is mean(nll); its cost A is the mean of
 `Cost.per_token(apps)`, layer applications per token (Σ_g |g| · apps_g + the layers

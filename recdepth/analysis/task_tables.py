@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from recdepth.analysis import stats
-from recdepth.decode.token_files import read_tokens
+from recdepth.analysis.token_files import read_tokens
 
 
 def answers_of(sweep_dir: Path, rows: list[dict]) -> dict[int, dict]:

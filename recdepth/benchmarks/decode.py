@@ -160,7 +160,7 @@ def shapes(args, device: torch.device) -> list[tuple[str, LoopedGPT, object]]:
     """(name, model on `device`, checkpoint data or None) of each shape timed."""
     out = []
     if args.ckpt is not None:
-        from recdepth.training.checkpoints import load_checkpoint
+        from recdepth.app.checkpoints import load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, device)
         out.append(("checkpoint", module.model.eval(), (module, data)))
@@ -177,7 +177,7 @@ def shapes(args, device: torch.device) -> list[tuple[str, LoopedGPT, object]]:
 def records(module, data, rule: str, tau: float | None, n_tokens: int, steps: tuple[str, ...]) -> dict:
     """The test split scored under `rule` with each step: seconds, and the records against
     the module step's."""
-    from recdepth.training.checkpoints import checkpoint_data
+    from recdepth.app.checkpoints import checkpoint_data
 
     dm = checkpoint_data(module, data, 0)
     tokens = torch.as_tensor(dm.heldout_tokens(n_tokens + 1, 0))

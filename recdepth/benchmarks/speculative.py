@@ -74,10 +74,10 @@ def bench_speculative(args) -> dict:
     import numpy as np
 
     from recdepth.analysis import stats
+    from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
     from recdepth.decode.generation import greedy, speculative
     from recdepth.decode.settings import DecodeSettings
     from recdepth.exits.policy import build
-    from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
     P, n, N = args.prompt_len, args.prompts, args.new_tokens
     if n < 1 or P < 1 or N < 2:

@@ -39,11 +39,11 @@ def bench_ltt(args) -> dict:
 
     import numpy as np
 
+    from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
     from recdepth.decode.scoring import evaluate_exit, evaluate_exits
     from recdepth.decode.settings import DecodeSettings
     from recdepth.exits.calibration import ltt
     from recdepth.exits.policy import build
-    from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
     tune_cpu_allocator()
     t_start = time.perf_counter()
@@ -273,9 +273,9 @@ def bench_settings(args) -> dict:
     import numpy as np
 
     from recdepth import exits
+    from recdepth.app.checkpoints import checkpoint_data, load_checkpoint
     from recdepth.decode.scoring import decode_policies, evaluate_exit
     from recdepth.decode.settings import DecodeSettings
-    from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
 
     if args.ckpt is None:
         raise ValueError("settings: --ckpt <training checkpoint> is required")
@@ -326,7 +326,7 @@ def bench_oracle(args) -> dict:
 
     tune_cpu_allocator()
     if args.ckpt is not None:
-        from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
+        from recdepth.app.checkpoints import checkpoint_data, load_checkpoint
 
         module, data = load_checkpoint(args.ckpt, torch.device("cpu"))
         tokens = torch.as_tensor(checkpoint_data(module, data, 0).heldout_tokens(args.tokens + 1, 0))

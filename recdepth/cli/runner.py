@@ -98,7 +98,7 @@ def checkpoint_eval(cfg: DictConfig, overrides: list[str]) -> list[str]:
     ckpt, block = OmegaConf.select(cfg, "ckpt"), OmegaConf.select(cfg, "eval")
     if not ckpt or block is None or "from_checkpoint" not in block:
         return []
-    from recdepth.training.checkpoints import eval_defaults
+    from recdepth.app.checkpoints import eval_defaults
 
     given = {override_key(o) for o in overrides}
     carried = {k: v for k, v in eval_defaults(ckpt).items() if k in block and f"eval.{k}" not in given}

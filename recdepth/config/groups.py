@@ -241,7 +241,7 @@ class DecodeConfig:
     """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
     ended with for the previous token of the window (the first token: the usual initial state)."""
     step: str = "lean"
-    """How a token's layers are computed (recdepth/model/lean_step.py): lean (fewer operators,
+    """How a token's layers are computed (recdepth/decode/lean_step.py): lean (fewer operators,
     eager) | module (Block.forward, the reference) | compiled (lean under torch.compile;
     seconds to compile). Equal up to float rounding; their speed by model size:
     docs/results/decode-speed.md (`recdepth bench decode`)."""

@@ -42,7 +42,7 @@ from omegaconf.errors import (
 )
 
 from recdepth import exits
-from recdepth.analysis.frontier_grid import FrontierGrid, FrontierSweeperConf
+from recdepth.config.frontier_grid import FrontierGrid, FrontierSweeperConf
 from recdepth.config.groups import (
     CALIBRATION_METHODS,
     DataConfig,
@@ -218,7 +218,7 @@ class GateConfig:
     time as max_steps rows)."""
     states: str = "decode"
     """Where the features come from: decode (the states the decoding engine visits, each
-    depth n a row reading the history of depth N; recdepth/exits/gate_states.py) | parallel (the
+    depth n a row reading the history of depth N; recdepth/decode/gate_states.py) | parallel (the
     parallel forward pass, application n reading the other tokens at n; the gate of version 1)."""
     cache: str = "latest"
     """states=decode: the K/V cache of the decode the states and losses come from, latest |
@@ -271,7 +271,7 @@ class CalibrationConfig:
 
     tokens: int | None = None
     """Calibration tokens, taken from the val split right after the test split's eval.tokens + 1
-    (>= 1; on a task, its validation split). null: sized to the target (`on_checkpoint.calibration_size`):
+    (>= 1; on a task, its validation split). null: sized to the target (`app.calibration.calibration_size`):
     2048 for the empirical search; for ltt four times the windows a zero loss needs to certify
     the target (`ltt.units_needed`), or all there are, refused in one line below once that."""
     per_group: bool = True
@@ -323,7 +323,7 @@ class CalibrateConfig(ModelJob):
 @dataclass
 class ReportSettings(FrontierGrid):
     """`report`: what recdepth.report scores (recdepth/report.py): a frontier's grid (the
-    fields of `FrontierGrid`, recdepth/analysis/frontier_grid.py, with the report's own defaults:
+    fields of `FrontierGrid`, recdepth/config/frontier_grid.py, with the report's own defaults:
     every threshold rule, argmax_stability and the gate), each rule calibrated to two targets."""
 
     rules: dict[str, list[float]] = field(default_factory=lambda: exits.grid("report"))
@@ -339,7 +339,7 @@ class ReportSettings(FrontierGrid):
     """Every scored setting (the grid and the calibrated answers) is decoded as one batch of
     settings × windows, this many rows a batch (`jobs.decode_shared`; each setting's
     records are its own), as is each calibration search's round of independent settings
-    (`on_checkpoint.calibrate_policy`); 0: setting by setting."""
+    (`app.calibration.calibrate_policy`); 0: setting by setting."""
     calibrate: list[str] = field(default_factory=lambda: [n for n in exits.names() if exits.lookup(n).calibrated])
     """The rules calibrated per group to each target (fixed: one max_steps per group). Default:
     every rule (`ExitRule.calibrated`)."""

@@ -40,11 +40,11 @@ import torch
 from torch import Tensor
 
 from recdepth.decode.kv_cache import KVCache, StepKVCache, new_caches
+from recdepth.decode.lean_step import LeanSteps
 from recdepth.decode.mixed import MixedPolicy
 from recdepth.decode.settings import DecodeSettings
 from recdepth.decode.state_decode import CodaDecoder, check_is_output, decode_mode, state_decoder
 from recdepth.exits.policy import ExitPolicy, build
-from recdepth.model.lean_step import LeanSteps
 from recdepth.model.looped import LoopedGPT
 
 REFERENCE = DecodeSettings()  # the engine's defaults: Block.forward, one window a batch
@@ -69,7 +69,7 @@ class RowNoise:
 
 def lean_steps(model: LoopedGPT, step: str) -> LeanSteps | None:
     """The one-token step `step` names (`DecodeSettings.step`) for `model`: None for
-    "module" (`Block.forward`, the reference); "lean" = `recdepth.model.lean_step`'s
+    "module" (`Block.forward`, the reference); "lean" = `recdepth.decode.lean_step`'s
     static-shape step, eager; "compiled" = the same under torch.compile (graphs built on
     first use). Built once per model and step and kept with the model (`_lean_steps`, a
     cache: which step runs is always the settings' choice)."""

@@ -4,7 +4,7 @@ one frozen object validated once (SPEC §4; docs/spec.md §4 for the recdepth op
 The engine (`recdepth.decode.engine`), scoring (`recdepth.decode.scoring`) and generation
 (`recdepth.decode.generation`) take it instead of loose keyword arguments, and read the fast
 path they run from its `step` by name (`engine.lean_steps`). The commands build it from
-the run config's `eval` block (`recdepth.decode.jobs.decode_settings`); the rule's own
+the run config's `eval` block (`recdepth.app.jobs.decode_settings`); the rule's own
 choices (exit.decode, exit.kl_direction) stay with the exit policy.
 
 Defaults are the reference pass a library caller gets: `Block.forward`, one window at a
@@ -37,7 +37,7 @@ class DecodeSettings:
     for the previous token of the window (the first token: the initial state)."""
     step: str = "module"
     """How a token's layers are computed: module (`Block.forward`, the reference) | lean
-    (`recdepth.model.lean_step`, eager) | compiled (lean under torch.compile)."""
+    (`recdepth.decode.lean_step`, eager) | compiled (lean under torch.compile)."""
     seed: int = 0
     """Noise key of the initial states (`engine.noise_seed`)."""
     bos: int | None = None

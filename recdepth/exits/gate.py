@@ -20,7 +20,7 @@ flip at every n; the gain still available up to N is what exiting gives up.
 
 The data come either from the parallel forward pass with every other group at N
 (`collect_gate_data`, gate.states=parallel), or, the default, from the states the decoding
-engine visits (`recdepth.exits.gate_states.decoding_gate_data`, gate.states=decode): in the
+engine visits (`recdepth.decode.gate_states.decoding_gate_data`, gate.states=decode): in the
 parallel pass a token at application n attends to the earlier tokens at application n, in
 decoding to their cached last application, so the parallel states are not the ones the
 gate meets at evaluation.

@@ -6,7 +6,7 @@ a loop compiled whole, and the reference loop.
     history0 / observe_step           the same decision with the history as a tuple of tensors
                                       and τ, min/max steps, patience as one tensor, no branch on
                                       a value (`torch.while_loop`: the compiled batch-1 loop,
-                                      `recdepth.model.lean_step.LeanSteps.loop`)
+                                      `recdepth.decode.lean_step.LeanSteps.loop`)
     iterate(f, x0, policy)            the reference loop (tests, outside checks)
 
 Both forms call the rule's own `advance` and `fires` (recdepth/exits/rule.py), so they

@@ -217,7 +217,7 @@ class MLP(nn.Module):
 
 
 # The block's math, once: `Block.forward` (every path through the model) and the lean
-# one-token step (recdepth/model/lean_step.py) both call `qkv_of` and `block_out` with a
+# one-token step (recdepth/decode/lean_step.py) both call `qkv_of` and `block_out` with a
 # block's `BlockWeights`; only the attention between them differs by path (a parallel pass,
 # a decoding cache, a loop compiled whole).
 class BlockWeights(NamedTuple):

@@ -11,8 +11,7 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from recdepth.analysis import stats
-from recdepth.decode import token_files
+from recdepth.analysis import stats, token_files
 
 GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32)
 

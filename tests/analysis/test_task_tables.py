@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from recdepth.analysis import task_tables
-from recdepth.decode.token_files import write_tokens
+from recdepth.analysis.token_files import write_tokens
 
 
 def job(tmp, k, exit_, n, correct, apps, window):

@@ -520,7 +520,7 @@ def test_the_eval_block_is_the_engines_decode_settings():
     the commands hand to the engine (`jobs.decode_settings`), validated by it alone
     (the same one-line error from the config as from the library), and the keys whose
     default is the library's take it from DecodeSettings, not a copy."""
-    from recdepth.decode.jobs import decode_settings
+    from recdepth.app.jobs import decode_settings
     from recdepth.decode.settings import DecodeSettings
 
     cfg = compose_cfg("eval.cache=per_step", "eval.warm_start=true", "eval.context_steps=3", "seed=11",

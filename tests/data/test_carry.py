@@ -284,10 +284,10 @@ def test_gate_data_takes_its_losses_against_the_scored_stream(tmp_path):
     slow batch-1 decode (history at N, the answer at n) scored by hand; at n = N against
     the parallel forward too; without `targets` it scores the next token."""
     from recdepth.decode.engine import RowNoise, decode_step
+    from recdepth.decode.gate_states import decoding_gate_data
     from recdepth.decode.kv_cache import new_caches
     from recdepth.decode.settings import DecodeSettings
     from recdepth.exits import build
-    from recdepth.exits.gate_states import decoding_gate_data
     from recdepth.model.looped import GPTConfig, LoopedGPT
 
     dm = data_module(tmp_path)

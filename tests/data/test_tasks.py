@@ -303,7 +303,7 @@ def test_debug_task_through_train_evaluate_and_frontier(tmp_path, env, ckpt_env,
     assert ev["ce"] == pytest.approx(np.mean([float(r["nll"]) for r in rows]))
     # the labels in the csv are the cache's, at each target position (position + 1)
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
-    from recdepth.training.checkpoints import checkpoint_data, load_checkpoint
+    from recdepth.app.checkpoints import checkpoint_data, load_checkpoint
 
     module, data = load_checkpoint(ckpt, torch.device("cpu"))
     labels = checkpoint_data(module, data, 0).heldout_labels(513)

@@ -335,7 +335,7 @@ def test_attention_over_a_shared_history_equals_each_rows_own(pos, active):
     """`attend_shared` (the history read once per block of rows) equals `attend_rows` (each
     row's own cache) when every row of a block holds the same entries before pos and its
     own at pos, for every row subset, at pos 0 (only its own entry) too. float64."""
-    from recdepth.model.lean_step import attend_shared
+    from recdepth.decode.lean_step import attend_shared
     from recdepth.model.looped import attend_rows
 
     g = torch.Generator().manual_seed(pos)
@@ -365,7 +365,7 @@ def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(gro
     cache), float64 to rounding, and the shared attention really ran."""
     import numpy as np
 
-    from recdepth.model import lean_step as L
+    from recdepth.decode import lean_step as L
 
     m = model(groups, state_init="normal")
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(6))

@@ -316,7 +316,7 @@ def _evaluate(d, out, *overrides):
 
 
 def test_hf_windows_start_with_bos_and_score_the_texts_tokens(hf_bos, tmp_path):
-    from recdepth.decode.token_files import read_tokens
+    from recdepth.analysis.token_files import read_tokens
     from recdepth.integrations.hf import load_hf
 
     d, vocab = hf_bos

@@ -205,7 +205,7 @@ def test_frontier_sweeper_warm_family_switch():
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     from hydra_plugins.recdepth_frontier.frontier_sweeper import FrontierSweeper
-    from recdepth.analysis.frontier_grid import FrontierGrid, exit_line, settings
+    from recdepth.config.frontier_grid import FrontierGrid, exit_line, settings
 
     parse = OverridesParser.create().parse_overrides
 
@@ -242,8 +242,8 @@ def test_one_grid_expands_the_same_for_make_frontier_and_the_report():
     from hydra import compose, initialize_config_dir
 
     from hydra_plugins.recdepth_frontier.frontier_sweeper import FrontierSweeper
-    from recdepth.analysis.frontier_grid import FrontierGrid, exit_line, settings
     from recdepth.config.build import conf_dir
+    from recdepth.config.frontier_grid import FrontierGrid, exit_line, settings
 
     grid = FrontierGrid(fixed=[1, 3], rules={"accel": [0.1]}, patience=[2], gate_tau=[0.5], oracle=[0.0])
     got = [(s.family, exit_line(s)) for s in settings(grid, max_steps=6, gate="g.pt")]

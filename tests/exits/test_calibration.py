@@ -172,9 +172,9 @@ def compose_cal(*overrides):
 
 
 def test_calibrate_splits_are_disjoint_and_the_answer_is_verified_on_test(tiny_ckpt, ckpt_env, tmp_path):
+    from recdepth.analysis.token_files import read_tokens
+    from recdepth.app.checkpoints import heldout_tokens, load_checkpoint
     from recdepth.calibrate import calibrate
-    from recdepth.decode.token_files import read_tokens
-    from recdepth.training.checkpoints import heldout_tokens, load_checkpoint
 
     run = tmp_path / "cal"
     cfg = compose_cal(f"ckpt={tiny_ckpt}", f"run_dir={run}", "exit=accel", "exit.max_steps=6",
@@ -250,13 +250,13 @@ def test_a_search_decoding_its_independent_settings_together_answers_as_one_by_o
     of per-group moves decoded as one batch gives the settings, history, rows and records
     of the search decoding one setting at a time, in float64 (where the batch composition
     changes the NLL in its last bits, no decision)."""
-    from recdepth.config.schema import validated
-    from recdepth.exits import build
-    from recdepth.exits.calibration.on_checkpoint import (
+    from recdepth.app.calibration import (
         calibrate_policy,
         calibration_split,
         load_splits,
     )
+    from recdepth.config.schema import validated
+    from recdepth.exits import build
     from recdepth.exits.calibration.search import Target
 
     cfg = compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=60", "device=cpu",
@@ -294,12 +294,12 @@ def test_searches_in_lockstep_answer_what_each_answers_alone(tiny_ckpt, ckpt_env
     the answer, history and records it gets run alone, in float64; the settings of several
     searches share a batch, and a batch never mixes rules that read the logits (kl) with
     rules that do not (a mixed batch would compute the logits for all its rows)."""
-    from recdepth.exits import build
-    from recdepth.exits.calibration.on_checkpoint import (
+    from recdepth.app.calibration import (
         calibrate_many,
         calibrate_policy,
         calibration_split,
     )
+    from recdepth.exits import build
     from recdepth.exits.calibration.search import Target
 
     run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
@@ -341,12 +341,12 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
     policy is told apart by its gate tensors, which the dataclass leaves out of equality."""
     import torch
 
-    from recdepth.exits import build
-    from recdepth.exits.calibration.on_checkpoint import (
+    from recdepth.app.calibration import (
         CalibrationSplit,
         calibrate_many,
         calibration_split,
     )
+    from recdepth.exits import build
     from recdepth.exits.calibration.search import Target
 
     run, model, cal_tokens = tiny_split(tiny_ckpt, tmp_path)
@@ -388,8 +388,8 @@ def test_a_split_decodes_each_setting_once_and_answers_repeats_from_memory(tiny_
 def tiny_split(tiny_ckpt, tmp_path):
     """The validated calibrate config of the tiny checkpoint's 30-token calibration split,
     its model in float64 (decisions then never hang on float32 rounding) and the tokens."""
+    from recdepth.app.calibration import load_splits
     from recdepth.config.schema import validated
-    from recdepth.exits.calibration.on_checkpoint import load_splits
 
     run = validated(compose_cal(f"ckpt={tiny_ckpt}", "exit=fixed", "eval.tokens=20", "calibration.tokens=30",
                                 "device=cpu", f"run_dir={tmp_path}"))
@@ -399,6 +399,6 @@ def tiny_split(tiny_ckpt, tmp_path):
 
 def calibrate_policy_fresh(run, model, cal_tokens, base, target, ce_ref):
     """`calibrate_policy` on a split of its own (nothing shared with another search)."""
-    from recdepth.exits.calibration.on_checkpoint import calibrate_policy, calibration_split
+    from recdepth.app.calibration import calibrate_policy, calibration_split
 
     return calibrate_policy(calibration_split(run, model, cal_tokens), base, target, True, 6, ce_ref)

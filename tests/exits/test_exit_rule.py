@@ -66,8 +66,8 @@ def test_a_rule_is_registered_by_its_class_and_decides_as_its_definition_says(st
 
 
 def test_a_rule_defined_in_a_test_is_an_exit_option_and_in_the_default_grids(step_ratio):
-    from recdepth.analysis.frontier_grid import FrontierSweeperConf, settings
     from recdepth.cli.runner import compose_job
+    from recdepth.config.frontier_grid import FrontierSweeperConf, settings
     from recdepth.config.schema import ReportSettings, validated
 
     cfg = compose_job("evaluate", ["exit=step_ratio", "ckpt=x", "run_dir=/tmp/unused"])

@@ -22,6 +22,7 @@ from hydra import compose, initialize_config_dir
 from recdepth import exits
 from recdepth.config.build import conf_dir, exit_policy
 from recdepth.decode.engine import RowNoise, decode_step
+from recdepth.decode.gate_states import decoding_gate_data
 from recdepth.decode.kv_cache import new_caches
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.gate import (
@@ -33,7 +34,6 @@ from recdepth.exits.gate import (
     load_gate,
     save_gate,
 )
-from recdepth.exits.gate_states import decoding_gate_data
 from recdepth.model.looped import GPTConfig, LoopedGPT
 
 

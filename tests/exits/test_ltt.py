@@ -270,11 +270,11 @@ def test_calibrate_ltt_certifies_a_prefix_and_records_it(tiny_ckpt, ckpt_env, tm
     Hoeffding–Bentkus p-values of the recorded risks (closed form here), the answer is the
     last setting of the certified prefix, and its recorded risk is the mean clipped window
     loss recomputed from its calibration record against a full-depth decode done here."""
+    from recdepth.analysis.token_files import read_tokens
+    from recdepth.app.calibration import calibration_split, load_splits
     from recdepth.calibrate import calibrate
     from recdepth.config.schema import validated
-    from recdepth.decode.token_files import read_tokens
     from recdepth.exits import build
-    from recdepth.exits.calibration.on_checkpoint import calibration_split, load_splits
 
     run = tmp_path / "ltt"
     opts = [f"ckpt={tiny_ckpt}", f"run_dir={run}", *CAL, "target.max_ce_increase=0.5", "calibration.tokens=300",
@@ -373,7 +373,7 @@ def test_calibration_size_sizes_ltt_to_its_target():
     windows refused with what they need (on a task, the validation records)."""
     from types import SimpleNamespace as NS
 
-    from recdepth.exits.calibration.on_checkpoint import calibration_size
+    from recdepth.app.calibration import calibration_size
     from recdepth.exits.calibration.search import Target
 
     def run(method, tokens=None, eps=0.05, bound=0.1):

@@ -1,4 +1,4 @@
-"""`--model recdepth` in EleutherAI's lm-evaluation-harness (recdepth/integrations/lm_eval.py), run
+"""`--model recdepth` in EleutherAI's lm-evaluation-harness (recdepth/app/lm_eval.py), run
 offline on the local tasks of tests/fixtures/lm_eval (task YAMLs over JSONL files, no hub).
 
 Every number is checked against recdepth's own engine called directly here on the same
@@ -19,14 +19,14 @@ import numpy as np
 import pytest
 import torch
 
+from recdepth.app.checkpoints import open_model
+from recdepth.app.jobs import for_model
+from recdepth.app.prompts import codec_of
 from recdepth.config.schema import ModelJob
 from recdepth.decode.generation import greedy
-from recdepth.decode.jobs import for_model
-from recdepth.decode.prompts import codec_of
 from recdepth.decode.scoring import evaluate_exit
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.training.checkpoints import open_model
 
 TASKS = Path(__file__).parents[1] / "fixtures" / "lm_eval"
 RULE = dict(exit="kl", tau=0.1, max_steps=6)  # 2 to 4 applications per token on the tiny model
@@ -50,7 +50,7 @@ def score(model, policy, ids):
 def run(tiny_ckpt, ckpt_env, tmp_path_factory):
     from lm_eval.tasks import TaskManager
 
-    import recdepth.integrations.lm_eval  # noqa: F401  (registers --model recdepth)
+    import recdepth.app.lm_eval  # noqa: F401  (registers --model recdepth)
 
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(TASKS)  # the YAMLs name their JSONL files relative to here
@@ -110,7 +110,7 @@ def test_generate_until_is_greedy_under_the_rule_cut_at_the_stop(run, tiny_ckpt)
 
 
 def test_bad_model_args_fail_in_one_line(tiny_ckpt):
-    from recdepth.integrations.lm_eval import RecdepthLM
+    from recdepth.app.lm_eval import RecdepthLM
 
     with pytest.raises(ValueError) as e:
         RecdepthLM(ckpt=str(tiny_ckpt), device="cpu", taus=0.1)  # a typo'd key

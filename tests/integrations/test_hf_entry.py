@@ -1,4 +1,4 @@
-"""`hf=<dir>` in the entry points (recdepth/training/checkpoints.py: open_model): a tiny Huginn-format
+"""`hf=<dir>` in the entry points (recdepth/app/checkpoints.py: open_model): a tiny Huginn-format
 directory with its own tokenizer.json is evaluated and diagnosed on a local text file.
 The scored tokens are checked against the file's tail tokenized here with the `tokenizers`
 library directly, the CE against a parallel forward of the same weights (per-step cache at
@@ -60,7 +60,7 @@ def expected_heldout(tok, n):
 
 
 def test_evaluate_scores_the_tail_of_the_text_under_its_own_tokenizer(hf_dir, tmp_path):
-    from recdepth.decode.token_files import read_tokens
+    from recdepth.analysis.token_files import read_tokens
     from recdepth.evaluate import evaluate
 
     d, text, tok, model = hf_dir
@@ -80,7 +80,7 @@ def test_evaluate_scores_the_tail_of_the_text_under_its_own_tokenizer(hf_dir, tm
 def test_a_zero_state_model_decodes_exactly_like_its_parallel_forward(hf_dir, tmp_path):
     """With state_init=zero there is no noise, so the decoded NLLs must equal a parallel
     forward of the loaded weights at the same depth, token for token."""
-    from recdepth.decode.token_files import read_tokens
+    from recdepth.analysis.token_files import read_tokens
     from recdepth.evaluate import evaluate
     from recdepth.integrations.hf import load_hf
 
@@ -182,8 +182,8 @@ HF_DATA = ["data=files", "data.val_fraction=0.2", "device=cpu"]
 def test_calibrate_accepts_hf_test_then_calibration_split_of_the_tail(hf_dir, tmp_path):
     """The test split is the tail's tokens [0, eval.tokens], the calibration split the
     calibration.tokens + 1 after it, both under the directory's tokenizer."""
+    from recdepth.analysis.token_files import read_tokens
     from recdepth.calibrate import calibrate
-    from recdepth.decode.token_files import read_tokens
 
     d, text, tok, _ = hf_dir
     out = tmp_path / "c"
@@ -236,7 +236,7 @@ def test_train_gate_accepts_hf_and_fits_on_the_head_of_the_text(hf_dir, tmp_path
 
 @pytest.mark.slow  # default-suite time (make test-slow runs it): see docs/results/test-suite.md
 def test_report_accepts_hf(hf_dir, tmp_path):
-    from recdepth.decode.token_files import read_tokens
+    from recdepth.analysis.token_files import read_tokens
     from recdepth.report import report
 
     d, text, tok, _ = hf_dir

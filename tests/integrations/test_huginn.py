@@ -572,7 +572,7 @@ def huginn_run(env, tmp_path_factory):
 
 
 def test_model_huginn_trains(huginn_run):
-    from recdepth.training.checkpoints import load_checkpoint
+    from recdepth.app.checkpoints import load_checkpoint
 
     metrics, ckpt = huginn_run
     assert metrics["steps"] == 3 and math.isfinite(metrics["val_ce"]) and math.isfinite(metrics["eval"]["ce"])
@@ -592,7 +592,7 @@ def test_model_huginn_trains(huginn_run):
 @pytest.fixture(scope="module")
 def trained(huginn_run):
     """The trained model=huginn, in float64 for exact comparisons."""
-    from recdepth.training.checkpoints import load_checkpoint
+    from recdepth.app.checkpoints import load_checkpoint
 
     module, _ = load_checkpoint(huginn_run[1], torch.device("cpu"))
     return module.model.double().eval()

@@ -1,4 +1,4 @@
-"""The lean decode step (recdepth/model/lean_step.py, `eval.step`): the static-shape single-token
+"""The lean decode step (recdepth/decode/lean_step.py, `eval.step`): the static-shape single-token
 layer equals `Block.forward` on the decoding cache, eager and compiled, for every option
 of the block, and the engine really takes it where it applies."""
 
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from recdepth.config.groups import EvalConfig
 from recdepth.decode import engine as D
 from recdepth.decode import scoring as S
+from recdepth.decode.lean_step import LeanSteps
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits import build
-from recdepth.model.lean_step import LeanSteps
 from recdepth.model.looped import Block, GPTConfig, LoopedGPT, gated_silu, linear
 
 PLAIN = {}

@@ -195,9 +195,9 @@ def test_a_checkpoint_write_cut_halfway_leaves_the_last_whole_checkpoint(tmp_pat
     import fsspec.implementations.local as local
     from hydra import compose, initialize_config_dir
 
+    from recdepth.app.checkpoints import load_checkpoint
     from recdepth.config.build import conf_dir
     from recdepth.train import train
-    from recdepth.training.checkpoints import load_checkpoint
     from recdepth.training.runs import TrainingRun
 
     for k in ("RECDEPTH_CACHE", "WANDB_MODE"):

@@ -19,15 +19,15 @@ import numpy as np
 import torch
 
 from recdepth.analysis import stats
-from recdepth.analysis.frontier_grid import Setting, exit_line
+from recdepth.app.checkpoints import open_model, resolve_device
+from recdepth.app.jobs import decode_settings
+from recdepth.config.frontier_grid import Setting, exit_line
 from recdepth.config.schema import CalibrateConfig, ReportConfig
 from recdepth.decode.engine import span
-from recdepth.decode.jobs import decode_settings
 from recdepth.decode.scoring import evaluate_exit, evaluate_exits, model_cost
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.calibration import ltt, search
 from recdepth.exits.policy import ExitPolicy, build
-from recdepth.training.checkpoints import open_model, resolve_device
 
 log = logging.getLogger("recdepth.calibrate")
 

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from recdepth.app.checkpoints import open_model
 from recdepth.config.schema import GenerateConfig
 from recdepth.data.tokenizer import gpt2
 from recdepth.data.vocabulary import Vocab
 from recdepth.decode.generation import TokenRecord
 from recdepth.integrations.hf import HFTokenizer
 from recdepth.model.looped import LoopedGPT
-from recdepth.training.checkpoints import open_model
 
 log = logging.getLogger("recdepth.generate")
 

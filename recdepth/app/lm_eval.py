@@ -44,16 +44,16 @@ import torch
 from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 
+from recdepth.app.checkpoints import open_model, resolve_device
+from recdepth.app.jobs import for_model
+from recdepth.app.prompts import codec_of
 from recdepth.config.schema import ModelJob
 from recdepth.decode.engine import decode_windows
 from recdepth.decode.generation import greedy
-from recdepth.decode.jobs import for_model
-from recdepth.decode.prompts import codec_of
 from recdepth.decode.scoring import evaluate_exit, model_cost
 from recdepth.decode.settings import DecodeSettings
 from recdepth.exits.gate import load_gate
 from recdepth.exits.policy import build
-from recdepth.training.checkpoints import open_model, resolve_device
 
 log = logging.getLogger("recdepth.harness")
 

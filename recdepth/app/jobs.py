@@ -16,20 +16,20 @@ import numpy as np
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from recdepth.config.build import exit_policy
-from recdepth.config.groups import EvalConfig
-from recdepth.config.schema import validated
-from recdepth.decode import token_files
-from recdepth.decode.scoring import evaluate_exit, evaluate_exits
-from recdepth.decode.settings import DecodeSettings
-from recdepth.decode.state_decode import has_coda
-from recdepth.exits.policy import ORACLE, ExitPolicy
-from recdepth.training.checkpoints import (
+from recdepth.analysis import token_files
+from recdepth.app.checkpoints import (
     checkpoint_data,
     load_checkpoint,
     open_model,
     resolve_device,
 )
+from recdepth.config.build import exit_policy
+from recdepth.config.groups import EvalConfig
+from recdepth.config.schema import validated
+from recdepth.decode.scoring import evaluate_exit, evaluate_exits
+from recdepth.decode.settings import DecodeSettings
+from recdepth.decode.state_decode import has_coda
+from recdepth.exits.policy import ORACLE, ExitPolicy
 
 log = logging.getLogger("recdepth.evaluate")
 
