@@ -42,7 +42,7 @@ def evaluate(cfg: DictConfig, record: dict | None = None, opened=None,
     (`jobs.decode_shared`); the job takes its own from it, if there, instead of decoding."""
     run_dir = job_dir(cfg, "evaluate")
     run = validated(cfg)  # every field, before any work (recdepth/config/schema.py)
-    policy = exit_policy(cfg)
+    policy = exit_policy(run)  # the validated object: the config is validated once
     refuse(run_dir, "metrics.json")
     device = resolve_device(cfg.device)
     shared = None if precomputed is None else precomputed.take(cfg)  # the model it was decoded with, its results

@@ -93,7 +93,7 @@ def generate(cfg: DictConfig) -> dict:
     directory's files and return generation.json's dict."""
     run_dir = job_dir(cfg, "generate")
     run = validated(cfg)
-    policy = exit_policy(cfg)
+    policy = exit_policy(run)
     refuse(run_dir, *RESULTS)
     device = resolve_device(run.device)
     loaded = load_model(run, device)

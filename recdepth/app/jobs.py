@@ -115,10 +115,11 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None,
     own error. `opened`: the jobs' model when the caller has it open already (the report)."""
     into = Precomputed() if into is None else into
     groups: dict[str, list[tuple[DictConfig, ExitPolicy]]] = {}
+    runs: dict[int, object] = {}  # each job's config validated once: id(cfg) -> its typed object
     for cfg in jobs:
         try:
-            validated(cfg)
-            policy = exit_policy(cfg)
+            runs[id(cfg)] = validated(cfg)
+            policy = exit_policy(runs[id(cfg)])
             check_test_split(cfg)
         except (ValueError, FileNotFoundError):
             continue
@@ -129,7 +130,7 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None,
             continue
         cfg, n = group[0][0], group[0][0].eval.tokens
         try:
-            got = opened or open_model(validated(cfg), resolve_device(cfg.device))
+            got = opened or open_model(runs[id(cfg)], resolve_device(cfg.device))
             policies = [for_model(p, got) for _, p in group]
             start = split_start(got, OmegaConf.select(cfg, "eval.split") or "test")
         except (ValueError, FileNotFoundError):

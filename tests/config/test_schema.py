@@ -547,3 +547,25 @@ def test_the_eval_block_is_the_engines_decode_settings():
     with pytest.raises(dataclasses.FrozenInstanceError):
         frozen.cache = "per_step"
     assert frozen.replace(cache="per_step").cache == "per_step" and frozen.cache == "latest"
+
+
+def test_evaluate_validates_its_config_once(tiny_ckpt, ckpt_env, tmp_path, monkeypatch):
+    """`recdepth evaluate` checks the composed config once and hands the typed object down
+    (exit_policy, open_model): counted at the one function that validates a raw config."""
+    from recdepth import evaluate as evaluate_module
+    from recdepth.cli.runner import compose_job
+    from recdepth.config import build, schema
+
+    calls = []
+    real = schema.validated
+
+    def counted(cfg):
+        calls.append(type(cfg).__name__)
+        return real(cfg)
+
+    for module in (schema, build, evaluate_module):
+        monkeypatch.setattr(module, "validated", counted)
+    cfg = compose_job("evaluate", [f"ckpt={tiny_ckpt}", "eval.tokens=24", "eval.latency_tokens=0",
+                                   f"run_dir={tmp_path / 'e'}"])
+    evaluate_module.evaluate(cfg)
+    assert calls == ["DictConfig"]
