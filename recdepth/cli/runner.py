@@ -201,7 +201,8 @@ def _override_under_null(e: BaseException) -> str | None:
     """One line for an override of a key under a node the config sets to null, e.g.
     `callbacks=none callbacks.loop_dynamics.loops=5`: OmegaConf asserts on it without
     naming the key, so the key is read from Hydra's override loop in the traceback."""
-    if not (isinstance(e, AssertionError) and "Unexpected type for root: NoneType" in str(e)):
+    if not (isinstance(e, AssertionError) and str(e) in ("Unexpected type for root: NoneType",
+                                                          "Unexpected type: None")):
         return None
     tb, key = e.__traceback__, None
     while tb is not None:
@@ -210,6 +211,9 @@ def _override_under_null(e: BaseException) -> str | None:
         tb = tb.tb_next
     if not isinstance(key, str):
         return None
+    if key.startswith("data."):  # evaluate, calibrate, generate, ...: the data node is the checkpoint's
+        return (f"{key}: no data group here: a training checkpoint (ckpt=) carries its own data config; with "
+                "hf=<dir>, choose one first (data=files data.paths=...)")
     return (f"{key}: {key.rsplit('.', 1)[0]} is null in this config (a group option such as callbacks=none "
             "sets it so); pick an option that has it, or drop the override")
 

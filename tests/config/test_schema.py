@@ -569,3 +569,23 @@ def test_evaluate_validates_its_config_once(tiny_ckpt, ckpt_env, tmp_path, monke
                                    f"run_dir={tmp_path / 'e'}"])
     evaluate_module.evaluate(cfg)
     assert calls == ["DictConfig"]
+
+
+@pytest.mark.parametrize("override", ["data.val_tokens=100", "data.task.size=[2,4]"])
+def test_a_data_override_on_a_checkpoint_is_one_line(monkeypatch, tmp_path, override):
+    """`recdepth evaluate ckpt=... data.task.size=[2,4]`: the data config is the checkpoint's, so a
+    data.* override is refused in one line naming the key (it ended in OmegaConf's bare
+    AssertionError, a traceback)."""
+    from recdepth.evaluate import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("HYDRA_FULL_ERROR", raising=False)
+    monkeypatch.setattr(sys, "argv", ["recdepth.evaluate", "ckpt=x.ckpt", override, f"run_dir={tmp_path / 'run'}"])
+    try:
+        with pytest.raises(SystemExit) as e:
+            main()
+    finally:
+        GlobalHydra.instance().clear()
+    key = override.split("=")[0]
+    assert e.value.code.startswith(f"error: {key}: no data group here: a training checkpoint (ckpt=) carries "
+                                   "its own data config") and "\n" not in e.value.code
