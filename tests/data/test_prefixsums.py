@@ -1,0 +1,81 @@
+"""data=prefixsums (recdepth/data/tasks/prefixsums.py): DeepThinking's prefix sums with the
+running parity scored in place. Every parity and difficulty is checked by a solver written
+here from the task's statement (the bits read back from the decoded tokens, the parity of
+each prefix counted as the number of ones modulo 2), never by the generator's own code, on
+every split, through the token cache and the data module."""
+
+import numpy as np
+import pytest
+
+from recdepth.config.schema import data_config
+from recdepth.data import tasks
+from recdepth.data.datamodule import TokenDataModule
+from tests.data.helpers import assert_splits_disjoint, symbols_of
+
+COUNTS = dict(train_records=40, test_records=16, validation_records=16, extrapolation_records=16)
+SPLITS = ("train", "validation", "test", "extrapolation")
+BIT = {"a": 0, "b": 1}  # the task's statement: ` a` is a 0, ` b` a 1
+
+
+def data_module(tmp_path) -> TokenDataModule:
+    data = {"source": "task", **COUNTS, "loss": "answers", "cache_dir": str(tmp_path / "cache"),
+            "task": {"name": "prefixsums", "size": [4, 20], "extrapolation": [21, 30]}}
+    dm = TokenDataModule(data_config(data), 64, 4, 6)
+    dm.setup()
+    return dm
+
+
+def split_arrays(dm: TokenDataModule, split: str):
+    if split == "train":
+        return np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels), np.asarray(dm.cache.train_targets)
+    first, n = dm.region(split)
+    return dm.heldout_tokens(n, first), dm.heldout_labels(n, first), dm.heldout_targets(n, first)
+
+
+def expected(syms: list[str]):
+    """From a stream's symbols alone: each position's in-place target (the parity of the
+    prefix ending at the bit before it, else None), its label (that prefix's length) and each
+    instance's bit count."""
+    want, labels, sizes, i = [None] * len(syms), [0] * len(syms), [], 0
+    while i < len(syms):
+        if syms[i] in BIT:
+            assert syms[i - 1] in ("<eot>", "\n"), "an instance starts after EOT or a newline"
+            j = i
+            while syms[j] in BIT:
+                j += 1
+            assert syms[j] == "=" and syms[j + 1] == "\n"
+            bits = [BIT[s] for s in syms[i:j]]
+            for k in range(len(bits)):
+                want[i + k + 1], labels[i + k + 1] = str(sum(bits[: k + 1]) % 2), k + 1
+            sizes.append(j - i)
+            i = j + 2
+        else:
+            assert syms[i] in ("<eot>", "\n"), syms[i]
+            i += 1
+    return want, labels, sizes
+
+
+def test_prefixsums_is_one_file_registered_by_its_folder():
+    t = tasks.lookup("prefixsums")()
+    assert t.name == "prefixsums" and (t.size, t.extrapolation) == ([8, 32], [33, 48])
+    assert t.in_place() and not t.one_per_record() and not t.has_step_targets()
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_prefixsums_records_agree_with_an_independent_running_parity(tmp_path, split):
+    dm = data_module(tmp_path)
+    toks, labs, scored = split_arrays(dm, split)
+    syms, scored_syms = symbols_of(dm.vocab, toks), symbols_of(dm.vocab, scored)
+    want, want_labels, sizes = expected(syms)
+    for p, w in enumerate(want):
+        assert scored_syms[p] == (syms[p] if w is None else w), p
+    assert labs.tolist() == want_labels
+    lo, hi = dm.data.task.sizes(split)
+    assert lo <= min(sizes) and max(sizes) <= hi and len(set(sizes)) > 1
+    assert int((labs > 0).sum()) == sum(sizes) and set(scored_syms) - set(syms) <= {"0", "1"}
+    ones = [s for s in syms if s in BIT]
+    assert 0.4 < ones.count("b") / len(ones) < 0.6  # uniform bits
+
+
+def test_prefixsums_splits_share_no_instance():
+    assert_splits_disjoint(tasks.lookup("prefixsums")(size=[3, 6], extrapolation=[7, 8]))
