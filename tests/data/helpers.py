@@ -25,3 +25,11 @@ def assert_splits_disjoint(small: tasks.Task) -> None:
     assert not (train & test) and not (train & val) and not (val & test)
     assert not (extra & (train | val | test))
     assert len(test) >= 3
+
+
+def in_place_split(dm, split: str):
+    """(tokens, labels, scored stream) of one split of a task with in-place targets, model ids."""
+    if split == "train":
+        return np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels), np.asarray(dm.cache.train_targets)
+    first, n = dm.region(split)
+    return dm.heldout_tokens(n, first), dm.heldout_labels(n, first), dm.heldout_targets(n, first)

@@ -21,7 +21,7 @@ from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tokenizer import EOT_ID, gpt2
-from tests.data.helpers import assert_splits_disjoint, symbols_of
+from tests.data.helpers import assert_splits_disjoint, in_place_split, symbols_of
 
 COUNTS = dict(train_records=48, test_records=24, validation_records=24, extrapolation_records=24)
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -52,14 +52,6 @@ def solve(pairs: list[str]) -> list[tuple[int, int]]:
         j = next((j for j in range(i - 1, -1, -1) if bits[j][0] == bits[j][1]), None)
         out.append(((total >> i) & 1, i + 1 if j is None else i - j))
     return out
-
-
-def split_arrays(dm: TokenDataModule, split: str):
-    """(tokens, labels, scored stream) of one split, model ids."""
-    if split == "train":
-        return np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels), np.asarray(dm.cache.train_targets)
-    first, n = dm.region(split)
-    return dm.heldout_tokens(n, first), dm.heldout_labels(n, first), dm.heldout_targets(n, first)
 
 
 def expected(syms: list[str]) -> tuple[list[str | None], list[int], list[int]]:
@@ -102,7 +94,7 @@ def test_carry_records_agree_with_an_independent_solver(tmp_path, split):
     scored stream holds each sum bit on the token after its pair, labelled with its
     difficulty, and equals the tokens everywhere else (label 0 there); sizes in range."""
     dm = data_module(tmp_path)
-    toks, labs, scored = split_arrays(dm, split)
+    toks, labs, scored = in_place_split(dm, split)
     assert toks.shape == labs.shape == scored.shape
     syms, scored_syms = symbols_of(dm.vocab, toks), symbols_of(dm.vocab, scored)
     want, want_labels, sizes = expected(syms)

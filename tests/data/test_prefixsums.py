@@ -4,13 +4,12 @@ here from the task's statement (the bits read back from the decoded tokens, the 
 each prefix counted as the number of ones modulo 2), never by the generator's own code, on
 every split, through the token cache and the data module."""
 
-import numpy as np
 import pytest
 
 from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
-from tests.data.helpers import assert_splits_disjoint, symbols_of
+from tests.data.helpers import assert_splits_disjoint, in_place_split, symbols_of
 
 COUNTS = dict(train_records=40, test_records=16, validation_records=16, extrapolation_records=16)
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -23,13 +22,6 @@ def data_module(tmp_path) -> TokenDataModule:
     dm = TokenDataModule(data_config(data), 64, 4, 6)
     dm.setup()
     return dm
-
-
-def split_arrays(dm: TokenDataModule, split: str):
-    if split == "train":
-        return np.asarray(dm.cache.train), np.asarray(dm.cache.train_labels), np.asarray(dm.cache.train_targets)
-    first, n = dm.region(split)
-    return dm.heldout_tokens(n, first), dm.heldout_labels(n, first), dm.heldout_targets(n, first)
 
 
 def expected(syms: list[str]):
@@ -64,7 +56,7 @@ def test_prefixsums_is_one_file_registered_by_its_folder():
 @pytest.mark.parametrize("split", SPLITS)
 def test_prefixsums_records_agree_with_an_independent_running_parity(tmp_path, split):
     dm = data_module(tmp_path)
-    toks, labs, scored = split_arrays(dm, split)
+    toks, labs, scored = in_place_split(dm, split)
     syms, scored_syms = symbols_of(dm.vocab, toks), symbols_of(dm.vocab, scored)
     want, want_labels, sizes = expected(syms)
     for p, w in enumerate(want):
