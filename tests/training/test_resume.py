@@ -155,16 +155,18 @@ def test_a_run_killed_before_its_first_and_after_its_last_checkpoint_reruns_in_p
     assert steps_of(train_dir) == [0, 4, 8, 12, 16]
 
 
-def test_a_checkpoint_that_does_not_belong_in_a_training_dir_is_refused(tmp_path, straight):
+def test_a_checkpoint_that_does_not_belong_in_a_training_dir_is_refused(tmp_path, tiny_ckpt, ckpt_env):
     """A training dir whose last.ckpt is junk, or was saved under another training config:
-    one line naming the file, before any work, and the file is left as it was."""
+    one line naming the file, before any work, and the file is left as it was. (The foreign
+    checkpoint is the session's tiny one with this run's training config, one field changed.)"""
+    import copy
+
     from hydra import compose, initialize_config_dir
 
     from recdepth.config.build import conf_dir
     from recdepth.train import train
     from recdepth.training.runs import TrainingRun
 
-    _, ref_dir = straight
     with initialize_config_dir(conf_dir(), version_base="1.3"):
         cfg = compose("config", overrides=[*ARGS, f"run_dir={tmp_path / 'job'}", f"runs_dir={tmp_path / 'runs'}"])
     ckpt = TrainingRun(cfg).ckpt
@@ -173,7 +175,8 @@ def test_a_checkpoint_that_does_not_belong_in_a_training_dir_is_refused(tmp_path
     with pytest.raises(ValueError, match=f"runs_dir: {ckpt} is not a readable recdepth checkpoint"):
         train(cfg)
     assert ckpt.read_bytes() == b"not a checkpoint"
-    other = torch.load(ref_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    other = torch.load(tiny_ckpt, map_location="cpu", weights_only=True)
+    other["training_config"] = copy.deepcopy(TrainingRun(cfg).training)
     other["training_config"]["model"]["n_embd"] = 64
     torch.save(other, ckpt)
     with pytest.raises(ValueError, match=r"was saved under a different training config \(model.n_embd: 64 -> 128\)"):
