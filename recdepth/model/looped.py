@@ -3,7 +3,8 @@
 Over 600 lines: the whole model is kept readable in one file, as nanoGPT's model.py is: the
 block's math (written once, for every path), the attention with its sliding window, the
 recurrence, the per-step objective's forward with the halting head's inputs (the losses
-themselves: recdepth/training/halting.py) and the FLOP count belong together.
+themselves: recdepth/training/halting.py), how each parameter starts (`INIT`) and the FLOP
+count belong together.
 
 A GPT-2-style decoder (learned absolute positions, tied embeddings, SiLU MLP, sandwich
 RMSNorm as in Huginn) in which some contiguous runs of layers — *recurrence groups* —

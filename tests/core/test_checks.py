@@ -48,10 +48,10 @@ def test_a_name_taken_by_another_class_is_a_one_line_error_and_the_same_class_ag
     reg: Registry[object] = Registry("exit.name", "exit rule")
 
     class First:
-        pass
+        """The class that names the entry first."""
 
     class Second:
-        pass
+        """Another class claiming the same name."""
 
     reg.register("mine", 1, First)
     reg.register("mine", 2, First)  # the same definition run again (a module re-imported): replaced

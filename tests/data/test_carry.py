@@ -21,7 +21,7 @@ from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
 from recdepth.data.tokenizer import EOT_ID, gpt2
-from tests.data.helpers import assert_splits_disjoint, in_place_split, symbols_of
+from tests.data.helpers import assert_splits_disjoint, in_place_expected, in_place_split, symbols_of
 
 COUNTS = dict(train_records=48, test_records=24, validation_records=24, extrapolation_records=24)
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -58,24 +58,7 @@ def expected(syms: list[str]) -> tuple[list[str | None], list[int], list[int]]:
     """From a stream's symbols alone: each position's in-place target (the sum bit "0"/"1"
     where the token is the one after a pair, else None: the token itself), its label, and
     each instance's bit count."""
-    want: list[str | None] = [None] * len(syms)
-    labels, sizes = [0] * len(syms), []
-    i = 0
-    while i < len(syms):
-        if syms[i] in PAIR:
-            assert syms[i - 1] in ("<eot>", "\n"), "an instance starts after EOT or a newline (no carry arrives)"
-            j = i
-            while syms[j] in PAIR:
-                j += 1
-            assert syms[j] == "=" and syms[j + 1] == "\n"
-            for k, (s, d) in enumerate(solve(syms[i:j])):
-                want[i + k + 1], labels[i + k + 1] = str(s), d  # the token after pair k carries s_k
-            sizes.append(j - i)
-            i = j + 2
-        else:
-            assert syms[i] in ("<eot>", "\n"), syms[i]
-            i += 1
-    return want, labels, sizes
+    return in_place_expected(syms, PAIR, solve)
 
 
 # ------------------------------------------------------------------ the task

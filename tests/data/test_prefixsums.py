@@ -9,7 +9,7 @@ import pytest
 from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
-from tests.data.helpers import assert_splits_disjoint, in_place_split, symbols_of
+from tests.data.helpers import assert_splits_disjoint, in_place_expected, in_place_split, symbols_of
 
 COUNTS = dict(train_records=40, test_records=16, validation_records=16, extrapolation_records=16)
 SPLITS = ("train", "validation", "test", "extrapolation")
@@ -24,27 +24,15 @@ def data_module(tmp_path) -> TokenDataModule:
     return dm
 
 
+def solve(run: list[str]) -> list[tuple[int, int]]:
+    """(parity of the prefix ending at bit k, its length k + 1) for every bit of a run."""
+    bits = [BIT[s] for s in run]
+    return [(sum(bits[: k + 1]) % 2, k + 1) for k in range(len(bits))]
+
+
 def expected(syms: list[str]):
-    """From a stream's symbols alone: each position's in-place target (the parity of the
-    prefix ending at the bit before it, else None), its label (that prefix's length) and each
-    instance's bit count."""
-    want, labels, sizes, i = [None] * len(syms), [0] * len(syms), [], 0
-    while i < len(syms):
-        if syms[i] in BIT:
-            assert syms[i - 1] in ("<eot>", "\n"), "an instance starts after EOT or a newline"
-            j = i
-            while syms[j] in BIT:
-                j += 1
-            assert syms[j] == "=" and syms[j + 1] == "\n"
-            bits = [BIT[s] for s in syms[i:j]]
-            for k in range(len(bits)):
-                want[i + k + 1], labels[i + k + 1] = str(sum(bits[: k + 1]) % 2), k + 1
-            sizes.append(j - i)
-            i = j + 2
-        else:
-            assert syms[i] in ("<eot>", "\n"), syms[i]
-            i += 1
-    return want, labels, sizes
+    """Each position's in-place target, its label and each instance's bit count, from the symbols alone."""
+    return in_place_expected(syms, BIT, solve)
 
 
 def test_prefixsums_is_one_file_registered_by_its_folder():
