@@ -64,7 +64,7 @@ from recdepth.app.calibration import (
 )
 from recdepth.app.jobs import decode_shared, for_model
 from recdepth.cli.runner import compose_job, hydra_main, job_dir, refuse, start_job, task
-from recdepth.config.frontier_grid import Setting, exit_line, settings
+from recdepth.config.frontier_grid import FRONTIER_FROM_CHECKPOINT, Setting, exit_line, settings
 from recdepth.config.schema import ReportConfig, TrainGateConfig, validated
 from recdepth.decode.scoring import model_cost
 from recdepth.evaluate import evaluate
@@ -158,6 +158,7 @@ def report(cfg: DictConfig) -> dict:
     plt.close(fig)
     result = {opened.kind: opened.source, "seconds": time.perf_counter() - t_start,
               "splits": {k: list(v) for k, v in sp.items()}, "ce_ref_calibration": ce_ref,
+              "grid_from": {k: "checkpoint" if k in r.from_checkpoint else "command" for k in FRONTIER_FROM_CHECKPOINT},
               "winners": table["winners"], "rows": table["rows"]}
     write_json(out / "report.json", result)
     log.info("report: %s (%.0f s)", out / "report.md", result["seconds"])

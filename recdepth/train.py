@@ -32,7 +32,7 @@ from recdepth.app.checkpoints import start_from
 from recdepth.app.jobs import evaluate_trained
 from recdepth.cli.runner import hydra_main, refuse, start_job, task
 from recdepth.cli.runner import job_dir as cli_job_dir
-from recdepth.config import build as config
+from recdepth.config import build
 from recdepth.config.groups import EVAL_FROM_CHECKPOINT
 from recdepth.config.schema import TrainConfig, validated
 from recdepth.core.runtime import tune_cpu_allocator
@@ -49,11 +49,11 @@ def train(cfg: DictConfig) -> dict:
     job_dir = cli_job_dir(cfg, "train")
     typed = validated(cfg)  # every field, before any work (recdepth/config/schema.py)
     distributed.check_launch(typed.trainer.strategy)  # and how this process was started
-    policy = config.exit_policy(typed)
+    policy = build.exit_policy(typed)
     run = TrainingRun(cfg)
     if distributed.is_worker():  # a DDP rank > 0: rank 0 decided everything and writes everything
         return fit(typed, run, job_dir, run.resume_step(typed.trainer.max_steps),
-                   config.loggers(cfg, run.dir, job_dir.name))
+                   build.loggers(cfg, run.dir, job_dir.name))
     refuse(job_dir, "metrics.json")
     job_dir.mkdir(parents=True, exist_ok=True)
     lg: list = []
@@ -68,15 +68,15 @@ def train(cfg: DictConfig) -> dict:
                              run.identity, run.dir)
                     metrics = {**metrics, "reused": True, "model": cfg.model.name}
                 else:
-                    lg = config.loggers(cfg, run.dir, name=job_dir.name)
+                    lg = build.loggers(cfg, run.dir, name=job_dir.name)
                     metrics = fit(typed, run, job_dir, run.resume_step(typed.trainer.max_steps), lg)
             metrics["train_dir"] = str(run.dir)
             if cfg.eval.tokens > 0:  # outside the identity lock: jobs of one identity evaluate side by side
                 metrics["eval"] = evaluate_trained(run.ckpt, cfg, policy, job_dir)
             write_json(job_dir / "metrics.json", metrics)
-            config.finish_loggers(lg, metrics, step=metrics["steps"])
+            build.finish_loggers(lg, metrics, step=metrics["steps"])
     finally:
-        config.finish_loggers(lg)
+        build.finish_loggers(lg)
     log.info("val_ce %.4f (unigram %.4f), run dir %s, training dir %s", metrics["val_ce"], metrics["unigram_ce"],
              job_dir, run.dir)
     return metrics
@@ -88,11 +88,11 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
     metrics (rank 0) or {} (other ranks)."""
     tune_cpu_allocator()
     L.seed_everything(cfg.seed, workers=True)
-    dm = config.data_module(cfg, block_size=cfg.model.shape()["block_size"])
+    dm = build.data_module(cfg, block_size=cfg.model.shape()["block_size"])
     dm.prepare_data()
     dm.setup()
-    mcfg = config.model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)  # the vocabulary is the data's
-    module = LoopedLM(model=mcfg.to_dict(), sampler=config.sampler_args(cfg), optim=dataclasses.asdict(cfg.optim),
+    mcfg = build.model_config(cfg, vocab_size=dm.vocab_size, n_other=dm.n_other)  # the vocabulary is the data's
+    module = LoopedLM(model=mcfg.to_dict(), sampler=build.sampler_args(cfg), optim=dataclasses.asdict(cfg.optim),
                       max_steps=cfg.trainer.max_steps, seed=cfg.seed, peak_flops=cfg.trainer.peak_flops,
                       loss=dataclasses.asdict(cfg.loss), halt=dataclasses.asdict(cfg.halt))
     if cfg.halt.init_from and resume_step is None:  # a halting head on a trained model (halt.init_from)
@@ -101,6 +101,7 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
     module.training_config = run.training
     if cfg.data.source == "task":  # a task checkpoint evaluates itself (its experiment's eval settings)
         module.eval_config = {k: getattr(cfg.eval, k) for k in EVAL_FROM_CHECKPOINT}
+        module.frontier_config = cfg.frontier.carried()
     if mcfg.logit_bias:
         module.model.init_logit_bias(torch.as_tensor(dm.unigram_log_prior()))
     if dm.id_map is not None:
@@ -114,7 +115,7 @@ def fit(cfg: TrainConfig, run: TrainingRun, job_dir: Path, resume_step: int | No
     callbacks = [ModelCheckpoint(dirpath=str(run.ckpt.parent), save_last=True, save_top_k=0,
                                  every_n_train_steps=t.checkpoint_every, enable_version_counter=False),
                  LearningRateMonitor(logging_interval="step")]
-    dyn = config.loop_dynamics_callback(cfg, run.dir, dm, mcfg)
+    dyn = build.loop_dynamics_callback(cfg, run.dir, dm, mcfg)
     if dyn is not None:
         callbacks.append(dyn)
     for row in curves:  # the CSV logger starts its file afresh

@@ -19,7 +19,7 @@ from tests.helpers import SMALL, run
 def roots_run(env, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("roots")
     rd = tmp / "job"
-    run([*SMALL, "trainer.max_steps=4", f"run_dir={rd}"], cwd=tmp, env=env)
+    run([*SMALL, "trainer.max_steps=4", "frontier.fixed=[1,3]", f"run_dir={rd}"], cwd=tmp, env=env)
     return tmp, rd
 
 
@@ -37,21 +37,28 @@ def test_debug_roots_trains_with_per_step_targets_and_evaluates_by_difficulty(ro
 
 @pytest.mark.parametrize("cache", ["per_step", pytest.param("latest", marks=pytest.mark.slow)])
 def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
-    """One frontier sweep per cache (latest in make test-slow: default-suite time)."""
+    """One frontier sweep per cache (latest in make test-slow: default-suite time). per_step:
+    the checkpoint's own cache and frontier grid (fixed [1, 3], no warm-start copy: the
+    run's `frontier:`); latest: the command's cache and grid ([1, 2], warm start off)."""
     tmp, rd = roots_run
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
     sweep = tmp / f"frontier_{cache}"
+    own = cache == "per_step"
     q = subprocess.run(
         [sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
          f"hydra.sweep.dir={sweep}", "eval.latency_tokens=0", "eval.context_steps=3",
-         *([] if cache == "per_step" else [f"eval.cache={cache}"]),  # per_step: the checkpoint's own
-         "hydra.sweeper.fixed=[1,3]", "hydra.sweeper.rules.kl=[0.01]",
-         "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]", "hydra.sweeper.oracle=[0.01]",
-         "hydra.sweeper.warm_start=false", "exit.max_steps=3"],
+         *([] if own else [f"eval.cache={cache}", "hydra.sweeper.fixed=[1,2]", "hydra.sweeper.warm_start=false"]),
+         "hydra.sweeper.rules.kl=[0.01]", "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]",
+         "hydra.sweeper.oracle=[0.01]", "exit.max_steps=3"],
         cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert q.returncode == 0, q.stderr[-3000:]
     jobs = list(csv.DictReader(open(sweep / "sweep_results.csv")))
     assert len(jobs) == 4 and all(r["status"] == "ok" for r in jobs)
+    grid = [1, 3] if own else [1, 2]
+    assert sorted(int(json.loads((sweep / str(j) / "metrics.json").read_text())["eval"]["max_steps"])
+                  for j in range(2)) == grid  # the two fixed jobs; no warm-start copies
+    assert json.loads((sweep / "grid.json").read_text()) == {str(ckpt): {
+        "fixed": grid, "warm_start": False, "from": dict.fromkeys(("fixed", "warm_start"), "checkpoint" if own else "command")}}
     # the checkpoint's own eval.tokens (SMALL's 288) and cache where the command line set none;
     # the jobs decoded side by side all the same (the sweep's shared decode took them)
     for j in range(4):
@@ -66,7 +73,7 @@ def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
     assert {r["exit"] for r in diff} == {"fixed", "kl", "oracle"}
     assert (sweep / "frontier_accuracy.csv").is_file()
     best = list(csv.DictReader(open(sweep / "best_fixed.csv")))  # each rule against the best fixed depth
-    assert sorted(r["rule"].split()[0] for r in best) == ["kl", "oracle"] and {r["best_fixed_n"] for r in best} <= {"1", "3"}
+    assert sorted(r["rule"].split()[0] for r in best) == ["kl", "oracle"] and {int(r["best_fixed_n"]) for r in best} <= set(grid)
     # the fixed n = 1 job's answers each cost prelude + 1 application + coda = 3 layer applications
     one = next(r for r in diff if r["exit"] == "fixed" and r["max_steps"] == "1")
     assert float(one["layer_applications"]) == pytest.approx(3.0)
@@ -92,6 +99,25 @@ def test_a_task_checkpoint_evaluates_with_its_experiments_settings(roots_run, en
     assert mine["cache"] == "latest" and mine["settings_from"] == {"tokens": "command", "context_steps": "checkpoint",
                                                                    "cache": "command"}
     assert "tokens: 96" in (tmp / "mine" / "config.yaml").read_text()
+
+
+def test_a_task_checkpoint_gives_the_report_its_grid(roots_run):
+    """recdepth report on a task checkpoint takes the grid its experiment chose (the run's
+    `frontier.fixed=[1,3]` and roots' warm_start false) where the command line sets none."""
+    from recdepth.cli.runner import checkpoint_eval, compose_job
+
+    _, rd = roots_run
+    ckpt = rd / "train" / "checkpoints" / "last.ckpt"
+    for given, fixed, taken in (([], [1, 3], ["fixed", "warm_start"]),
+                                (["report.fixed=[2,4]", "report.warm_start=true"], [2, 4], [])):
+        overrides = [f"ckpt={ckpt}", *given]
+        cfg = compose_job("report", overrides)
+        before = (list(cfg.report.fixed), cfg.report.warm_start)
+        assert before[0] == ([2, 4] if given else [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])  # the command's grid...
+        got = checkpoint_eval(cfg, overrides)
+        assert list(cfg.report.fixed) == fixed and cfg.report.warm_start is (not taken)  # ...the checkpoint's where taken
+        assert list(cfg.report.from_checkpoint) == taken
+        assert got == ["eval.cache", "eval.context_steps", "eval.tokens", *(f"report.{k}" for k in taken)]
 
 
 def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):

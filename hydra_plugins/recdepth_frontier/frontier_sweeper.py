@@ -28,13 +28,18 @@ directory and files from those results, which equal its decoding alone. 0 decode
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import open_dict
 
-from recdepth.config.frontier_grid import WARM, FrontierSweeperConf, exit_line, settings
+from recdepth.config.frontier_grid import FRONTIER_FROM_CHECKPOINT, WARM, FrontierSweeperConf, exit_line, settings
+
+log = logging.getLogger("recdepth.frontier")
 
 
 class FrontierSweeper(BasicSweeper):
@@ -50,14 +55,37 @@ class FrontierSweeper(BasicSweeper):
                                    gate_tau=list(gate_tau or []), warm_start=warm_start, shared_rows=shared_rows)
         self.grid = grid
         self.shared_rows = shared_rows
+        self.used: dict[str, dict] = {}  # the grid on each checkpoint of the sweep (`grid_for`)
+
+    def grid_for(self, ckpt: str | None) -> FrontierSweeperConf:
+        """The grid on checkpoint `ckpt`: `hydra.sweeper.*`, with the grid keys a task
+        checkpoint carries (its experiment's `frontier:` block, `FRONTIER_FROM_CHECKPOINT`)
+        where the command line set none. The sweep directory's grid.json holds it per
+        checkpoint, each key with where it came from."""
+        from recdepth.app.checkpoints import eval_defaults
+        from recdepth.training.runs import write_json
+
+        given = {_key(o) for o in self.config.hydra.overrides.hydra}
+        carried = eval_defaults(ckpt)["frontier"] if ckpt else {}
+        mine = {k: v for k, v in carried.items() if k in FRONTIER_FROM_CHECKPOINT and f"hydra.sweeper.{k}" not in given}
+        grid = dataclasses.replace(self.grid, **mine)  # validated again (FrontierGrid.__post_init__)
+        if mine:
+            log.info("frontier grid from the checkpoint: %s", ", ".join(f"{k}={v}" for k, v in mine.items()))
+        self.used[str(ckpt)] = {"fixed": grid.fixed, "warm_start": grid.warm_start,
+                                "from": {k: "checkpoint" if k in mine else "command" for k in FRONTIER_FROM_CHECKPOINT}}
+        out = Path(self.config.hydra.sweep.dir)
+        out.mkdir(parents=True, exist_ok=True)
+        write_json(out / "grid.json", self.used)  # one entry per checkpoint of the sweep
+        return grid
 
     def jobs(self, user: Sequence[str]) -> list[list[str]]:
-        """The frontier's jobs under the user's overrides `user`: exit=halt only where its
-        checkpoint (ckpt=) has a halting head."""
+        """The frontier's jobs under the user's overrides `user`: the grid on its checkpoint
+        (ckpt=, `grid_for`), exit=halt only where that checkpoint has a halting head."""
         from recdepth.app.checkpoints import has_halting_head
 
         ckpt = next((o.split("=", 1)[1] for o in user if _key(o) == "ckpt"), None)
-        return [exit_line(s) for s in settings(self.grid, head=ckpt is not None and has_halting_head(ckpt))]
+        grid = self.grid_for(ckpt)
+        return [exit_line(s) for s in settings(grid, head=ckpt is not None and has_halting_head(ckpt))]
 
     def validate_batch_is_legal(self, batch) -> None:
         """Hydra's check that every job composes, then (basic launcher, shared_rows > 0) the

@@ -105,15 +105,17 @@ def start_from(module: LoopedLM, path: str | Path) -> None:
                          f"({'missing ' + missing[0] if missing else 'unexpected ' + unexpected[0]})")
 
 
-def eval_defaults(path: str | Path) -> dict:
-    """The evaluation settings a task checkpoint carries (`eval_config`: its experiment's
-    eval.tokens, context_steps and cache); {} for a checkpoint without them (not a task's,
-    from before they travelled) or anything unreadable (the job then says why)."""
+def eval_defaults(path: str | Path) -> dict[str, dict]:
+    """The settings a task checkpoint carries for its evaluation: {"eval": its experiment's
+    eval.tokens, context_steps and cache (`eval_config`), "frontier": the frontier grid its
+    experiment chose (`frontier_config`: fixed, warm_start)}; empty blocks for a checkpoint
+    without them (not a task's, from before they travelled) or anything unreadable (the job
+    then says why)."""
     try:
         ckpt = torch.load(Path(path), map_location="cpu", weights_only=True, mmap=True)
-        return dict(ckpt.get("eval_config") or {})
+        return {"eval": dict(ckpt.get("eval_config") or {}), "frontier": dict(ckpt.get("frontier_config") or {})}
     except Exception:
-        return {}
+        return {"eval": {}, "frontier": {}}
 
 
 def has_halting_head(path: str | Path) -> bool:

@@ -12,7 +12,7 @@ dict`, that starts with `job_dir`, `refuse` and `start_job`, and is made a comma
     start_job(run_dir, cfg)   the directory and its config.yaml (the resolved config)
     compose_job(name, overrides)  conf/<name>.yaml composed with overrides, as its command
                           line would (a command that runs another's jobs: the report)
-    checkpoint_eval(cfg, overrides)  a task checkpoint's own eval settings where the command
+    checkpoint_eval(cfg, overrides)  a task checkpoint's own eval settings (and report grid) where the command
                           line sets none (every command's job does this before it starts)
     run_hydra_main(main)  call a @hydra.main function: `--multirun` may stand anywhere
                           among the overrides (`hoist_mode_flags`), a config OmegaConf
@@ -90,22 +90,31 @@ def override_key(override: str) -> str:
 
 
 def checkpoint_eval(cfg: DictConfig, overrides: list[str]) -> list[str]:
-    """A task checkpoint evaluates itself: the eval settings its experiment chose, carried by
-    `ckpt=` (`checkpoints.eval_defaults`, the keys `EVAL_FROM_CHECKPOINT`), become cfg.eval's
-    (in place) where `overrides`, the command line, sets none; cfg.eval.from_checkpoint lists
-    the keys taken, which a job's metrics.json reports. Returns them. Nothing for hf= or a
-    checkpoint that carries none (its evaluation keeps the command's defaults)."""
-    ckpt, block = OmegaConf.select(cfg, "ckpt"), OmegaConf.select(cfg, "eval")
-    if not ckpt or block is None or "from_checkpoint" not in block:
+    """A task checkpoint evaluates itself: the settings its experiment chose, carried by `ckpt=`
+    (`checkpoints.eval_defaults`), become the command's (in place) where `overrides`, the
+    command line, sets none: the eval keys `EVAL_FROM_CHECKPOINT` in cfg.eval and, for
+    recdepth.report, the grid keys `FRONTIER_FROM_CHECKPOINT` in cfg.report. Each block's
+    `from_checkpoint` lists the keys taken (a job's metrics.json and report.json report them).
+    Returns the dotted keys taken. Nothing for hf= or a checkpoint that carries none (the
+    command's defaults stay)."""
+    ckpt = OmegaConf.select(cfg, "ckpt")
+    if not ckpt:
         return []
     from recdepth.app.checkpoints import eval_defaults
 
     given = {override_key(o) for o in overrides}
-    carried = {k: v for k, v in eval_defaults(ckpt).items() if k in block and f"eval.{k}" not in given}
-    for k, v in carried.items():
-        block[k] = v
-    block.from_checkpoint = sorted(carried)
-    return sorted(carried)
+    carried = eval_defaults(ckpt)
+    taken = []
+    for name, values in (("eval", carried["eval"]), ("report", carried["frontier"])):
+        block = OmegaConf.select(cfg, name)
+        if block is None or "from_checkpoint" not in block:
+            continue
+        mine = {k: v for k, v in values.items() if k in block and f"{name}.{k}" not in given}
+        for k, v in mine.items():
+            block[k] = v
+        block.from_checkpoint = sorted(mine)
+        taken += [f"{name}.{k}" for k in sorted(mine)]
+    return taken
 
 
 def compose_job(config_name: str, overrides: list[str]) -> DictConfig:

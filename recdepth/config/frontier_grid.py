@@ -7,6 +7,8 @@ score one: `make frontier` (the Hydra sweeper, its grid under `hydra.sweeper.*`)
                         warm start; the defaults of `make frontier`
     FrontierSweeperConf hydra/sweeper=frontier: the grid and the sweeper's own keys
                         (registered in Hydra's ConfigStore by recdepth/config/schema.py)
+    FrontierChoice      `frontier` of a training run: the fixed grid a task's experiment
+                        chooses; its checkpoints carry it (`FRONTIER_FROM_CHECKPOINT`)
     settings(grid)      the grid as settings, in order: fixed, fixed (warm start), rules,
                         argmax_stability, gate, oracle
     exit_line(setting)  a setting's command-line overrides of recdepth.evaluate
@@ -23,6 +25,18 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 WARM = "eval.warm_start=true"
+
+# The grid keys a task's checkpoint carries (its experiment's `frontier:` block) and `make
+# frontier` and `recdepth report` take as their defaults on it; a value on the command line wins
+# (the sweeper; recdepth.cli.runner.checkpoint_eval for the report).
+FRONTIER_FROM_CHECKPOINT = ("fixed", "warm_start")
+
+
+def check_fixed(where: str, fixed) -> None:
+    """A fixed-depth grid: at least two distinct depths, integers >= 1 (one line naming `where`)."""
+    bad = [n for n in fixed if isinstance(n, bool) or not isinstance(n, int) or n < 1]
+    if bad or len(set(fixed)) < 2:
+        raise ValueError(f"{where}: expected at least two depths, integers >= 1 (the frontier), got {list(fixed)!r}")
 
 
 def _rules_grid() -> dict[str, list[float]]:
@@ -68,10 +82,7 @@ class FrontierGrid:
         from recdepth import exits
 
         w = self.where
-        bad = [n for n in self.fixed if isinstance(n, bool) or not isinstance(n, int) or n < 1]
-        if bad or len(set(self.fixed)) < 2:
-            raise ValueError(f"{w}.fixed: expected at least two depths, integers >= 1 (the frontier), "
-                             f"got {list(self.fixed)!r}")
+        check_fixed(f"{w}.fixed", self.fixed)
         if not isinstance(self.warm_start, bool):
             raise ValueError(f"{w}.warm_start: expected true or false, got {self.warm_start!r}")
         for rule, taus in self.rules.items():
@@ -111,6 +122,29 @@ class FrontierSweeperConf(FrontierGrid):
         super().check()
         if isinstance(self.shared_rows, bool) or not isinstance(self.shared_rows, int) or self.shared_rows < 0:
             raise ValueError(f"hydra.sweeper.shared_rows: expected an integer >= 0 (0: job by job), got {self.shared_rows!r}")
+
+
+@dataclass
+class FrontierChoice:
+    """`frontier` of a training run: the frontier grid a task's experiment chooses for its
+    checkpoints (conf/experiment/roots.yaml). A task checkpoint carries the values set here
+    (`FRONTIER_FROM_CHECKPOINT`), and `make frontier` and `recdepth report` on it take them
+    where the command line sets none; null leaves the command's own default."""
+
+    fixed: list[int] | None = None
+    """The fixed depths of the frontier (at least two, each >= 1); null: the command's grid."""
+    warm_start: bool | None = None
+    """Whether the fixed grid is drawn again under warm start; null: the command's default."""
+
+    def __post_init__(self):
+        if self.fixed is not None:
+            check_fixed("frontier.fixed", self.fixed)
+        if self.warm_start is not None and not isinstance(self.warm_start, bool):
+            raise ValueError(f"frontier.warm_start: expected true, false or null, got {self.warm_start!r}")
+
+    def carried(self) -> dict:
+        """The values a checkpoint carries: those set (not null)."""
+        return {k: v for k in FRONTIER_FROM_CHECKPOINT if (v := getattr(self, k)) is not None}
 
 
 @dataclass(frozen=True)

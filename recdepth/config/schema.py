@@ -42,7 +42,7 @@ from omegaconf.errors import (
 )
 
 from recdepth import exits
-from recdepth.config.frontier_grid import FrontierGrid, FrontierSweeperConf
+from recdepth.config.frontier_grid import FrontierChoice, FrontierGrid, FrontierSweeperConf
 from recdepth.config.groups import (
     CALIBRATION_METHODS,
     DataConfig,
@@ -94,6 +94,9 @@ class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    frontier: FrontierChoice = field(default_factory=FrontierChoice)
+    """The exit frontier's grid a task's checkpoints carry (`make frontier`, `recdepth report` on
+    them); null fields: those commands' own defaults."""
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     callbacks: CallbacksConfig = field(default_factory=CallbacksConfig)
     run_dir: str = "${hydra:runtime.output_dir}"
@@ -350,6 +353,9 @@ class ReportSettings(FrontierGrid):
     default grouped model: 8 layers outside the loops + 4 × (1 + 2 + 1))."""
     gate: str | None = None
     """A gate.pt of recdepth.train_gate; null trains one on the train split (`gate` settings)."""
+    from_checkpoint: list[str] = field(default_factory=list)
+    """Set by the command, not by you: the grid keys it took from a task checkpoint
+    (`frontier_grid.FRONTIER_FROM_CHECKPOINT`, where the command line set none)."""
 
     where: ClassVar[str] = "report"
 
@@ -409,7 +415,7 @@ class GenerateConfig(ModelJob):
     max_new_tokens: int = 64
     """Tokens to generate (>= 1); fewer if the model's block_size comes first."""
     eval: DecodeConfig = field(default_factory=DecodeConfig)
-    """How tokens are decoded (eval.cache, eval.warm_start, eval.step: the knobs of every
+    """How tokens are decoded (eval.cache, eval.warm_start, eval.backend: the knobs of every
     command's eval block). eval.warm_start is greedy only: a parallel verify pass cannot know
     the previous token's final state."""
     exit: ExitConfig = field(default_factory=ExitConfig)

@@ -82,6 +82,8 @@ class LoopedLM(L.LightningModule):
         # a task run's evaluation settings (set by train.py): the defaults of the evaluation
         # commands on this checkpoint (recdepth.config.groups.EVAL_FROM_CHECKPOINT)
         self.eval_config: dict | None = None
+        # and the frontier grid its experiment chose (recdepth.config.frontier_grid.FrontierChoice)
+        self.frontier_config: dict | None = None
         # Initial-state noise of training passes: its own generator (created on the
         # training device in on_train_start), so the stream a resumed run continues is
         # exactly the one it saved, whatever else used the global RNG in between.
@@ -230,6 +232,8 @@ class LoopedLM(L.LightningModule):
             checkpoint["training_config"] = self.training_config
         if self.eval_config is not None:
             checkpoint["eval_config"] = self.eval_config
+        if self.frontier_config:
+            checkpoint["frontier_config"] = self.frontier_config
 
     def on_load_checkpoint(self, checkpoint):
         if "loop_sampler" in checkpoint:
