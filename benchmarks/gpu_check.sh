@@ -6,7 +6,7 @@
 #      truncated backprop 8) trains STEPS steps in bf16 on the shipped corpus, eagerly and
 #      (last) under trainer.compile=true: step time, tokens/s and MFU from its CSV log, the
 #      loss; the eval block after training decodes on the GPU.
-#   2. That checkpoint scored by `recdepth evaluate` under exit=accel on the GPU (eval.step
+#   2. That checkpoint scored by `recdepth evaluate` under exit=accel on the GPU (eval.backend
 #      lean and compiled) and on the CPU (lean): CE, applications and ms/token side by side
 #      (equal up to float rounding: a criterion within rounding of tau may move a token).
 #   3. `recdepth bench decode --device cuda`: ms per layer application, module / lean /
@@ -57,11 +57,11 @@ ckpt=$(grep -h "training dir" "$WORK/train_eager/train.log" | sed 's/.*training 
 echo "== checkpoint $ckpt"
 for run in "$DEVICE lean on_device_lean" "$DEVICE compiled on_device_compiled" "cpu lean on_cpu_lean"; do
   set -- $run
-  echo "== evaluate on $1, eval.step=$2"
+  echo "== evaluate on $1, eval.backend=$2"
   start=$(date +%s)
-  timeout 240 $PY -m recdepth evaluate ckpt="$ckpt" device="$1" exit=accel eval.step="$2" eval.tokens="$EVAL" \
+  timeout 240 $PY -m recdepth evaluate ckpt="$ckpt" device="$1" exit=accel eval.backend="$2" eval.tokens="$EVAL" \
     eval.latency_tokens=64 eval.repeats=1 hydra.run.dir="$WORK/eval_$3"
-  echo "== evaluate on $1, eval.step=$2: exit $? after $(( $(date +%s) - start )) s"
+  echo "== evaluate on $1, eval.backend=$2: exit $? after $(( $(date +%s) - start )) s"
   cp "$WORK/eval_$3/metrics.json" "$OUT/eval_$3.json"
 done
 
@@ -87,6 +87,6 @@ for f in sorted(out.glob("*.json")):
             row[key] = statistics.median(v[len(v) // 2:]) if v else None
     ev = m.get("eval") or {}
     row.update({f"eval.{k}": ev.get(k) for k in ("ce", "applications_per_token", "ms_per_token", "tokens_per_s",
-                                                  "batch_check", "step") if k in ev})
+                                                  "batch_check", "backend") if k in ev})
     print(f.stem, json.dumps(row))
 EOF

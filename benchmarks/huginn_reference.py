@@ -12,7 +12,7 @@ and loaded twice: by Huginn's `RavenForCausalLM` (`raven_modeling_minimal.py`, v
 `trust_remote_code`) and by `recdepth.integrations.hf.load_hf`. Both generate greedily from a
 one-token prompt at 32 recurrence steps, batch 1, float32: Huginn's `generate_minimal`
 (its dynamic per-step cache) against `recdepth.decode.generation.greedy` under `exit=fixed`
-with each `eval.step` and cache sharing. Rounds are interleaved; each prints the median
+with each `eval.backend` and cache sharing. Rounds are interleaved; each prints the median
 ms per generated token, its range, the ratio to Huginn's median, and how many generated
 tokens equal Huginn's (the mapping check: all of them, for every row). Transformers 4.46
 and 4.51 fail on this version of the reference code, 4.54 too; 4.53.3 runs it.
@@ -71,7 +71,7 @@ def run_huginn():
 
 def run_ours(step, cache):
     with torch.no_grad():
-        g = greedy(ours, prompt[0].tolist(), policy, NEW, DecodeSettings(cache=cache, step=step))
+        g = greedy(ours, prompt[0].tolist(), policy, NEW, DecodeSettings(cache=cache, backend=step))
     return 1000 * g.seconds / NEW, g.ids
 
 

@@ -1,7 +1,7 @@
 """Two versions of the lean decode step side by side: ms per layer application of the
 eager lean step, the other version's compiled step and this checkout's compiled step, in
 interleaved rounds in one process (`recdepth.benchmarks.decode.layer_seconds`, the way `recdepth
-bench decode` times the three `eval.step`s), on fresh models of the default and paper
+bench decode` times the three `eval.backend`s), on fresh models of the default and paper
 shapes (untrained: the cost does not depend on the weights).
 
     git show <commit>:recdepth/decode/lean_step.py > /tmp/lean_step_other.py
@@ -41,9 +41,9 @@ for size, batches in (("cpu", (1, 16)), ("paper", (1,))):
 
     def use(m, k, v=variants):
         """Decode with variant k: the lean step `engine.lean_steps` hands out (the model's
-        `_lean_steps`, its built steps by `eval.step`) is that variant."""
+        `_lean_steps`, its built steps by `eval.backend`) is that variant."""
         m._lean_steps = {"lean": v[k]}
-        return DecodeSettings(step="lean")
+        return DecodeSettings(backend="lean")
 
     for B in batches:
         with torch.no_grad():

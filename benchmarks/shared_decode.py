@@ -37,7 +37,7 @@ def main(argv: list[str]) -> None:
     policies += [build(r, t, max_steps=32) for r, ts in rules.items() for t in ts]
     model = module.model.eval()
     t0 = time.perf_counter()
-    recs, _ = decode_policies(model, tokens, policies, n, DecodeSettings(step="lean", seed=1337, batch_size=rows))
+    recs, _ = decode_policies(model, tokens, policies, n, DecodeSettings(backend="lean", seed=1337, batch_size=rows))
     seconds = time.perf_counter() - t0
     digest = hashlib.md5(b"".join(np.ascontiguousarray(r["nll"]).tobytes() + np.ascontiguousarray(r["apps"]).tobytes()
                                   for r in recs)).hexdigest()

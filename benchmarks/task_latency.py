@@ -2,7 +2,7 @@
 token's ms split into the answers and the context, in interleaved rounds in one process.
 
     OMP_NUM_THREADS=2 python benchmarks/task_latency.py <ckpt> [--rules fixed:8 kl:0.01]
-        [--tokens 480] [--step compiled] [--cache per_step] [--context-steps 32] [--rounds 3] [--profile]
+        [--tokens 480] [--backend compiled] [--cache per_step] [--context-steps 32] [--rounds 3] [--profile]
 
 Each rule is `scoring.time_tokens` over the first `--tokens` held-out tokens of the test
 split (whole windows, as `recdepth.evaluate` times them), warmed up first (graphs built,
@@ -45,7 +45,7 @@ def main() -> None:
     ap.add_argument("ckpt")
     ap.add_argument("--rules", nargs="+", default=["fixed:8", "kl:0.01"])
     ap.add_argument("--tokens", type=int, default=480)
-    ap.add_argument("--step", default="compiled")
+    ap.add_argument("--backend", default="compiled")
     ap.add_argument("--cache", default="per_step")
     ap.add_argument("--context-steps", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
@@ -60,7 +60,7 @@ def main() -> None:
     tokens = torch.as_tensor(dm.heldout_tokens(n + 1, 0))
     labels, targets = dm.heldout_labels(n + 1, 0), dm.heldout_targets(n + 1, 0)
     answer = np.asarray(labels)[1 : n + 1] > 0
-    settings = DecodeSettings(cache=args.cache, step=args.step, context_steps=args.context_steps, warmup_tokens=8,
+    settings = DecodeSettings(cache=args.cache, backend=args.backend, context_steps=args.context_steps, warmup_tokens=8,
                               seed=args.seed)
     policies = {spec: policy(spec, model) for spec in args.rules}
     first = {spec: time_tokens(model, tokens, p, n, settings, labels=labels, targets=targets)
@@ -79,7 +79,7 @@ def main() -> None:
             if not (apps == first[spec][2]).all():
                 raise SystemExit(f"{spec}: applications changed between rounds")
             times[spec].append(ms)
-    print(f"# {args.ckpt}: {n} tokens ({int(answer.sum())} answers), step {args.step}, cache {args.cache}, "
+    print(f"# {args.ckpt}: {n} tokens ({int(answer.sum())} answers), backend {args.backend}, cache {args.cache}, "
           f"context_steps {args.context_steps}, {args.rounds} rounds, threads={torch.get_num_threads()}")
     print(f"{'rule':>20s} {'ms/token':>9s} {'ms/answer':>10s} {'ms/context':>11s}  applications per answer")
     for spec, runs in times.items():

@@ -40,7 +40,7 @@ kl and accel at four τ each) on the test split twice in one run: setting by set
 `--rows` rows a batch); prints the wall times, their ratio and how far the records differ.
 
 `python -m recdepth.bench decode [--ckpt PATH]` times one layer application of token-by-token
-decoding per `eval.step` (module, lean, compiled) at batch 1 and 16, for the default and the
+decoding per `eval.backend` (module, lean, compiled) at batch 1 and 16, for the default and the
 paper shape, beside its arithmetic lower bound (recdepth/benchmarks/decode.py).
 
 `python -m recdepth.bench oracle [--ckpt PATH]` times the oracle (SPEC §4b) with its first

@@ -98,7 +98,7 @@ def generate(cfg: DictConfig) -> dict:
     device = resolve_device(run.device)
     loaded = load_model(run, device)
     model = loaded.model
-    settings = run.eval.settings(seed=run.seed)  # how each token is decoded (eval.cache, warm_start, step)
+    settings = run.eval.settings(seed=run.seed)  # how each token is decoded (eval.cache, warm_start, backend)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     policy = policy.resolve(has_coda(model), hf=loaded.info["source"] == "hf")  # exit.decode, kl_direction: auto
     ids, prompt_text = prompt_of(run, loaded)
@@ -133,7 +133,7 @@ def generate(cfg: DictConfig) -> dict:
         "ids_gpt2": gpt2_ids, "tokens": len(gen.ids), "stopped": gen.stopped,
         "model": loaded.info, "device": str(device), "dtype": str(next(model.parameters()).dtype),
         "settings": {"exit": _exit_settings(policy), "cache": run.eval.cache, "warm_start": run.eval.warm_start,
-                     "step": run.eval.step, "seed": run.seed,
+                     "backend": run.eval.backend, "seed": run.seed,
                      "max_new_tokens": run.max_new_tokens,
                      "speculative": None if s.draft_steps is None else
                      {"draft_steps": s.draft_steps, "lookahead": s.lookahead}},

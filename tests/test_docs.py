@@ -116,8 +116,8 @@ def results_pages() -> list[Path]:
     [
         ("§4b Baselines and statistics for exit comparisons", "4b-baselines-and-statistics-for-exit-comparisons"),
         (
-            "The compiled batch-1 step: fused products, attention spans, `eval.latency_step` (issue 23)",
-            "the-compiled-batch-1-step-fused-products-attention-spans-evallatency_step-issue-23",
+            "The compiled batch-1 step: fused products, attention spans, `eval.latency_backend` (issue 23)",
+            "the-compiled-batch-1-step-fused-products-attention-spans-evallatency_backend-issue-23",
         ),
         ("Addition, first version (4-layer model, 1–4 digits)", "addition-first-version-4-layer-model-14-digits"),
         ("2026-11-26 — issue 23: the oracle 2× and the shared decode", "2026-11-26--issue-23-the-oracle-2-and-the-shared-decode"),

@@ -29,7 +29,7 @@ def test_a_checkpoint_opens_on_the_gpu_with_its_training_state(tiny_ckpt, ckpt_e
 
 @pytest.mark.parametrize("step", ["lean", "compiled"])
 def test_gpu_decoding_equals_cpu_decoding(tiny_ckpt, ckpt_env, step):
-    """The test split under the kl rule (τ = 1e-2: depths 5 to 8 on this checkpoint) on the GPU (eval.step lean and compiled) and
+    """The test split under the kl rule (τ = 1e-2: depths 5 to 8 on this checkpoint) on the GPU (eval.backend lean and compiled) and
     on the CPU (lean): NLLs within float32 rounding, applications identical but for
     tokens whose criterion lies within rounding of τ (at most 2 of 48 here)."""
     recs = {}
@@ -37,7 +37,7 @@ def test_gpu_decoding_equals_cpu_decoding(tiny_ckpt, ckpt_env, step):
         module, data = load_checkpoint(tiny_ckpt, torch.device(device))
         tokens = heldout_tokens(module, data, 49, 1337)
         _, recs[device] = evaluate_exit(module.model, tokens, build("kl", 1e-2, max_steps=8), 48,
-                                        DecodeSettings(batch_size=4, latency_tokens=0, warmup_tokens=0, step=s))
+                                        DecodeSettings(batch_size=4, latency_tokens=0, warmup_tokens=0, backend=s))
     a, b = recs["cpu"], recs["cuda"]
     same = (a["apps"] == b["apps"]).all(axis=1)
     assert same.sum() >= 46

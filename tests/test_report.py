@@ -20,7 +20,7 @@ SMALL = ["report.max_steps=4", "report.fixed=[1,4]", "report.rules.accel=[0.1]",
          "report.gate_tau=[0.5]", "report.calibrate=[fixed,accel,gate]", "report.max_ce_increase=0.02",
          "report.layer_applications=18", "gate.tokens=128", "gate.steps=20", "eval.tokens=24", "eval.latency_tokens=2",
          "eval.repeats=1", "eval.warmup_tokens=0", "calibration.tokens=24", "calibration.max_evals=4",
-         "eval.latency_step=null"]  # the default (auto) compiles its 12 timed settings: test_auto_latency_step_...
+         "eval.latency_backend=null"]  # the default (auto) compiles its 12 timed settings: test_auto_latency_backend_...
 
 
 def compose_report(*overrides):
@@ -71,10 +71,10 @@ def test_every_family_is_scored_and_summarised(done):
 
 
 @pytest.mark.slow  # about 35 s of compiling (make test-slow runs it)
-def test_auto_latency_step_compiles_the_reports_timings_and_changes_no_record(done, tiny_ckpt, tmp_path):
-    """With eval.latency_step at its default (auto) the report's shared pass times its 12
-    settings with the compiled step where torch finds a C++ compiler (else with eval.step),
-    and every job's quality records are those of the run timed with eval.step."""
+def test_auto_latency_backend_compiles_the_reports_timings_and_changes_no_record(done, tiny_ckpt, tmp_path):
+    """With eval.latency_backend at its default (auto) the report's shared pass times its 12
+    settings with the compiled step where torch finds a C++ compiler (else with eval.backend),
+    and every job's quality records are those of the run timed with eval.backend."""
     from recdepth.core.runtime import has_cpp_compiler
     from recdepth.report import report
 
@@ -85,7 +85,7 @@ def test_auto_latency_step_compiles_the_reports_timings_and_changes_no_record(do
     seen = []
     for p in sorted((p for p in (out / "jobs").iterdir() if p.name.isdigit()), key=lambda p: int(p.name)):
         ev = json.loads((p / "metrics.json").read_text())["eval"]
-        seen.append(ev.get("latency_step"))
+        seen.append(ev.get("latency_backend"))
         a, b = read_tokens(p / "eval_tokens.csv"), read_tokens(out0 / "jobs" / p.name / "eval_tokens.csv")
         assert (a["nll"] == b["nll"]).all() and (a["apps"] == b["apps"]).all(), p.name
     assert seen == [timed] * 6 + [None] + [timed] * 6  # the oracle (job 6) decodes alone, untimed

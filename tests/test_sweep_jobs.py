@@ -11,8 +11,8 @@ import pytest
 
 from recdepth.cli import runner as cli
 
-# eval.latency_step=null: the default (auto) compiles the timed step (~35 s; test_report's slow test)
-EVAL = ["eval.tokens=4", "eval.latency_tokens=2", "eval.repeats=1", "eval.warmup_tokens=0", "eval.latency_step=null"]
+# eval.latency_backend=null: the default (auto) compiles the timed step (~35 s; test_report's slow test)
+EVAL = ["eval.tokens=4", "eval.latency_tokens=2", "eval.repeats=1", "eval.warmup_tokens=0", "eval.latency_backend=null"]
 
 
 def sweep_in_process(tmp_path, tiny_ckpt, cli_here, monkeypatch, *args):

@@ -44,17 +44,20 @@ def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
 
 
 # eval keys an older run's config.yaml may lack, read as the code before them did
-_LATER_KEYS = {"answers": None, "context_steps": None, "latency_step": None, "step": EvalConfig.step}
+_LATER_KEYS = {"answers": None, "context_steps": None, "latency_backend": None, "backend": EvalConfig.backend}
+# eval keys renamed since: an older run's config.yaml names them so
+_RENAMED = {"backend": "step", "latency_backend": "latency_step"}
 
 
 def decode_settings(cfg, bos: int | None = None) -> DecodeSettings:
     """The eval block (and the seed) as the engine's `DecodeSettings`, from a composed config
     or the validated object (an older run's config.yaml may lack the later keys,
-    `_LATER_KEYS`); `bos`: the opened model's BOS id (an hf= tokenizer's), if any."""
+    `_LATER_KEYS`, or name them as before, `_RENAMED`); `bos`: the opened model's BOS id (an hf= tokenizer's), if any."""
     e = cfg.eval
-    keys = ("cache", "warm_start", "step", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
-            "repeats", "latency_step", "answers")
-    return DecodeSettings(seed=cfg.seed, bos=bos, **{k: getattr(e, k, _LATER_KEYS.get(k)) for k in keys})
+    keys = ("cache", "warm_start", "backend", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
+            "repeats", "latency_backend", "answers")
+    return DecodeSettings(seed=cfg.seed, bos=bos, **{k: getattr(e, k, getattr(e, _RENAMED.get(k, k), _LATER_KEYS.get(k)))
+                                                      for k in keys})
 
 
 class Precomputed:

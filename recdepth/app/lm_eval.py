@@ -10,7 +10,7 @@ model_args (comma-separated key=value, as lm_eval passes them):
     ckpt=<training checkpoint> or hf=<Huginn-format directory>   the model (exactly one)
     exit=<rule> tau=<τ> min_steps= max_steps= patience= gate=<gate.pt>   the exit rule (one
         τ for every group; default fixed at max_steps=32)
-    cache=latest|per_step  warm_start=true|false  step=module|lean|compiled   as eval.*
+    cache=latest|per_step  warm_start=true|false  backend=module|lean|compiled   as eval.*
     dtype=float32|bfloat16|float16  seed=<noise seed>  max_gen_toks=<generate_until's cap>
 and lm_eval's own --batch_size (windows decoded side by side) and --device (its default,
 cuda:0, falls back to the CPU where there is no CUDA device, with a warning).
@@ -66,13 +66,13 @@ class RecdepthLM(LM):
 
     def __init__(self, ckpt: str | None = None, hf: str | None = None, exit: str = "fixed", tau: float | None = None,
                  min_steps: int = 0, max_steps: int = 32, patience: int | None = None, gate: str | None = None,
-                 cache: str = "latest", warm_start: bool = False, step: str = "lean", dtype: str = "float32",
+                 cache: str = "latest", warm_start: bool = False, backend: str = "lean", dtype: str = "float32",
                  seed: int = 0, max_gen_toks: int = 256, batch_size: int | str | None = 16,
                  max_batch_size: int | None = None, device: str | None = None, **unknown):
         super().__init__()
         if unknown:
             raise ValueError(f"model_args: unknown key {sorted(unknown)[0]!r} (expected ckpt, hf, "
-                             f"{', '.join(EXIT_KEYS)}, cache, warm_start, step, dtype, seed, max_gen_toks)")
+                             f"{', '.join(EXIT_KEYS)}, cache, warm_start, backend, dtype, seed, max_gen_toks)")
         if isinstance(batch_size, str) and not batch_size.isdigit():
             raise ValueError(f"batch_size: expected a number of windows decoded side by side, got {batch_size!r} "
                              "(recdepth does not search a batch size: 'auto' is not supported)")
@@ -96,14 +96,14 @@ class RecdepthLM(LM):
         self.policy = for_model(policy, self.opened)
         self.bos = self.opened.bos
         # how every request decodes; the windows of _score carry their own BOS, not the engine's
-        self.settings = DecodeSettings(cache=cache, warm_start=bool(warm_start), step=step, seed=int(seed),
+        self.settings = DecodeSettings(cache=cache, warm_start=bool(warm_start), backend=backend, seed=int(seed),
                                        batch_size=self.batch, warmup_tokens=0, latency_tokens=0)
         self.max_gen_toks = int(max_gen_toks)
         self.lead = int(self.bos is not None)
         self.T = self.model.cfg.block_size
         self.cost = model_cost(self.model, self.policy)
         self.args = {"ckpt": ckpt, "hf": hf, "exit": exit, "tau": tau, "min_steps": min_steps, "max_steps": max_steps,
-                     "patience": patience, "gate": gate, "cache": cache, "warm_start": bool(warm_start), "step": step,
+                     "patience": patience, "gate": gate, "cache": cache, "warm_start": bool(warm_start), "backend": backend,
                      "dtype": dtype, "seed": int(seed)}
         self._apps: dict[str, np.ndarray] = defaultdict(lambda: np.zeros(self.model.n_groups))
         self._tokens: dict[str, int] = defaultdict(int)

@@ -1,5 +1,5 @@
 """`recdepth bench decode`: the cost of one layer application in token-by-token decoding,
-per way of computing it (`eval.step`: module, lean, compiled), beside its arithmetic
+per backend (`eval.backend`: module, lean, compiled), beside its arithmetic
 lower bound (results: docs/results/decode-speed.md).
 
 For each shape (the default model, or `--ckpt`'s, and the paper's d = 768) and batch size,
@@ -16,8 +16,8 @@ the batch, over this machine's fp32 matmul peak measured in the same run
 (`runtime.measured_cpu_peak_flops`), or the bytes an application must read (its weights
 once, each row's K/V) over the read bandwidth measured in the same run, whichever is
 larger (at batch 1 and d = 768 the weights' bytes bound it). With `--ckpt`, the test split
-is also scored under `--rule` with each step and the records compared with the module
-step's (largest NLL difference, applications that differ: a criterion within rounding of
+is also scored under `--rule` with each backend and the records compared with the module
+backend's (largest NLL difference, applications that differ: a criterion within rounding of
 τ). `--device cuda` times the same on a GPU (each timing waits for the GPU's kernels; peak
 and bandwidth measured there).
 """
@@ -34,7 +34,7 @@ from recdepth.core.runtime import measured_cpu_peak_flops, tune_cpu_allocator
 from recdepth.decode.engine import decode_step
 from recdepth.decode.kv_cache import new_caches
 from recdepth.decode.scoring import evaluate_exit
-from recdepth.decode.settings import STEPS, DecodeSettings
+from recdepth.decode.settings import BACKENDS, DecodeSettings
 from recdepth.exits.policy import build
 from recdepth.model.looped import GPTConfig, LoopedGPT
 
@@ -117,30 +117,30 @@ def filled(model: LoopedGPT, batch: int, context: int, gen: torch.Generator) -> 
     return caches, tokens
 
 
-def step_settings(model: LoopedGPT, step: str) -> DecodeSettings:
-    """The settings `layer_seconds` decodes with for `step` (an `eval.step`): that step."""
-    return DecodeSettings(step=step)
+def backend_settings(model: LoopedGPT, backend: str) -> DecodeSettings:
+    """The settings `layer_seconds` decodes with for `backend` (an `eval.backend`): that backend."""
+    return DecodeSettings(backend=backend)
 
 
 @torch.no_grad()
 def layer_seconds(model: LoopedGPT, batch: int, context: int, n1: int, n2: int, reps: int, rounds: int,
-                  steps: tuple[str, ...], use=step_settings) -> dict[str, float]:
-    """Median seconds of one layer application per step (the slope above), the steps
+                  backends: tuple[str, ...], use=backend_settings) -> dict[str, float]:
+    """Median seconds of one layer application per backend (the slope above), the backends
     timed in `rounds` interleaved rounds of `reps` decode steps at each n. `use(model, s)`
-    returns the `DecodeSettings` the decodes of step s run with (`step_settings`:
-    `DecodeSettings(step=s)`; benchmarks/lean_step_ab.py passes other versions of the lean
-    step). On a GPU each timing waits for the step's kernels (`sync`)."""
+    returns the `DecodeSettings` the decodes of backend s run with (`backend_settings`:
+    `DecodeSettings(backend=s)`; benchmarks/lean_step_ab.py passes other versions of the lean
+    step). On a GPU each timing waits for the backend's kernels (`sync`)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(0)
     caches, tokens = filled(model, batch, context, gen)
     fixed = {n: build("fixed", None, max_steps=n) for n in (n1, n2)}
-    per: dict[str, list[float]] = {s: [] for s in steps}
-    for s in steps:  # compile (and first-call) costs out of the timings
+    per: dict[str, list[float]] = {s: [] for s in backends}
+    for s in backends:  # compile (and first-call) costs out of the timings
         settings = use(model, s)
         for n in (n1, n2):
             decode_step(model, tokens[:, context], context, caches, fixed[n], settings)
     for _ in range(rounds):
-        for s in steps:
+        for s in backends:
             settings = use(model, s)
             t = {}
             for n in (n1, n2):
@@ -174,19 +174,19 @@ def shapes(args, device: torch.device) -> list[tuple[str, LoopedGPT, object]]:
 
 
 @torch.no_grad()
-def records(module, data, rule: str, tau: float | None, n_tokens: int, steps: tuple[str, ...]) -> dict:
-    """The test split scored under `rule` with each step: seconds, and the records against
-    the module step's."""
+def records(module, data, rule: str, tau: float | None, n_tokens: int, backends: tuple[str, ...]) -> dict:
+    """The test split scored under `rule` with each backend: seconds, and the records against
+    the module backend's."""
     from recdepth.app.checkpoints import checkpoint_data
 
     dm = checkpoint_data(module, data, 0)
     tokens = torch.as_tensor(dm.heldout_tokens(n_tokens + 1, 0))
     policy = build(rule, tau, max_steps=32)
     out, ref = {}, None
-    for s in steps:
+    for s in backends:
         t0 = time.perf_counter()
         _, rec = evaluate_exit(module.model, tokens, policy, n_tokens,
-                               DecodeSettings(batch_size=16, latency_tokens=0, warmup_tokens=0, step=s))
+                               DecodeSettings(batch_size=16, latency_tokens=0, warmup_tokens=0, backend=s))
         secs = time.perf_counter() - t0
         ref = rec if ref is None else ref
         out[s] = {"s": secs, "max_dnll": float(np.abs(rec["nll"] - ref["nll"]).max()),
@@ -197,10 +197,10 @@ def records(module, data, rule: str, tau: float | None, n_tokens: int, steps: tu
 def bench_decode(args) -> dict:
     tune_cpu_allocator()
     torch.manual_seed(0)
-    steps = tuple(args.step_kinds)
-    for s in steps:
-        if s not in STEPS:
-            raise ValueError(f"--step-kinds: expected some of {', '.join(STEPS)}, got {s!r}")
+    backends = tuple(args.backends)
+    for s in backends:
+        if s not in BACKENDS:
+            raise ValueError(f"--backends: expected some of {', '.join(BACKENDS)}, got {s!r}")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"--device: {args.device} asked for, but torch sees no CUDA GPU")
@@ -213,19 +213,19 @@ def bench_decode(args) -> dict:
     rows = []
     for name, model, ckpt in shapes(args, device):
         for B in args.batches:
-            secs = layer_seconds(model, B, args.context, n1, n2, args.decode_reps, args.rounds, steps)
+            secs = layer_seconds(model, B, args.context, n1, n2, args.decode_reps, args.rounds, backends)
             lb = max(bound_seconds(model, B, args.context + 1, n1, n2, peak),
                      bytes_per_layer(model, B, args.context + 1) / bw)
-            for s in steps:
-                row = {"shape": name, "d": model.cfg.n_embd, "batch": B, "step": s, "ms": 1e3 * secs[s],
+            for s in backends:
+                row = {"shape": name, "d": model.cfg.n_embd, "batch": B, "backend": s, "ms": 1e3 * secs[s],
                        "bound_ms": 1e3 * lb, "over_bound": secs[s] / lb, "vs_module": secs.get("module", np.nan) / secs[s]}
                 rows.append(row)
                 print(f"{name:20s} B={B:3d} {s:9s} {row['ms']:8.4f} ms/layer application  bound {row['bound_ms']:8.4f} "
                       f"({row['over_bound']:6.1f}x)  {row['vs_module']:5.2f}x module", flush=True)
         if ckpt is not None and args.tokens:
-            rec = records(*ckpt, args.rule, args.tau, args.tokens, steps)
+            rec = records(*ckpt, args.rule, args.tau, args.tokens, backends)
             for s, r in rec.items():
-                print(f"{name}: {args.rule} τ={args.tau} on {r['tokens']} test tokens, batch 16, step {s}: {r['s']:.1f} s,"
+                print(f"{name}: {args.rule} τ={args.tau} on {r['tokens']} test tokens, batch 16, backend {s}: {r['s']:.1f} s,"
                       f" max |dNLL| vs module {r['max_dnll']:.2e}, tokens whose applications differ "
                       f"{r['apps_differ']}", flush=True)
             rows.append({"shape": name, "records": rec})
@@ -234,10 +234,10 @@ def bench_decode(args) -> dict:
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--step-kinds", nargs="+", default=list(STEPS), help="decode: eval.step values to time")
+    p.add_argument("--backends", nargs="+", default=list(BACKENDS), help="decode: eval.backend values to time")
     p.add_argument("--device", default="cpu", help="decode: cpu | cuda | cuda:<n> (timings wait for the GPU's kernels)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16], help="decode: batch sizes")
     p.add_argument("--no-paper", action="store_true", help="decode: skip the paper shape (d = 768)")
     p.add_argument("--rule", default="accel", help="decode: with --ckpt, the rule the records are compared under")
     p.add_argument("--tau", type=float, default=1e-3, help="decode: its τ")
-    p.add_argument("--decode-reps", type=int, default=20, help="decode: timed decode steps per n, step and round")
+    p.add_argument("--decode-reps", type=int, default=20, help="decode: timed decode steps per n, backend and round")

@@ -232,7 +232,7 @@ class ExitConfig:
 @dataclass
 class DecodeConfig:
     """How tokens are decoded, the same knobs under the same names in every command:
-    `eval.cache`, `eval.warm_start`, `eval.step` (recdepth.generate reads only these)."""
+    `eval.cache`, `eval.warm_start`, `eval.backend` (recdepth.generate reads only these)."""
 
     cache: str = DecodeSettings.cache
     """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application; needed
@@ -240,7 +240,7 @@ class DecodeConfig:
     warm_start: bool = DecodeSettings.warm_start
     """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
     ended with for the previous token of the window (the first token: the usual initial state)."""
-    step: str = "lean"
+    backend: str = "lean"
     """How a token's layers are computed (recdepth/decode/lean_step.py): lean (fewer operators,
     eager) | module (Block.forward, the reference) | compiled (lean under torch.compile;
     seconds to compile). Equal up to float rounding; their speed by model size:
@@ -254,7 +254,7 @@ class DecodeConfig:
 
     def settings(self, **more) -> DecodeSettings:
         """These fields (and `more`: the seed, a BOS id) as the engine's `DecodeSettings`."""
-        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, step=self.step, **more)
+        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, backend=self.backend, **more)
 
 
 # The eval keys a task's checkpoint carries (its experiment's choices: conf/experiment/) and the
@@ -277,12 +277,12 @@ class EvalConfig(DecodeConfig):
     """The first this many tokens timed again at batch 1 (ms/token; >= 0) ..."""
     repeats: int = 3
     """... this many times (>= 1): median and min-max."""
-    latency_step: str | None = "auto"
-    """How those batch-1 latency passes compute a token's layers: null = as eval.step,
+    latency_backend: str | None = "auto"
+    """How those batch-1 latency passes compute a token's layers: null = as eval.backend,
     module | lean | compiled, or auto (the default) = compiled where it is measured to pay,
-    else as eval.step: a process timing at least 8 settings (a sweep's shared pass: `make
-    frontier`, the report) on a CPU with a C++ compiler (`scoring.latency_step_for`). The
-    quality pass keeps eval.step; the two are equal up to float rounding, and each job's
+    else as eval.backend: a process timing at least 8 settings (a sweep's shared pass: `make
+    frontier`, the report) on a CPU with a C++ compiler (`scoring.latency_backend_for`). The
+    quality pass keeps eval.backend; the two are equal up to float rounding, and each job's
     `batch_check` counts timed tokens whose applications differ. Its first calls (the compile)
     run in the untimed warm-up; what it saves: docs/results/sweep-time.md."""
     warmup_tokens: int = DecodeSettings.warmup_tokens
@@ -305,7 +305,7 @@ class EvalConfig(DecodeConfig):
 
     def settings(self, **more) -> DecodeSettings:
         """The eval block as the engine's `DecodeSettings` (`more`: the seed, a BOS id)."""
-        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, step=self.step,
+        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, backend=self.backend,
                               context_steps=self.context_steps, batch_size=self.batch_size,
                               warmup_tokens=self.warmup_tokens, latency_tokens=self.latency_tokens,
-                              repeats=self.repeats, latency_step=self.latency_step, answers=self.answers, **more)
+                              repeats=self.repeats, latency_backend=self.latency_backend, answers=self.answers, **more)

@@ -33,7 +33,7 @@ def tune_cpu_allocator() -> bool:
 @functools.cache
 def has_cpp_compiler() -> bool:
     """Whether torch.compile's CPU backend (inductor) finds a C++ compiler on this machine
-    (`eval.latency_step=auto`: compile the latency passes only where they can be)."""
+    (`eval.latency_backend=auto`: compile the latency passes only where they can be)."""
     try:  # torch's own search (CXX, g++, clang++)
         from torch._inductor.cpp_builder import get_cpp_compiler
 

@@ -67,20 +67,20 @@ class RowNoise:
         return [noise_seed(self.seed, q, position, group) for q in seqs]
 
 
-def lean_steps(model: LoopedGPT, step: str) -> LeanSteps | None:
-    """The one-token step `step` names (`DecodeSettings.step`) for `model`: None for
+def lean_steps(model: LoopedGPT, backend: str) -> LeanSteps | None:
+    """The one-token step that `backend` names (`DecodeSettings.backend`) for `model`: None for
     "module" (`Block.forward`, the reference); "lean" = `recdepth.decode.lean_step`'s
     static-shape step, eager; "compiled" = the same under torch.compile (graphs built on
-    first use). Built once per model and step and kept with the model (`_lean_steps`, a
-    cache: which step runs is always the settings' choice)."""
-    if step == "module":
+    first use). Built once per model and backend and kept with the model (`_lean_steps`, a
+    cache: which one runs is always the settings' choice)."""
+    if backend == "module":
         return None
     built = model.__dict__.setdefault("_lean_steps", {})
-    if step not in built:
-        if step not in ("lean", "compiled"):
-            DecodeSettings(step=step)  # the one-line error naming eval.step
-        built[step] = LeanSteps(model, compile=step == "compiled")
-    return built[step]
+    if backend not in built:
+        if backend not in ("lean", "compiled"):
+            DecodeSettings(backend=backend)  # the one-line error naming eval.backend
+        built[backend] = LeanSteps(model, compile=backend == "compiled")
+    return built[backend]
 
 
 def lean_of(lean: LeanSteps | None, caches: list) -> LeanSteps | None:
@@ -179,7 +179,7 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         policy = forced(settings.context_steps) if bool(fixed_rows[0]) else policy
         fixed_rows = None
     mine = [caches[layer] for layer in model.cfg.groups[g]]
-    fast = lean_steps(model, settings.step)
+    fast = lean_steps(model, settings.backend)
     reuse = out is not None and B == 1 and check_is_output(model, g, policy)
     if fuses_loop(model, g, fast, policy, B, limit, caches):
         coda = [(caches[layer].k, caches[layer].v) for layer in model.coda] \
@@ -331,7 +331,7 @@ def loop_shared(model: LoopedGPT, g: int, e: Tensor, caches: list[KVCache], pos:
     e_proj = model.adapters[g].input(e)
     s = model.initial_state(e, None, noise.seeds(pos, g, last)) if init is None else init[last]
     step_caches = [sub[layer] for layer in mine if isinstance(sub[layer], StepKVCache)]
-    trajectory, lean = [], lean_steps(model, settings.step)
+    trajectory, lean = [], lean_steps(model, settings.backend)
     for j in range(steps):
         for c in step_caches:
             c.step = j
@@ -375,7 +375,7 @@ def decode_step(model: LoopedGPT, tokens: Tensor, pos: int, caches: list[KVCache
     x = model.embed(tokens[:, None], pos0=pos)
     apps = torch.zeros(tokens.shape[0], model.n_groups, dtype=torch.long, device=tokens.device)
     first = _first_group(model) if shared else None
-    fast = lean_steps(model, settings.step)
+    fast = lean_steps(model, settings.backend)
     out = {} if tokens.shape[0] == 1 else None  # batch 1: a check that decoded the output is the output
     for kind, i in model.plan:
         if kind == "layer":
@@ -583,7 +583,7 @@ def warm_up(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, settings: Deco
     so that no graph is compiled inside a timed pass (it compiles every span of the block,
     reached or not), and with `context_steps` the loop of a forced context row (`forced`)."""
     n = min(settings.warmup_tokens, model.cfg.block_size, tokens.numel())
-    lean = lean_steps(model, settings.step)
+    lean = lean_steps(model, settings.backend)
     spans = lean.span_starts(n) if lean is not None and lean.compiled and tokens.numel() else []
     if n or spans:
         caches = new_caches(model, 1, model.cfg.block_size, settings.cache,

@@ -1,5 +1,5 @@
 """The lean decode step: one token's layer applications in static shapes, optionally
-compiled (`eval.step`, docs/spec.md §4, recdepth note on the lean step; its speed:
+compiled (`eval.backend`, docs/spec.md §4, recdepth note on the lean step; its speed:
 docs/results/decode-speed.md).
 
 `recdepth.decode.engine` decodes a token by calling `Block.forward` with the layer's K/V cache:

@@ -42,19 +42,19 @@ from recdepth.model.looped import LoopedGPT
 AUTO_COMPILE_SETTINGS = 8
 
 
-def latency_step_for(model: LoopedGPT, settings: DecodeSettings, timed: int) -> str:
-    """The step the batch-1 latency passes of `timed` settings timed in this process take
-    (`settings.latency_step`; None: as the quality pass, `settings.step`). `auto`:
+def latency_backend_for(model: LoopedGPT, settings: DecodeSettings, timed: int) -> str:
+    """The backend the batch-1 latency passes of `timed` settings timed in this process take
+    (`settings.latency_backend`; None: as the quality pass, `settings.backend`). `auto`:
     "compiled" where it was measured to pay (docs/results/sweep-time.md): at least
     `AUTO_COMPILE_SETTINGS` settings, on a CPU, with a C++ compiler for torch.compile; else
-    `settings.step`. A GPU keeps its quality pass's step (the compiled loop is unmeasured
+    `settings.backend`. A GPU keeps its quality pass's backend (the compiled loop is unmeasured
     there). The quality pass and the timed ones are equal up to float rounding; `add_latency`'s
     `batch_check` counts what differs."""
-    step = settings.latency_step
-    if step == AUTO:
+    backend = settings.latency_backend
+    if backend == AUTO:
         on_cpu = next(model.parameters()).device.type == "cpu"
-        step = "compiled" if timed >= AUTO_COMPILE_SETTINGS and on_cpu and has_cpp_compiler() else None
-    return settings.step if step is None else step
+        backend = "compiled" if timed >= AUTO_COMPILE_SETTINGS and on_cpu and has_cpp_compiler() else None
+    return settings.backend if backend is None else backend
 
 
 def _plain(v):
@@ -133,7 +133,7 @@ def _summary(model: LoopedGPT, policy: ExitPolicy, rec: dict, settings: DecodeSe
         "group_layers": [len(g) for g in model.cfg.groups], "outside_layers": int(cost.outside),
         "flops_per_token": float(model.flops_per_token(per_group, context, None, train=False)) + check_flops,
         "tokens": len(nll), "windows": int(len(np.unique(rec["window"]))), "cache": settings.cache,
-        "warm_start": settings.warm_start, "batch_size": settings.batch_size, "step": settings.step,
+        "warm_start": settings.warm_start, "batch_size": settings.batch_size, "backend": settings.backend,
     }
 
 
@@ -158,7 +158,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     against the batched one: `batch_check` counts timed tokens whose applications differ
     (a criterion within rounding of τ) and the largest NLL difference. Every pass (warm-up,
     batched, batch 1) decodes with the same settings, the timed ones with
-    `latency_step_for`'s step (recorded as `latency_step`).
+    `latency_backend_for`'s step (recorded as `latency_backend`).
     `labels` (a task's, aligned with `tokens`) and `settings.answers`: see `score_task`.
     `targets` (a task's scored stream, aligned with `tokens`; in-place targets): every pass
     scores against it instead of the next token (`engine.decode_windows`).
@@ -193,9 +193,9 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     ev["tokens_per_s"] = n_tokens / batch_seconds
 
     n_lat = n_tokens if settings.latency_tokens is None else min(settings.latency_tokens, n_tokens)
-    timed = settings.replace(step=latency_step_for(model, settings, 1)) if n_lat > 0 else settings
-    ev["latency_step"] = timed.step
-    if n_lat > 0 and timed.step != settings.step:  # its first calls (a compile) untimed too
+    timed = settings.replace(backend=latency_backend_for(model, settings, 1)) if n_lat > 0 else settings
+    ev["latency_backend"] = timed.backend
+    if n_lat > 0 and timed.backend != settings.backend:  # its first calls (a compile) untimed too
         warm_up(model, tokens, policy, timed)
     timings = [time_tokens(model, tokens, policy, n_lat, timed, first_window, labels, targets)
                for _ in range(settings.repeats)] if n_lat > 0 else []
@@ -253,7 +253,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     reads the target) runs on its own. Returns (eval block, record) per policy, in order.
     An eval block's `batch_size` is the rows a batch, `tokens_per_s` the whole pass's
     tokens over its seconds and `shared_batch` the number of policies decoded side by
-    side. The timed passes' step: `latency_step_for` the policies timed here. `targets`: a
+    side. The timed passes' step: `latency_backend_for` the policies timed here. `targets`: a
     scored stream, as `evaluate_exit`'s."""
     was_training = model.training
     model.eval()
@@ -261,7 +261,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     loops = [k for k, p in enumerate(policies) if p.name != ORACLE]
     for k, p in enumerate(policies):
         if p.name == ORACLE:
-            out[k] = evaluate_exit(model, tokens, p, n_tokens, settings.replace(latency_step=None), first_window,
+            out[k] = evaluate_exit(model, tokens, p, n_tokens, settings.replace(latency_backend=None), first_window,
                                    labels, targets)
     model.eval()
     if loops:
@@ -272,8 +272,8 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
                                         first_window, labels, targets)
         n_lat = n_scored if settings.latency_tokens is None else min(settings.latency_tokens, n_scored)
         timings: dict[int, list] = {k: [] for k in loops}
-        timed = settings.replace(step=latency_step_for(model, settings, len(loops))) if n_lat > 0 else settings
-        for k in loops if n_lat > 0 and timed.step != settings.step else ():  # its first calls untimed too
+        timed = settings.replace(backend=latency_backend_for(model, settings, len(loops))) if n_lat > 0 else settings
+        for k in loops if n_lat > 0 and timed.backend != settings.backend else ():  # its first calls untimed too
             warm_up(model, tokens_d, policies[k], timed)
         for _ in range(settings.repeats if n_lat > 0 else 0):
             for k in loops:
@@ -285,7 +285,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
             ev = _summary(model, policies[k], rec, settings)
             ev["tokens_per_s"] = n_scored * len(loops) / seconds
             ev["shared_batch"] = len(loops)  # the policies decoded side by side
-            ev["latency_step"] = timed.step
+            ev["latency_backend"] = timed.backend
             add_latency(ev, rec, timings[k])
             out[k] = score_task(model, policies[k], ev, rec, labels, settings)
     model.train(was_training)

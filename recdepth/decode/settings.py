@@ -3,13 +3,13 @@ one frozen object validated once (SPEC §4; docs/spec.md §4 for the recdepth op
 
 The engine (`recdepth.decode.engine`), scoring (`recdepth.decode.scoring`) and generation
 (`recdepth.decode.generation`) take it instead of loose keyword arguments, and read the fast
-path they run from its `step` by name (`engine.lean_steps`). The commands build it from
+path they run from its `backend` by name (`engine.lean_steps`). The commands build it from
 the run config's `eval` block (`recdepth.app.jobs.decode_settings`); the rule's own
 choices (exit.decode, exit.kl_direction) stay with the exit policy.
 
 Defaults are the reference pass a library caller gets: `Block.forward`, one window at a
 time, no latency repeats. What a command runs by default is the `eval` block's
-(`recdepth.config.groups.EvalConfig`, e.g. `step: lean`, 16 windows a batch).
+(`recdepth.config.groups.EvalConfig`, e.g. `backend: lean`, 16 windows a batch).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from recdepth.core.checks import check_bool, check_int
 from recdepth.decode.kv_cache import check_cache
 
-STEPS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.lean_steps`)
-AUTO = "auto"  # latency_step: the compiled step where it is measured to pay (`scoring.latency_step_for`)
+BACKENDS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.lean_steps`)
+AUTO = "auto"  # latency_backend: the compiled backend where it is measured to pay (`scoring.latency_backend_for`)
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class DecodeSettings:
     warm_start: bool = False
     """Continuous compute: each group's loop for a token starts from the state it ended with
     for the previous token of the window (the first token: the initial state)."""
-    step: str = "module"
+    backend: str = "module"
     """How a token's layers are computed: module (`Block.forward`, the reference) | lean
     (`recdepth.decode.lean_step`, eager) | compiled (lean under torch.compile)."""
     seed: int = 0
@@ -53,9 +53,9 @@ class DecodeSettings:
     """The first this many tokens timed again at batch 1 (None: every scored token)."""
     repeats: int = 1
     """Timed passes; latency is their median."""
-    latency_step: str | None = None
-    """The step of the batch-1 timed passes: None = `step`, one of `STEPS`, or auto
-    (`scoring.latency_step_for`)."""
+    latency_backend: str | None = None
+    """The backend of the batch-1 timed passes: None = `backend`, one of `BACKENDS`, or auto
+    (`scoring.latency_backend_for`)."""
     answers: bool | None = None
     """A task's answer tokens only (None: whenever there are answer labels)."""
     compact: bool = True
@@ -67,11 +67,11 @@ class DecodeSettings:
 
     def __post_init__(self):
         check_cache(self.cache)
-        if self.step not in STEPS:
-            raise ValueError(f"eval.step: expected one of {', '.join(STEPS)}, got {self.step!r}")
-        if self.latency_step is not None and self.latency_step != AUTO and self.latency_step not in STEPS:
-            raise ValueError(f"eval.latency_step: expected null, {AUTO} or one of {', '.join(STEPS)}, "
-                             f"got {self.latency_step!r}")
+        if self.backend not in BACKENDS:
+            raise ValueError(f"eval.backend: expected one of {', '.join(BACKENDS)}, got {self.backend!r}")
+        if self.latency_backend is not None and self.latency_backend != AUTO and self.latency_backend not in BACKENDS:
+            raise ValueError(f"eval.latency_backend: expected null, {AUTO} or one of {', '.join(BACKENDS)}, "
+                             f"got {self.latency_backend!r}")
         for field in ("warm_start", "compact", "share_first"):
             check_bool(f"eval.{field}", getattr(self, field))
         check_bool("eval.answers", self.answers, null=True)

@@ -502,7 +502,7 @@ def test_group_options_hold_only_what_differs_from_the_schema(group):
 
 @pytest.mark.parametrize("schema_name", sorted(ROOT_YAML))
 def test_one_spelling_per_knob_across_commands(schema_name):
-    """The decoding knobs are `eval.cache`, `eval.warm_start`, `eval.step` in every command
+    """The decoding knobs are `eval.cache`, `eval.warm_start`, `eval.backend` in every command
     that has them (DecodeConfig's fields), never a top-level or other spelling."""
     from recdepth.config.groups import DecodeConfig
     from recdepth.config.schema import ROOTS
@@ -513,6 +513,24 @@ def test_one_spelling_per_knob_across_commands(schema_name):
     assert stray == [], f"{schema_name}: decoding knobs outside eval: {stray}"
     if any(p.startswith("eval.") for p in paths):
         assert knobs <= {p.split(".", 1)[1] for p in paths if p.startswith("eval.")}
+
+
+def test_an_older_runs_eval_block_is_read_as_it_was_written():
+    """A config.yaml from before `eval.backend` (then `eval.step`) and `eval.latency_backend`
+    (then `eval.latency_step`), and before `answers` and `context_steps`: its own values under
+    the old names, the missing keys as the code before them read them."""
+    from omegaconf import OmegaConf
+
+    from recdepth.app.jobs import decode_settings
+
+    old = OmegaConf.create({"seed": 3, "eval": {"cache": "per_step", "warm_start": False, "step": "compiled",
+                                                "latency_step": "module", "batch_size": 2, "warmup_tokens": 1,
+                                                "latency_tokens": 4, "repeats": 1}})
+    got = decode_settings(old)
+    assert (got.backend, got.latency_backend, got.cache, got.batch_size) == ("compiled", "module", "per_step", 2)
+    assert (got.context_steps, got.answers, got.seed) == (None, None, 3)
+    new = OmegaConf.create({"seed": 3, "eval": {**old.eval, "backend": "lean"}})
+    assert decode_settings(new).backend == "lean"  # the current name wins where both are there
 
 
 def test_the_eval_block_is_the_engines_decode_settings():
@@ -528,14 +546,14 @@ def test_the_eval_block_is_the_engines_decode_settings():
     got = decode_settings(cfg, bos=5)
     assert isinstance(got, DecodeSettings)
     assert (got.cache, got.warm_start, got.context_steps, got.seed, got.bos) == ("per_step", True, 3, 11, 5)
-    assert (got.step, got.batch_size, got.latency_step) == (cfg.eval.step, cfg.eval.batch_size, cfg.eval.latency_step)
+    assert (got.backend, got.batch_size, got.latency_backend) == (cfg.eval.backend, cfg.eval.batch_size, cfg.eval.latency_backend)
     assert decode_settings(schema.validated(cfg), bos=5) == got  # the validated object gives the same settings
     shared = {f.name for f in dataclasses.fields(DecodeSettings)} & {f.name for f in dataclasses.fields(groups.EvalConfig)}
-    assert shared >= {"cache", "warm_start", "step", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
-                      "repeats", "latency_step", "answers"}
+    assert shared >= {"cache", "warm_start", "backend", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
+                      "repeats", "latency_backend", "answers"}
     for name in ("cache", "warm_start", "warmup_tokens", "context_steps", "answers"):
         assert getattr(groups.EvalConfig, name) == getattr(DecodeSettings, name), name
-    for bad, field in (("eval.cache=both", "eval.cache"), ("eval.step=fast", "eval.step"),
+    for bad, field in (("eval.cache=both", "eval.cache"), ("eval.backend=fast", "eval.backend"),
                        ("eval.context_steps=0", "eval.context_steps")):
         with pytest.raises(ValueError, match=f"^{field}: expected") as from_config:
             schema.validated(compose_cfg(bad, "ckpt=/tmp/unused.ckpt", config="evaluate"))

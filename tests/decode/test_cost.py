@@ -139,8 +139,8 @@ def test_the_reused_check_gives_the_records_of_a_second_pass():
     tokens = torch.randint(0, V, (40,), generator=torch.Generator().manual_seed(1))
     p = exits.build("kl", 0.05, max_steps=6)
     for step in ("module", "lean"):
-        _, one = evaluate_exit(m, tokens, p, 24, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step=step))
-        _, two = evaluate_exit(m, tokens, p, 24, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step=step,
+        _, one = evaluate_exit(m, tokens, p, 24, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, backend=step))
+        _, two = evaluate_exit(m, tokens, p, 24, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, backend=step,
                                                                  batch_size=2))
         assert (one["apps"] == two["apps"]).all()
         np.testing.assert_allclose(one["nll"], two["nll"], rtol=0, atol=1e-12)
@@ -227,7 +227,7 @@ def test_records_with_forced_rows_equal_the_reference(step, batch, n_layer, grou
     tokens, labels = task_stream()
     p = exits.build(rule, tau, max_steps=6)
     ref_nll, ref_apps = reference(m, tokens, labels, p, 4, 36)
-    _, rec = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step=step,
+    _, rec = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, backend=step,
                                                              batch_size=batch, context_steps=4, answers=False),
                            labels=labels)
     assert rec["apps"].tolist() == ref_apps.tolist()
@@ -245,7 +245,7 @@ def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference
     m = model(3, dtype=torch.float32)
     tokens, labels = task_stream()
     p = exits.build("kl", 0.05, max_steps=6)
-    ref = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, step="module",
+    ref = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2, backend="module",
                                                          context_steps=4, answers=False, cache=cache),
                         labels=labels)[1]
     lean = engine.lean_steps(m, "compiled")
@@ -258,19 +258,19 @@ def test_compiled_forced_and_coda_loops_run_as_one_graph_and_equal_the_reference
     lean.loop = loop
     try:
         _, got = evaluate_exit(m, tokens, p, 36, DecodeSettings(latency_tokens=0, warmup_tokens=0, seed=2,
-                                                                step="compiled", context_steps=4, answers=False,
+                                                                backend="compiled", context_steps=4, answers=False,
                                                                 cache=cache), labels=labels)
         low = exits.build("fixed", None, max_steps=2)
         settings = DecodeSettings(latency_tokens=36, warmup_tokens=0, seed=2, context_steps=4, answers=False,
                                   cache=cache)
-        ev, shallow = evaluate_exit(m, tokens, low, 36, settings.replace(step="compiled"), labels=labels)
+        ev, shallow = evaluate_exit(m, tokens, low, 36, settings.replace(backend="compiled"), labels=labels)
     finally:
         del lean.loop
     answer = labels[got["position"] + 1] > 0
     assert names.count(("fixed", False, False)) >= (~answer).sum() and names.count(("kl", True, True)) >= answer.sum()
     assert (got["apps"] == ref["apps"]).all()
     assert np.abs(got["nll"] - ref["nll"]).max() <= 1e-5
-    _, eager = evaluate_exit(m, tokens, low, 36, settings.replace(step="module", latency_tokens=0), labels=labels)
+    _, eager = evaluate_exit(m, tokens, low, 36, settings.replace(backend="module", latency_tokens=0), labels=labels)
     assert (shallow["apps"] == eager["apps"]).all() and set(shallow["apps"][:, 0].tolist()) == {2, 4}
     assert np.abs(shallow["nll"] - eager["nll"]).max() <= 1e-5 and ev["batch_check"]["apps_mismatch"] == 0
 

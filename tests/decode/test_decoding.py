@@ -371,7 +371,7 @@ def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(gro
     tokens = torch.randint(0, 60, (40,), generator=torch.Generator().manual_seed(6))
     policy = exits.build("oracle", 0.02, max_steps=6)
     run = DecodeSettings(seed=3, cache=sharing, batch_size=2, warm_start=warm_start, bos=bos)
-    _, ref = evaluate_oracle(m, tokens, policy, 35, run.replace(step="module"))
+    _, ref = evaluate_oracle(m, tokens, policy, 35, run.replace(backend="module"))
     calls, real = [], L.attend_shared
 
     def counted(*a):
@@ -380,7 +380,7 @@ def test_oracle_under_the_lean_step_reads_the_shared_history_once_per_window(gro
 
     L.attend_shared = counted
     try:
-        _, rec = evaluate_oracle(m, tokens, policy, 35, run.replace(step="lean"))
+        _, rec = evaluate_oracle(m, tokens, policy, 35, run.replace(backend="lean"))
     finally:
         L.attend_shared = real
     assert calls

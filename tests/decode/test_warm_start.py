@@ -332,7 +332,7 @@ def test_the_default_frontier_sweep_draws_and_tabulates_the_warm_start_family(tm
     out = tmp_path / "frontier"
     code, err, _ = cli_here("recdepth.evaluate", [
         "--multirun", "hydra/sweeper=frontier", f"ckpt={tiny_ckpt}", f"hydra.sweep.dir={out}", "eval.tokens=12",
-        "eval.latency_tokens=2", "eval.repeats=1", "eval.warmup_tokens=0", "eval.latency_step=null",
+        "eval.latency_tokens=2", "eval.repeats=1", "eval.warmup_tokens=0", "eval.latency_backend=null",
         "hydra.sweeper.fixed=[1,2]", *(f"hydra.sweeper.rules.{r}=[]" for r in ("accel", "stepnorm", "kl")),
         "hydra.sweeper.oracle=[]", "exit.max_steps=2"], tmp_path)
     assert code == 0, err[-3000:]

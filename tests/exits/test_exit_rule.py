@@ -98,7 +98,7 @@ def test_a_rule_defined_in_a_test_runs_alike_eager_and_compiled_as_one_graph(ste
         real = lean.loop
         lean.loop = lambda *a, real=real, step=step: calls.append(step) or real(*a)
         _, rec = S.evaluate_exit(m, tokens, policy, 16, DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0,
-                                                                       seed=5, step=step))
+                                                                       seed=5, backend=step))
         del lean.loop
         recs.append(rec)
     eager, compiled = recs

@@ -120,7 +120,7 @@ def test_eager_lean_and_compiled_loop_give_identical_applications(warm):
     compiled.loop = lambda *a, calls=calls, real=real: calls.append(1) or real(*a)
     try:
         for step in ("module", "lean", "compiled"):
-            run = DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0, seed=5, step=step,
+            run = DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0, seed=5, backend=step,
                                  warm_start=warm)
             _, recs[step] = S.evaluate_exit(m, tokens, policy, 19, run)
     finally:

@@ -1,4 +1,4 @@
-"""The lean decode step (recdepth/decode/lean_step.py, `eval.step`): the static-shape single-token
+"""The lean decode step (recdepth/decode/lean_step.py, `eval.backend`): the static-shape single-token
 layer equals `Block.forward` on the decoding cache, eager and compiled, for every option
 of the block, and the engine really takes it where it applies."""
 
@@ -32,7 +32,7 @@ def model(kw, dtype, groups=((1,), (2, 3)), seed=0):
 def evaluate(m, step, policy, batch_size, n=57, cache="latest"):
     """The eval block and the record of `n` tokens decoded under `step`."""
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
-    run = DecodeSettings(batch_size=batch_size, latency_tokens=0, warmup_tokens=0, cache=cache, seed=5, step=step)
+    run = DecodeSettings(batch_size=batch_size, latency_tokens=0, warmup_tokens=0, cache=cache, seed=5, backend=step)
     return S.evaluate_exit(m, tokens, policy, n, run)
 
 
@@ -53,7 +53,7 @@ def test_lean_step_equals_block_forward(kw, dtype, tol, rule, tau, batch_size):
     policy = build(rule, tau, max_steps=9)
     ref = score(m, "module", policy, batch_size)
     ev, lean = evaluate(m, "lean", policy, batch_size)
-    assert ev["step"] == "lean" and not D.lean_steps(m, "lean").compiled  # the run decoded with the eager lean step
+    assert ev["backend"] == "lean" and not D.lean_steps(m, "lean").compiled  # the run decoded with the eager lean step
     assert abs(lean["nll"] - ref["nll"]).max() <= tol
     assert (lean["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1 or rule == "fixed"  # the rule really varies depth
@@ -116,7 +116,7 @@ def test_lean_steps_are_built_once_per_step_and_module_has_none(monkeypatch):
     compiled = D.lean_steps(m, "compiled")
     assert compiled.compiled and compiled is not lean and D.lean_steps(m, "compiled") is compiled
     assert D.lean_steps(m, "lean") is lean  # building the compiled steps leaves the eager ones
-    assert D.lean_steps(m, "module") is None and DecodeSettings().step == "module"  # the reference: Block.forward
+    assert D.lean_steps(m, "module") is None and DecodeSettings().backend == "module"  # the reference: Block.forward
     calls, real = [], Block.forward
     monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
     score(m, "module", build("fixed", None, max_steps=2), 1, n=3)
@@ -124,9 +124,9 @@ def test_lean_steps_are_built_once_per_step_and_module_has_none(monkeypatch):
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["one setting", "settings side by side"])
-def test_latency_step_times_with_its_step_and_leaves_the_quality_pass_alone(monkeypatch, shared):
-    """eval.latency_step: the batch-1 latency passes run the lean step (no Block.forward
-    call) while the quality pass keeps eval.step=module; the records are those of a run
+def test_latency_backend_times_with_its_step_and_leaves_the_quality_pass_alone(monkeypatch, shared):
+    """eval.latency_backend: the batch-1 latency passes run the lean step (no Block.forward
+    call) while the quality pass keeps eval.backend=module; the records are those of a run
     without it, the model decodes with the module step afterwards, the eval block names
     both steps, and batch_check sees the two steps agree (float32 rounding)."""
     m = model(HUGINN, torch.float32)
@@ -145,10 +145,10 @@ def test_latency_step_times_with_its_step_and_leaves_the_quality_pass_alone(monk
     monkeypatch.setattr(Block, "forward", lambda self, *a, **k: calls.append(timing[0]) or real_forward(self, *a, **k))
     monkeypatch.setattr(S, "time_tokens", time_tokens)
 
-    def run(latency_step):
+    def run(latency_backend):
         calls.clear()
-        run = DecodeSettings(warmup_tokens=2, seed=5, step="module", latency_tokens=12, repeats=2,
-                             latency_step=latency_step, batch_size=4)
+        run = DecodeSettings(warmup_tokens=2, seed=5, backend="module", latency_tokens=12, repeats=2,
+                             latency_backend=latency_backend, batch_size=4)
         if shared:
             return S.evaluate_exits(m, tokens, policies, 40, run), set(calls)
         return [S.evaluate_exit(m, tokens, p, 40, run) for p in policies], set(calls)
@@ -157,46 +157,46 @@ def test_latency_step_times_with_its_step_and_leaves_the_quality_pass_alone(monk
     assert seen_plain == {True, False}  # without it the latency passes run Block.forward too ...
     assert seen == {False}  # ... with it they do not; the quality pass still does
     calls.clear()  # afterwards the model decodes with the module step (nothing of the lean one left attached)
-    S.evaluate_exit(m, tokens, policies[1], 4, DecodeSettings(step="module", latency_tokens=0, warmup_tokens=0))
+    S.evaluate_exit(m, tokens, policies[1], 4, DecodeSettings(backend="module", latency_tokens=0, warmup_tokens=0))
     assert calls and not any(calls)
     for (ev0, rec0), (ev, rec) in zip(plain, lat, strict=True):
-        assert (ev0["step"], ev0["latency_step"], ev["step"], ev["latency_step"]) == ("module", "module", "module", "lean")
+        assert (ev0["backend"], ev0["latency_backend"], ev["backend"], ev["latency_backend"]) == ("module", "module", "module", "lean")
         assert (rec["nll"] == rec0["nll"]).all() and (rec["apps"] == rec0["apps"]).all()
         assert ev["batch_check"]["apps_mismatch"] == 0 and ev["batch_check"]["max_abs_dnll"] <= 1e-5
         assert ev["latency_tokens"] == 12 and ev["repeats"] == 2
 
 
-def test_auto_latency_step_compiles_a_sweep_where_a_compiler_is(monkeypatch):
-    """eval.latency_step=auto (the default): the compiled step for the latency passes of at
+def test_auto_latency_backend_compiles_a_sweep_where_a_compiler_is(monkeypatch):
+    """eval.latency_backend=auto (the default): the compiled step for the latency passes of at
     least AUTO_COMPILE_SETTINGS settings on a CPU with a C++ compiler, else the quality
     pass's step; an explicit step is kept whatever the count."""
     m = model(PLAIN, torch.float32)
     n = S.AUTO_COMPILE_SETTINGS
     for found in (True, False):
         monkeypatch.setattr(S, "has_cpp_compiler", lambda found=found: found)
-        for quality in ("module", "lean"):  # eval.step: the quality pass's
-            auto = DecodeSettings(step=quality, latency_step="auto")
-            assert S.latency_step_for(m, auto, n) == ("compiled" if found else quality)
-            assert S.latency_step_for(m, auto, n - 1) == quality and S.latency_step_for(m, auto, 1) == quality
+        for quality in ("module", "lean"):  # eval.backend: the quality pass's
+            auto = DecodeSettings(backend=quality, latency_backend="auto")
+            assert S.latency_backend_for(m, auto, n) == ("compiled" if found else quality)
+            assert S.latency_backend_for(m, auto, n - 1) == quality and S.latency_backend_for(m, auto, 1) == quality
             for step in (None, "module", "lean", "compiled"):
-                fixed = DecodeSettings(step=quality, latency_step=step)
-                assert S.latency_step_for(m, fixed, 1) == S.latency_step_for(m, fixed, n) == (step or quality)
-    assert EvalConfig().latency_step == "auto"
+                fixed = DecodeSettings(backend=quality, latency_backend=step)
+                assert S.latency_backend_for(m, fixed, 1) == S.latency_backend_for(m, fixed, n) == (step or quality)
+    assert EvalConfig().latency_backend == "auto"
 
 
 @pytest.mark.parametrize("settings", [2, 3])
-def test_auto_latency_step_reaches_the_timed_passes(monkeypatch, settings):
+def test_auto_latency_backend_reaches_the_timed_passes(monkeypatch, settings):
     """evaluate_exits hands the latency passes the step auto resolves to for its count of
     timed settings (the oracle, decoded alone, not among them), and evaluate_exit, one
-    setting, keeps eval.step: seen at `latency_step_for` (the compiled step swapped for the
+    setting, keeps eval.backend: seen at `latency_backend_for` (the compiled step swapped for the
     lean one here, not to compile) and at the timed passes, the eval blocks name the step used."""
     m = model(PLAIN, torch.float32)
     tokens = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
     monkeypatch.setattr(S, "has_cpp_compiler", lambda: True)
     monkeypatch.setattr(S, "AUTO_COMPILE_SETTINGS", 3)
-    asked, real = [], S.latency_step_for
+    asked, real = [], S.latency_backend_for
 
-    def latency_step_for(model, settings, timed):
+    def latency_backend_for(model, settings, timed):
         step = real(model, settings, timed)
         asked.append(step)
         return "lean" if step == "compiled" else step
@@ -204,22 +204,22 @@ def test_auto_latency_step_reaches_the_timed_passes(monkeypatch, settings):
     timed, real_time = [], S.time_tokens
 
     def time_tokens(model, tokens, policy, n_tokens, settings, *a, **k):
-        timed.append(settings.step)
+        timed.append(settings.backend)
         return real_time(model, tokens, policy, n_tokens, settings, *a, **k)
 
-    monkeypatch.setattr(S, "latency_step_for", latency_step_for)
+    monkeypatch.setattr(S, "latency_backend_for", latency_backend_for)
     monkeypatch.setattr(S, "time_tokens", time_tokens)
     policies = [build("fixed", None, max_steps=k) for k in range(1, settings + 1)] + [build("oracle", 0.01, max_steps=3)]
-    run = DecodeSettings(warmup_tokens=1, seed=5, step="module", latency_tokens=3, repeats=1, latency_step="auto",
+    run = DecodeSettings(warmup_tokens=1, seed=5, backend="module", latency_tokens=3, repeats=1, latency_backend="auto",
                          batch_size=4)
     out = S.evaluate_exits(m, tokens, policies, 20, run)
     assert asked == (["compiled"] if settings >= 3 else ["module"])  # the oracle: no latency pass
     assert timed == ["lean" if settings >= 3 else "module"] * settings
-    assert [ev["latency_step"] for ev, _ in out[:-1]] == ["lean" if settings >= 3 else "module"] * settings
+    assert [ev["latency_backend"] for ev, _ in out[:-1]] == ["lean" if settings >= 3 else "module"] * settings
     asked.clear()
     timed.clear()
     ev, _ = S.evaluate_exit(m, tokens, policies[0], 20, run)
-    assert asked == ["module"] and timed == ["module"] and ev["latency_step"] == "module"
+    assert asked == ["module"] and timed == ["module"] and ev["latency_backend"] == "module"
 
 
 def test_has_cpp_compiler_follows_torchs_search(monkeypatch):
@@ -239,22 +239,22 @@ def test_has_cpp_compiler_follows_torchs_search(monkeypatch):
     runtime.has_cpp_compiler.cache_clear()
 
 
-def test_bad_step_is_one_line():
+def test_bad_backend_is_one_line():
     m = model(PLAIN, torch.float32)
-    with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
+    with pytest.raises(ValueError, match=r"^eval\.backend: expected one of module, lean, compiled, got 'fast'$"):
         D.lean_steps(m, "fast")
-    with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
-        DecodeSettings(step="fast")
-    with pytest.raises(ValueError, match=r"^eval\.step: expected one of module, lean, compiled, got 'fast'$"):
-        EvalConfig(step="fast")
-    bad = r"^eval\.latency_step: expected null, auto or one of module, lean, compiled, got 'fast'$"
+    with pytest.raises(ValueError, match=r"^eval\.backend: expected one of module, lean, compiled, got 'fast'$"):
+        DecodeSettings(backend="fast")
+    with pytest.raises(ValueError, match=r"^eval\.backend: expected one of module, lean, compiled, got 'fast'$"):
+        EvalConfig(backend="fast")
+    bad = r"^eval\.latency_backend: expected null, auto or one of module, lean, compiled, got 'fast'$"
     with pytest.raises(ValueError, match=bad):
-        EvalConfig(latency_step="fast")
+        EvalConfig(latency_backend="fast")
     tokens = torch.randint(0, 40, (30,), generator=torch.Generator().manual_seed(3))
     for run in (lambda: S.evaluate_exit(m, tokens, build("fixed", None, max_steps=2), 10,
-                                        DecodeSettings(latency_step="fast")),
+                                        DecodeSettings(latency_backend="fast")),
                 lambda: S.evaluate_exits(m, tokens, [build("fixed", None, max_steps=2)], 10,
-                                         DecodeSettings(latency_tokens=0).replace(latency_step="fast"))):
+                                         DecodeSettings(latency_tokens=0).replace(latency_backend="fast"))):
         with pytest.raises(ValueError, match=bad):  # before any decoding, latency_tokens 0 or not
             run()
 
@@ -270,7 +270,7 @@ def test_compiled_step_equals_eager():
     policy = build("kl", 1e-2, max_steps=9)
     ref = score(m, "module", policy, 2)
     ev, comp = evaluate(m, "compiled", policy, 2)
-    assert ev["step"] == "compiled" and D.lean_steps(m, "compiled").compiled  # the run decoded with the compiled step
+    assert ev["backend"] == "compiled" and D.lean_steps(m, "compiled").compiled  # the run decoded with the compiled step
     assert abs(comp["nll"] - ref["nll"]).max() <= 1e-5
     assert (comp["apps"] == ref["apps"]).all()
     assert len(set(ref["apps"].ravel().tolist())) > 1
@@ -312,7 +312,7 @@ def _fused_against_step_by_step(rule, tau, min_steps, kw, warm_start=False):
 
         lean.loop = counted
         _, rec = S.evaluate_exit(m, tokens, policy, 19, DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0,
-                                                                       seed=5, step=step, warm_start=warm_start))
+                                                                       seed=5, backend=step, warm_start=warm_start))
         del lean.loop
         return rec, len(calls)
 
@@ -360,7 +360,7 @@ def test_compiled_warm_up_builds_every_span_so_a_timed_pass_compiles_nothing():
 
     torch._dynamo.reset()
     m = model(PLAIN, torch.float32, groups=((1, 2),), seed=1)
-    run = DecodeSettings(step="compiled", cache="latest", seed=5)
+    run = DecodeSettings(backend="compiled", cache="latest", seed=5)
     policy = build("fixed", None, max_steps=2)
     tokens = torch.randint(0, 40, (40,), generator=torch.Generator().manual_seed(3))
     start = counters["stats"]["unique_graphs"]
@@ -386,15 +386,15 @@ def test_bench_decode_bound_is_the_models_arithmetic():
     assert bd.bytes_per_layer(m, B, T) == pytest.approx(4 * (weights / 3 + 2 * T * d * B))
 
 
-def test_bench_decode_times_each_step_on_a_checkpoint(tiny_ckpt, ckpt_env, capsys):
+def test_bench_decode_times_each_backend_on_a_checkpoint(tiny_ckpt, ckpt_env, capsys):
     from recdepth import bench
 
     out = bench.main(["decode", "--ckpt", str(tiny_ckpt), "--no-paper", "--batches", "1", "2", "--rounds", "1",
-                      "--decode-reps", "2", "--context", "4", "--step-kinds", "module", "lean", "--tokens", "20"])
-    rows = [r for r in out["rows"] if "step" in r]
-    assert [(r["batch"], r["step"]) for r in rows] == [(1, "module"), (1, "lean"), (2, "module"), (2, "lean")]
+                      "--decode-reps", "2", "--context", "4", "--backends", "module", "lean", "--tokens", "20"])
+    rows = [r for r in out["rows"] if "backend" in r]
+    assert [(r["batch"], r["backend"]) for r in rows] == [(1, "module"), (1, "lean"), (2, "module"), (2, "lean")]
     assert all(r["bound_ms"] > 0 and r["over_bound"] == pytest.approx(r["ms"] / r["bound_ms"]) for r in rows)
-    assert all(r["vs_module"] == 1.0 for r in rows if r["step"] == "module")
+    assert all(r["vs_module"] == 1.0 for r in rows if r["backend"] == "module")
     rec = next(r["records"] for r in out["rows"] if "records" in r)
     assert rec["module"]["max_dnll"] == 0.0 and rec["lean"]["max_dnll"] <= 1e-5
     assert rec["lean"]["tokens"] == 20

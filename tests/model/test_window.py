@@ -34,7 +34,7 @@ TOKENS = torch.randint(0, 40, (80,), generator=torch.Generator().manual_seed(3))
 
 
 def records(m, policy, step="module", batch_size=1, cache="latest", n=45, **kw):
-    run = DecodeSettings(batch_size=batch_size, latency_tokens=0, warmup_tokens=0, cache=cache, seed=5, step=step, **kw)
+    run = DecodeSettings(batch_size=batch_size, latency_tokens=0, warmup_tokens=0, cache=cache, seed=5, backend=step, **kw)
     return S.evaluate_exit(m, TOKENS, policy, n, run)[1]
 
 
@@ -95,7 +95,7 @@ def test_the_oracle_and_the_coda_decode_under_a_window():
     run = DecodeSettings(batch_size=2, seed=5)
     ref = S.evaluate_oracle(m, TOKENS, oracle, 40, run.replace(share_first=False))[1]
     for step in ("module", "lean"):  # the first group once per window; the lean step's shared history read once
-        got = S.evaluate_oracle(m, TOKENS, oracle, 40, run.replace(step=step))[1]
+        got = S.evaluate_oracle(m, TOKENS, oracle, 40, run.replace(backend=step))[1]
         assert abs(got["nll_by_n"] - ref["nll_by_n"]).max() < 1e-12, step
     coda = model(groups=((2,),))  # prelude, core, coda: kl decodes through the coda (PeekCache)
     kl = build("kl", 1e-2, max_steps=9, decode="coda")
