@@ -4,6 +4,7 @@ here from the task's statement (the bits read back from the decoded tokens, the 
 each prefix counted as the number of ones modulo 2), never by the generator's own code, on
 every split, through the token cache and the data module."""
 
+import numpy as np
 import pytest
 
 from recdepth.config.schema import data_config
@@ -38,7 +39,7 @@ def expected(syms: list[str]):
 def test_prefixsums_is_one_file_registered_by_its_folder():
     t = tasks.lookup("prefixsums")()
     assert t.name == "prefixsums" and (t.size, t.extrapolation) == ([8, 32], [33, 48])
-    assert t.in_place() and not t.one_per_record() and not t.has_step_targets()
+    assert t.in_place() and not t.one_per_record() and t.has_step_targets() and t.step_width() == 46
 
 
 @pytest.mark.parametrize("split", SPLITS)
@@ -55,6 +56,42 @@ def test_prefixsums_records_agree_with_an_independent_running_parity(tmp_path, s
     assert int((labs > 0).sum()) == sum(sizes) and set(scored_syms) - set(syms) <= {"0", "1"}
     ones = [s for s in syms if s in BIT]
     assert 0.4 < ones.count("b") / len(ones) < 0.6  # uniform bits
+
+
+@pytest.mark.parametrize("split", ["train", "test"])
+def test_prefixsums_per_step_targets_are_the_window_parities(tmp_path, split):
+    """After application t the prediction at bit k targets the parity of its last t + 1 bits
+    (t = 1 .. k - 1; from t = k on the final p_k): counted here right to left from the
+    decoded bits, one bit added per application; every other slot is empty."""
+    dm = data_module(tmp_path)
+    toks, _, _ = in_place_split(dm, split)
+    if split == "train":
+        steps = np.asarray(dm.cache.train_steps, dtype=np.int64)
+        steps = np.where(steps == tasks.NO_STEP, -1, steps)
+    else:
+        steps = dm.heldout_steps(*reversed(dm.region(split)))
+    syms = symbols_of(dm.vocab, toks)
+    assert steps.shape == (len(toks), 28)  # step_width: the largest size (30) - 2
+    want: dict[tuple[int, int], str] = {}
+    i = 0
+    while i < len(syms):
+        if syms[i] in BIT:
+            j = i
+            while syms[j] in BIT:
+                j += 1
+            bits = [BIT[x] for x in syms[i:j]]
+            for k in range(len(bits)):
+                acc = bits[k]
+                for t in range(1, k):  # add bit k - t
+                    acc ^= bits[k - t]
+                    want[(i + k + 1, t - 1)] = str(acc)
+            i = j
+        else:
+            i += 1
+    set_ = list(zip(*np.nonzero(steps >= 0), strict=True))
+    assert sorted((int(p), int(t)) for p, t in set_) == sorted(want) and len(want) > 100
+    got = symbols_of(dm.vocab, [steps[p, t] for p, t in sorted(want)])
+    assert got == [want[k] for k in sorted(want)]
 
 
 def test_prefixsums_splits_share_no_instance():
