@@ -65,7 +65,8 @@ class FrontierSweeper(BasicSweeper):
         from recdepth.app.checkpoints import eval_defaults
         from recdepth.training.runs import write_json
 
-        given = {_key(o) for o in self.config.hydra.overrides.hydra}
+        hydra_cfg = self.config.hydra if self.config is not None else None  # None: called before Hydra's setup
+        given = {_key(o) for o in hydra_cfg.overrides.hydra} if hydra_cfg is not None else set()
         carried = eval_defaults(ckpt)["frontier"] if ckpt else {}
         mine = {k: v for k, v in carried.items() if k in FRONTIER_FROM_CHECKPOINT and f"hydra.sweeper.{k}" not in given}
         grid = dataclasses.replace(self.grid, **mine)  # validated again (FrontierGrid.__post_init__)
@@ -73,9 +74,10 @@ class FrontierSweeper(BasicSweeper):
             log.info("frontier grid from the checkpoint: %s", ", ".join(f"{k}={v}" for k, v in mine.items()))
         self.used[str(ckpt)] = {"fixed": grid.fixed, "warm_start": grid.warm_start,
                                 "from": {k: "checkpoint" if k in mine else "command" for k in FRONTIER_FROM_CHECKPOINT}}
-        out = Path(self.config.hydra.sweep.dir)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "grid.json", self.used)  # one entry per checkpoint of the sweep
+        if hydra_cfg is not None:
+            out = Path(hydra_cfg.sweep.dir)
+            out.mkdir(parents=True, exist_ok=True)
+            write_json(out / "grid.json", self.used)  # one entry per checkpoint of the sweep
         return grid
 
     def jobs(self, user: Sequence[str]) -> list[list[str]]:
