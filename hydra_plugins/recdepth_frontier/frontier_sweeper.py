@@ -37,7 +37,14 @@ from hydra._internal.core_plugins.basic_launcher import BasicLauncher
 from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
 from omegaconf import open_dict
 
-from recdepth.config.frontier_grid import FRONTIER_FROM_CHECKPOINT, WARM, FrontierSweeperConf, exit_line, settings
+from recdepth.cli.runner import override_key, unset
+from recdepth.config.frontier_grid import (
+    FRONTIER_FROM_CHECKPOINT,
+    WARM,
+    FrontierSweeperConf,
+    exit_line,
+    settings,
+)
 
 log = logging.getLogger("recdepth.frontier")
 
@@ -66,9 +73,9 @@ class FrontierSweeper(BasicSweeper):
         from recdepth.training.runs import write_json
 
         hydra_cfg = self.config.hydra if self.config is not None else None  # None: called before Hydra's setup
-        given = {_key(o) for o in hydra_cfg.overrides.hydra} if hydra_cfg is not None else set()
+        given = {override_key(o) for o in hydra_cfg.overrides.hydra} if hydra_cfg is not None else set()
         carried = eval_defaults(ckpt)["frontier"] if ckpt else {}
-        mine = {k: v for k, v in carried.items() if k in FRONTIER_FROM_CHECKPOINT and f"hydra.sweeper.{k}" not in given}
+        mine = {k: v for k, v in unset(carried, "hydra.sweeper", given).items() if k in FRONTIER_FROM_CHECKPOINT}
         grid = dataclasses.replace(self.grid, **mine)  # validated again (FrontierGrid.__post_init__)
         if mine:
             log.info("frontier grid from the checkpoint: %s", ", ".join(f"{k}={v}" for k, v in mine.items()))
@@ -85,7 +92,7 @@ class FrontierSweeper(BasicSweeper):
         (ckpt=, `grid_for`), exit=halt only where that checkpoint has a halting head."""
         from recdepth.app.checkpoints import has_halting_head
 
-        ckpt = next((o.split("=", 1)[1] for o in user if _key(o) == "ckpt"), None)
+        ckpt = next((o.split("=", 1)[1] for o in user if override_key(o) == "ckpt"), None)
         grid = self.grid_for(ckpt)
         return [exit_line(s) for s in settings(grid, head=ckpt is not None and has_halting_head(ckpt))]
 
@@ -110,11 +117,7 @@ class FrontierSweeper(BasicSweeper):
     def split_arguments(self, overrides, max_batch_size):  # an instance method here (a staticmethod upstream)
         user = BasicSweeper.split_arguments(overrides, None)[0]
         batches = [u + job for u in user for job in self.jobs(u)
-                   if not (WARM in job and any(_key(o) == "eval.warm_start" for o in u))]
+                   if not (WARM in job and any(override_key(o) == "eval.warm_start" for o in u))]
         n = len(batches) if max_batch_size in (None, -1) else max_batch_size
         return [batches[i : i + n] for i in range(0, len(batches), n)]
 
-
-def _key(override: str) -> str:
-    """The key of a command-line override (`+eval.warm_start=true` -> `eval.warm_start`)."""
-    return override.split("=", 1)[0].lstrip("+~")

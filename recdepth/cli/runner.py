@@ -14,6 +14,8 @@ dict`, that starts with `job_dir`, `refuse` and `start_job`, and is made a comma
                           line would (a command that runs another's jobs: the report)
     checkpoint_eval(cfg, overrides)  a task checkpoint's own eval settings (and report grid) where the command
                           line sets none (every command's job does this before it starts)
+    unset(values, prefix, given)  the carried settings the command line did not set (also the
+                          frontier sweeper's, for its grid)
     run_hydra_main(main)  call a @hydra.main function: `--multirun` may stand anywhere
                           among the overrides (`hoist_mode_flags`), a config OmegaConf
                           refuses is one line naming the field (`schema.config_error`),
@@ -89,6 +91,12 @@ def override_key(override: str) -> str:
     return override.split("=", 1)[0].lstrip("+~")
 
 
+def unset(values: dict, prefix: str, given: set[str]) -> dict:
+    """The entries of `values` (settings a checkpoint carries) whose key `<prefix>.<key>` is
+    not among `given`, the keys the command line set: a value on the command line wins."""
+    return {k: v for k, v in values.items() if f"{prefix}.{k}" not in given}
+
+
 def checkpoint_eval(cfg: DictConfig, overrides: list[str]) -> list[str]:
     """A task checkpoint evaluates itself: the settings its experiment chose, carried by `ckpt=`
     (`checkpoints.eval_defaults`), become the command's (in place) where `overrides`, the
@@ -109,7 +117,7 @@ def checkpoint_eval(cfg: DictConfig, overrides: list[str]) -> list[str]:
         block = OmegaConf.select(cfg, name)
         if block is None or "from_checkpoint" not in block:
             continue
-        mine = {k: v for k, v in values.items() if k in block and f"{name}.{k}" not in given}
+        mine = {k: v for k, v in unset(values, name, given).items() if k in block}
         for k, v in mine.items():
             block[k] = v
         block.from_checkpoint = sorted(mine)
