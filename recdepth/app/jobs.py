@@ -44,7 +44,8 @@ def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
 
 
 # eval keys an older run's config.yaml may lack, read as the code before them did
-_LATER_KEYS = {"answers": None, "context_steps": None, "latency_backend": None, "backend": EvalConfig.backend}
+_LATER_KEYS = {"answers": None, "context_steps": None, "latency_backend": None, "backend": EvalConfig.backend,
+               "copy_forward": False}
 # eval keys renamed since: an older run's config.yaml names them so
 _RENAMED = {"backend": "step", "latency_backend": "latency_step"}
 
@@ -54,7 +55,7 @@ def decode_settings(cfg, bos: int | None = None) -> DecodeSettings:
     or the validated object (an older run's config.yaml may lack the later keys,
     `_LATER_KEYS`, or name them as before, `_RENAMED`); `bos`: the opened model's BOS id (an hf= tokenizer's), if any."""
     e = cfg.eval
-    keys = ("cache", "warm_start", "backend", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
+    keys = ("cache", "copy_forward", "warm_start", "backend", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
             "repeats", "latency_backend", "answers")
     return DecodeSettings(seed=cfg.seed, bos=bos, **{k: getattr(e, k, getattr(e, _RENAMED.get(k, k), _LATER_KEYS.get(k)))
                                                       for k in keys})

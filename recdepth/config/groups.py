@@ -237,6 +237,11 @@ class DecodeConfig:
     cache: str = DecodeSettings.cache
     """K/V of looped layers: latest (SPEC §4) | per_step (one entry per application; needed
     by speculative decoding)."""
+    copy_forward: bool = DecodeSettings.copy_forward
+    """A position the exit rule stopped after n applications runs one more that only writes
+    its K/V, so later tokens read its final state at every deeper application (the Universal
+    Transformer's copy forward; counted in its cost). Default false: a stopped position offers
+    the input of its last application (Huginn's)."""
     warm_start: bool = DecodeSettings.warm_start
     """Continuous compute (SPEC §4): each group's loop for a token starts from the state it
     ended with for the previous token of the window (the first token: the usual initial state)."""
@@ -254,7 +259,8 @@ class DecodeConfig:
 
     def settings(self, **more) -> DecodeSettings:
         """These fields (and `more`: the seed, a BOS id) as the engine's `DecodeSettings`."""
-        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, backend=self.backend, **more)
+        return DecodeSettings(cache=self.cache, copy_forward=self.copy_forward, warm_start=self.warm_start,
+                              backend=self.backend, **more)
 
 
 # The eval keys a task's checkpoint carries (its experiment's choices: conf/experiment/) and the
@@ -305,7 +311,7 @@ class EvalConfig(DecodeConfig):
 
     def settings(self, **more) -> DecodeSettings:
         """The eval block as the engine's `DecodeSettings` (`more`: the seed, a BOS id)."""
-        return DecodeSettings(cache=self.cache, warm_start=self.warm_start, backend=self.backend,
-                              context_steps=self.context_steps, batch_size=self.batch_size,
+        return DecodeSettings(cache=self.cache, copy_forward=self.copy_forward, warm_start=self.warm_start,
+                              backend=self.backend, context_steps=self.context_steps, batch_size=self.batch_size,
                               warmup_tokens=self.warmup_tokens, latency_tokens=self.latency_tokens,
                               repeats=self.repeats, latency_backend=self.latency_backend, answers=self.answers, **more)

@@ -440,7 +440,8 @@ class GenerateConfig(ModelJob):
                 check_int("prompt_ids[]", i, 0)
         check_int("max_new_tokens", self.max_new_tokens, 1)
         if self.speculative.draft_steps is not None:
-            generation.check_speculative(self.eval.cache, self.speculative.draft_steps, self.speculative.lookahead)
+            generation.check_speculative(self.eval.cache, self.speculative.draft_steps, self.speculative.lookahead,
+                                         self.eval.copy_forward)
 
 
 # The names conf/config.yaml, conf/evaluate.yaml, conf/calibrate.yaml, conf/report.yaml,

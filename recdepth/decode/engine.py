@@ -132,6 +132,35 @@ def _forced(fired: Tensor, n: Tensor, fixed_rows: Tensor | None, fixed_steps: in
     return fired
 
 
+def _writes_forward(settings: DecodeSettings, policy: ExitPolicy | MixedPolicy, by_rule: Tensor, n: Tensor,
+                    limit: Tensor | None) -> Tensor:
+    """[B] bool: the rows that write forward (`eval.copy_forward`, docs/spec.md §4): those the
+    exit rule stopped (`by_rule`) after n applications below their max_steps (and `limit`),
+    none without copy_forward. A row stopped by max_steps, a per-row limit or a forced count
+    writes nothing: nobody reads deeper than the deepest application."""
+    if not settings.copy_forward:
+        return torch.zeros_like(by_rule)
+    if isinstance(policy, MixedPolicy):
+        top = torch.tensor([p.max_steps for p in policy.policies], device=n.device)[policy.setting.to(n.device)]
+    else:
+        top = torch.full_like(n, policy.max_steps)
+    out = by_rule & (n < top)
+    return out if limit is None else out & (n < limit)
+
+
+def _write_forward(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, caches: list[KVCache], pos: int,
+                   n: Tensor, lean: LeanSteps | None) -> Tensor:
+    """A batch-1 row the rule stopped after n applications writes forward (`eval.copy_forward`):
+    one more application of group g from its final state s, kept only in the group's caches at
+    application n + 1 (the K/V its next application reads from x^(n)), its output dropped.
+    Returns n + 1, the applications it cost."""
+    for layer in model.cfg.groups[g]:
+        if isinstance(caches[layer], StepKVCache):
+            caches[layer].step = int(n[0])
+    apply_group(model, g, s, e_proj, caches, pos, None, lean=lean)
+    return n + 1
+
+
 def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: list[KVCache],
                pos: int, settings: DecodeSettings = REFERENCE, *, generator: torch.Generator | None = None,
                noise: RowNoise | None = None, limit: Tensor | None = None,
@@ -185,6 +214,8 @@ def loop_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches: 
         coda = [(caches[layer].k, caches[layer].v) for layer in model.coda] \
             if policy.needs_decode and decode_mode(model, policy) == "coda" else None
         s, n, logits = fast.loop(g, s, e_proj, [(c.k, c.v) for c in mine], pos, policy, coda, reuse)
+        if settings.copy_forward and int(n[0]) < policy.max_steps:  # the rule stopped it: write forward
+            n = _write_forward(model, g, s, e_proj, caches, pos, n, lean_of(fast, mine))
         for c in mine:
             if type(c) is StepKVCache:  # slots above n take the last application's entry
                 c.finish(pos, n)
@@ -244,18 +275,33 @@ def _loop_steps(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, policy: Exi
     active = torch.ones(B, dtype=torch.bool, device=s.device)
     step_caches = [caches[layer] for layer in model.cfg.groups[g] if isinstance(caches[layer], StepKVCache)]
     j, n_active = 0, B
+    writing = None  # rows the rule stopped at the last application, writing forward in this one (copy_forward)
     while True:
         for c in step_caches:
             c.step = j
-        s, s_new = _apply_rows(model, g, s, e_proj, caches, pos, active, n_active, settings.compact, reps, lean)
+        if writing is None:
+            s, s_new = _apply_rows(model, g, s, e_proj, caches, pos, active, n_active, settings.compact, reps, lean)
+        else:  # their application only writes the cache: their state stays the one the rule stopped
+            kept = s
+            s, s_new = _apply_rows(model, g, s, e_proj, caches, pos, active | writing,
+                                   n_active + int(writing.sum()), settings.compact, reps, lean)
+            s = torch.where(writing[:, None, None], kept, s)
+            n += writing
+            writing = None
         j += 1
+        if B > 1 and n_active == 0:  # only writing rows ran this application
+            for c in step_caches:
+                c.finish(pos, n)
+            return s, n
         if B == 1:  # the one row has run j applications: no row bookkeeping per application
-            fired = monitor.observe(s_new[:, 0])
+            fired = by_rule = monitor.observe(s_new[:, 0])
             if limit is not None:
                 n.fill_(j)
                 fired = _forced(fired, n, None, fixed_steps, limit)
             if bool(fired[0]):
                 n.fill_(j)
+                if bool(_writes_forward(settings, policy, by_rule, n, limit)[0]):
+                    n = _write_forward(model, g, s, e_proj, caches, pos, n, lean)
                 for c in step_caches:
                     c.finish(pos, n)
                 if out is not None and getattr(monitor, "logits", None) is not None:  # this check is the output
@@ -270,9 +316,15 @@ def _loop_steps(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, policy: Exi
             fired = monitor.observe(s_new[:, 0], active)
         elif not idle and bool(active[checked].any()):
             fired[checked] = monitor.observe(s_new[checked, 0], active[checked])
+        by_rule = fired & active
         fired = _forced(fired, n, fixed_rows, fixed_steps, limit)
         active = active & ~fired
         n_active = int(active.sum())
+        if settings.copy_forward:
+            forward = _writes_forward(settings, policy, by_rule, n, limit)
+            if bool(forward.any()):
+                writing = forward
+                continue
         if n_active == 0:
             for c in step_caches:
                 c.finish(pos, n)

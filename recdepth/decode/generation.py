@@ -136,9 +136,12 @@ def budget(prompt_len: int, max_new_tokens: int, block_size: int) -> tuple[int, 
     return (max_new_tokens, "max_new_tokens") if max_new_tokens <= room else (room, "block_size")
 
 
-def check_speculative(cache: str, draft_steps: int, lookahead: int) -> None:
+def check_speculative(cache: str, draft_steps: int, lookahead: int, copy_forward: bool = False) -> None:
     """The settings of `speculative`, one line naming the field each."""
     check_cache(cache)
+    if copy_forward:
+        raise ValueError("eval.copy_forward: not with speculative decoding (its verify pass runs a chunk of positions "
+                         "side by side, so a stopped position cannot write forward before the next one reads it)")
     if cache != "per_step":
         raise ValueError(f"eval.cache: speculative decoding needs eval.cache=per_step, got {cache!r} (with latest sharing a "
                          "token reads the previous one at its final application, which a parallel verify pass "
@@ -406,7 +409,7 @@ def speculative(model: LoopedGPT, prompt_ids, policy: ExitPolicy, max_new_tokens
     same three for the prompt's pass, and the seconds of the prompt pass, drafts and
     verify passes."""
     cache, seed = settings.cache, settings.seed
-    check_speculative(cache, draft_steps, lookahead)
+    check_speculative(cache, draft_steps, lookahead, settings.copy_forward)
     policy.check_model(model.n_groups, model.cfg.n_embd)
     prompt = _prompt_tensor(prompt_ids, model)
     if prompt.shape[0] != 1:

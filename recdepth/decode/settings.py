@@ -32,6 +32,11 @@ class DecodeSettings:
     cache: str = "latest"
     """K/V of looped layers: latest (one entry per position, SPEC §4) | per_step (one per
     application; speculative decoding needs it)."""
+    copy_forward: bool = False
+    """A position the exit rule stopped after n applications runs one more whose only effect is
+    its cache entry: later tokens read it, at every deeper application, through its final
+    state x^(n) (the Universal Transformer's copy forward) instead of the input of its last
+    application; the extra application is counted in its cost (docs/spec.md §4)."""
     warm_start: bool = False
     """Continuous compute: each group's loop for a token starts from the state it ended with
     for the previous token of the window (the first token: the initial state)."""
@@ -72,7 +77,7 @@ class DecodeSettings:
         if self.latency_backend is not None and self.latency_backend != AUTO and self.latency_backend not in BACKENDS:
             raise ValueError(f"eval.latency_backend: expected null, {AUTO} or one of {', '.join(BACKENDS)}, "
                              f"got {self.latency_backend!r}")
-        for field in ("warm_start", "compact", "share_first"):
+        for field in ("copy_forward", "warm_start", "compact", "share_first"):
             check_bool(f"eval.{field}", getattr(self, field))
         check_bool("eval.answers", self.answers, null=True)
         check_int("eval.seed", self.seed, -(2**63))
