@@ -1,6 +1,10 @@
-"""The learned exit gate (SPEC §3c): one Linear(d -> 1) per
-recurrence group on the loop's state (Ouro-style), fitted after the fact on a frozen
-checkpoint, from states and losses of the checkpoint's train split.
+"""The learned exit gate (SPEC §3c): the halting family's `correct` head (label `margin`)
+fitted after the fact on a frozen checkpoint, one Linear(d -> 1) per recurrence group on the
+loop's state, from states and losses of the checkpoint's train split. Trained with the loop,
+the same head is `halt=correct halt.label=margin` (recdepth/training/halting.py); both are
+read by the halting rule's `direct` reading (recdepth/exits/rules/builtin.py: `Halt`, and
+`Gate`, which reads this file's head). The gate keeps the complementary sign: its q is the
+probability that continuing still helps, q = 1 − λ, so its weights are the head's negated.
 
 With N = max_steps and x_g^(n) group g's state after n applications:
 
@@ -39,10 +43,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from recdepth.model.looped import LoopedGPT
+from recdepth.model.looped import LoopedGPT, halt_logit
 
 FORMAT = "recdepth-gate"
 VERSION = 1
+
+
+def margin_labels(nll: Tensor, margin: float, dim: int = 0) -> Tensor:
+    """The halting family's `margin` label, one definition for the head trained with the loop
+    and the gate: along `dim` (entry n − 1: the loss after n applications, the last entry N's),
+
+        y^(n) = [ nll(n) − nll(N) <= margin ]    (bool; 1 = halting after n gives up at most
+                                                  `margin` nats against full depth)"""
+    return nll - nll.narrow(dim, nll.shape[dim] - 1, 1) <= margin
 
 
 def gate_labels(nll_by_n: Tensor, margin: float) -> Tensor:
@@ -54,15 +67,17 @@ def gate_labels(nll_by_n: Tensor, margin: float) -> Tensor:
         y^(n) = [ nll(n) − nll(N) > margin ]
 
     1 = "continue": running on to the full depth N still lowers the loss by more than
-    `margin` (nats). (Not "one more application": see the module docstring.)"""
-    return (nll_by_n[..., :-1] - nll_by_n[..., -1:]) > margin
+    `margin` (nats): the negation of `margin_labels`. (Not "one more application": see the
+    module docstring.)"""
+    return ~margin_labels(nll_by_n, margin, dim=-1)[..., :-1]
 
 
 def gate_probability(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """q = σ(w · x + b) over the last axis of x [..., d] (weight [d], bias scalar): the
-    gate's predicted probability that continuing still helps. The dot product is a per-row
-    sum, not a matmul, so a row's q does not depend on the rows beside it."""
-    return torch.sigmoid((x * weight).sum(-1) + bias)
+    gate's predicted probability that continuing still helps, the halting head's 1 − λ
+    with λ = σ(−(w · x + b)) (`looped.halt_logit` of the negated weights, a per-row sum: a
+    row's q does not depend on the rows beside it)."""
+    return torch.sigmoid(-halt_logit(x, -weight, -bias, normed=False))
 
 
 def class_weights(labels: Tensor) -> Tensor:

@@ -17,8 +17,9 @@ x^(n), what `loss.steps` computes) into one scalar, added to the objective of `l
     correct    BCE(λ_n, y_n) over every n, y_n = "the prediction after application n is
                right" (`halt.label`: right = argmax is the target; margin = L_n − L_N ≤ margin
                nats; improvement = L_n − L_{n+1} ≤ margin, Ouro's stage II; y_N = 1 for the
-               last two). The post-hoc gate (recdepth/exits/gate.py) is this label on a frozen
-               model, fitted by logistic regression.
+               last two). The post-hoc gate (recdepth/exits/gate.py, `recdepth train-gate`) is
+               this loss with label margin on a frozen model, fitted by logistic regression
+               (its sign flipped: q = 1 − λ), read by the same `direct` reading.
 
 Each is the mean over the scored tokens (target >= 0) of a per-token quantity. What the head
 means at inference (`exit=halt`, recdepth/exits/rules/builtin.py) is the loss's `reading`, through what
@@ -44,6 +45,7 @@ from torch import Tensor
 
 from recdepth.core.checks import is_number
 from recdepth.core.registry import Registry
+from recdepth.exits.gate import margin_labels
 
 _REGISTRY: Registry[HaltingLoss] = Registry("halt.loss", "halting loss")
 READINGS = ("sum", "cdf", "direct")  # how exit=halt reads the head (GPTConfig.halt_reading)
@@ -157,8 +159,8 @@ def correct_labels(h: HaltInputs, s: HaltSettings) -> Tensor:
     """correct's label y_n [N, B, T] (float): see the module docstring (`halt.label`)."""
     if s.label == "right":
         y = h.right
-    elif s.label == "margin":
-        y = h.nll - h.nll[-1:] <= s.margin
+    elif s.label == "margin":  # the post-hoc gate's label too (negated: its 1 is "continue")
+        y = margin_labels(h.nll, s.margin, dim=0)
     else:  # improvement: L_n − L_{n+1} ≤ margin; y_N = 1
         y = h.nll - torch.cat([h.nll[1:], h.nll[-1:]], 0) <= s.margin
     return y.to(h.z.dtype)

@@ -12,6 +12,7 @@ from recdepth.decode import scoring as S
 from recdepth.decode.engine import RowNoise, decode_step
 from recdepth.decode.kv_cache import new_caches
 from recdepth.decode.settings import DecodeSettings
+from recdepth.exits.gate import gate_probability
 from recdepth.model.looped import GPTConfig, LoopedGPT
 
 LAMBDAS = [0.1, 0.2, 0.05, 0.6, 0.3, 0.9, 0.2, 0.4]  # λ_n of one row, n = 1 .. 8
@@ -105,12 +106,15 @@ def test_batch_rows_equal_batch_one_under_noise(reading, sharing):
         assert torch.equal(apps[r : r + 1], apps_1)
 
 
-@pytest.mark.parametrize("warm", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["cold", "warm"])
-def test_eager_lean_and_compiled_loop_give_identical_applications(warm):
+@pytest.mark.parametrize("warm, copy_forward", [(False, False), (False, True),
+                                                (pytest.param(True, False, marks=pytest.mark.slow))],
+                         ids=["cold", "copy_forward", "warm"])
+def test_eager_lean_and_compiled_loop_give_identical_applications(warm, copy_forward):
     """exit=halt through the module step, the eager lean step and the compiled batch-1 loop
     (one graph with the head's check inside): identical applications, NLL within float32
-    rounding; warm start too (the states the head reads start from the last token's; in
-    `make test-slow`: default-suite time)."""
+    rounding; with eval.copy_forward (per_step cache: the write after the compiled loop); warm
+    start too (the states the head reads start from the last token's; in `make test-slow`:
+    default-suite time)."""
     m = random_head(head_model("cdf", dtype=torch.float32), scale=1.0)
     tokens = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(3))
     policy = exits.build("halt", 0.5, max_steps=9).with_head(m)
@@ -121,7 +125,8 @@ def test_eager_lean_and_compiled_loop_give_identical_applications(warm):
     try:
         for step in ("module", "lean", "compiled"):
             run = DecodeSettings(batch_size=1, latency_tokens=0, warmup_tokens=0, seed=5, backend=step,
-                                 warm_start=warm)
+                                 warm_start=warm, copy_forward=copy_forward,
+                                 cache="per_step" if copy_forward else "latest")
             _, recs[step] = S.evaluate_exit(m, tokens, policy, 19, run)
     finally:
         del compiled.loop
@@ -130,3 +135,23 @@ def test_eager_lean_and_compiled_loop_give_identical_applications(warm):
     for step in ("lean", "compiled"):
         assert (recs[step]["apps"] == recs["module"]["apps"]).all(), (warm, step)
         assert abs(recs[step]["nll"] - recs["module"]["nll"]).max() <= 1e-5
+
+
+@pytest.mark.parametrize("tau", [0.2, 0.5, 0.8])
+def test_the_gate_is_the_direct_head_with_its_sign_flipped(tau):
+    """The post-hoc gate is the `correct` head fitted on a frozen model (recdepth/exits/gate.py):
+    exit=gate with a gate file (w, b) stops every token where exit=halt stops on a model whose
+    `direct` head is (−w, −b), with the same logits, and its q is 1 − λ."""
+    m = random_head(head_model("direct"))
+    w, b = m.halt.weight.detach().clone(), m.halt.bias.detach().clone()  # [1, d], [1]: one group
+    idx = torch.randint(0, 40, (3, 10), generator=torch.Generator().manual_seed(5))
+    gate = exits.build("gate", tau, max_steps=8, gate=(-w, -b))
+    halt = exits.build("halt", tau, max_steps=8).with_head(m)
+    got, apps_gate = decode_all(m, idx, gate, RowNoise(7, [1, 2, 3]))
+    want, apps_halt = decode_all(m, idx, halt, RowNoise(7, [1, 2, 3]))
+    assert len(set(apps_halt.flatten().tolist())) > 2  # the head varies the depth
+    assert torch.equal(apps_gate, apps_halt)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    x = torch.randn(5, 16, dtype=torch.float64)
+    lam = torch.sigmoid(x @ w[0] + b[0])
+    torch.testing.assert_close(gate_probability(x, -w[0], -b[0]), 1 - lam, rtol=1e-12, atol=1e-12)

@@ -14,9 +14,10 @@ the state, `exit.decode`):
     entropy_diff      |H(p^(n)) − H(p^(n−1))| < τ                            2        8V, after a decode
     cosine            1 − cos(x^(n), x^(n−1)) < τ                            1        6d
     argmax_stability  argmax p^(j) equal for j = n−k … n (k = patience)      k + 1    V, after a decode
-    gate              q^(n) = σ(w_g · x^(n) + b_g) < τ,  τ in (0, 1)          1        2d
     halt              r^(n) < τ, r what the trained head leaves to halt:     1        5d
                       1 − Σ λ_j, ∏ (1 − λ_j) or 1 − λ_n; λ_j = σ(w · f(x^(j)) + b)
+    gate              halt's 1 − λ_n (`direct`) of a head fitted on a frozen   1        2d
+                      model: q^(n) = σ(w_g · x^(n) + b_g) < τ,  τ in (0, 1)
 
 The last column is each rule's `check_flops` (element-wise operations, one FLOP each); a
 decode (the head, 2·d·V, and under exit.decode=coda the layers after the group) is priced
@@ -39,7 +40,6 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from recdepth.analysis import geometry as geo
-from recdepth.exits.gate import gate_probability
 from recdepth.exits.rule import ExitRule, Step
 from recdepth.model.looped import halt_logit
 
@@ -278,24 +278,13 @@ class ArgmaxStability(ExitRule):
         return new[1] > s.patience  # r^(n) >= k + 1: equal for j = n−k … n
 
 
-class Gate(ExitRule):
-    """The learned exit gate (SPEC §3c, recdepth/exits/gate.py): q^(n) = σ(w_g · x^(n) + b_g) < τ,
-    the gate's probability that running on to max_steps still lowers the loss by more than
-    its margin; τ is a probability in (0, 1), a larger τ exits earlier. Needs the gate.pt of
-    `recdepth train-gate` (exit.gate)."""
-
-    name = "gate"
-    gated = True
-    default_tau = 0.5
-
-    def check_flops(self, d: int, vocab: int) -> float:
-        return 2.0 * d  # w · x (the sigmoid is one operation)
-
-    def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
-        return gate_probability(s.x_new, *s.gate) < s.tau
-
-    def check_tau(self, where: str, tau) -> float:
-        return _in_unit_interval(where, tau, "a probability in (0, 1) for rule 'gate' (exit once the gate's q < τ)")
+def left_to_halt(reading: str, old: Tensor, z: Tensor) -> Tensor:
+    """r^(n), what a halting head leaves to halt after application n, from r^(n−1) (`old`)
+    and the head's logit z^(n) (λ = σ(z)): `sum` r − λ; `cdf` r · (1 − λ); `direct` 1 − λ."""
+    if reading == "sum":
+        return old - torch.sigmoid(z)
+    stay = torch.sigmoid(-z)  # 1 − λ, without the cancellation of 1 − σ(z) as λ → 1
+    return old * stay if reading == "cdf" else stay
 
 
 class Halt(ExitRule):
@@ -323,11 +312,7 @@ class Halt(ExitRule):
     def advance(self, s: Step) -> tuple[Tensor, ...]:
         w, b = s.gate
         z = halt_logit(s.x_new, w, b, s.policy.halt_input == "normed").to(s.old[0].dtype)
-        reading = s.policy.halt_reading
-        if reading == "sum":
-            return (s.old[0] - torch.sigmoid(z),)
-        stay = torch.sigmoid(-z)  # 1 − λ, without the cancellation of 1 − σ(z) as λ → 1
-        return (s.old[0] * stay,) if reading == "cdf" else (stay,)
+        return (left_to_halt(s.policy.halt_reading, s.old[0], z),)
 
     def fires(self, s: Step, new: tuple[Tensor, ...]) -> Tensor:
         return new[0] < s.tau
@@ -335,3 +320,29 @@ class Halt(ExitRule):
     def check_tau(self, where: str, tau) -> float:
         return _in_unit_interval(where, tau, "a number in (0, 1) for rule 'halt' (halt once what is left of the "
                                              "head's halting is below τ)")
+
+
+class Gate(Halt):
+    """The learned exit gate (SPEC §3c, recdepth/exits/gate.py): the `correct` head fitted on a
+    frozen checkpoint, read as `Halt` reads a `direct` head, from the gate file of `recdepth
+    train-gate` (exit.gate) instead of the checkpoint. The file keeps the gate's sign, q^(n) =
+    σ(w_g · x^(n) + b_g), the probability that running on to max_steps still lowers the loss by
+    more than its margin, which is r^(n) = 1 − λ^(n) of the head λ = σ(−(w_g · x + b_g)): exit
+    once q < τ. τ is a probability in (0, 1); a larger τ exits earlier."""
+
+    name = "gate"
+    gated = True
+    reads_head = False
+    default_tau = 0.5
+    frontier = ()
+    report = ()
+
+    def check_flops(self, d: int, vocab: int) -> float:
+        return 2.0 * d  # w · x (the sigmoid is one operation)
+
+    def advance(self, s: Step) -> tuple[Tensor, ...]:
+        w, b = s.gate
+        return (left_to_halt("direct", s.old[0], halt_logit(s.x_new, -w, -b, False).to(s.old[0].dtype)),)
+
+    def check_tau(self, where: str, tau) -> float:
+        return _in_unit_interval(where, tau, "a probability in (0, 1) for rule 'gate' (exit once the gate's q < τ)")
