@@ -627,7 +627,7 @@ class LoopedGPT(nn.Module):
 
             def after_step(t: int, s: Tensor) -> Tensor:
                 if t not in decoded:
-                    decoded[t] = logits if t == n_last else self._decode_after(after, g, s)
+                    decoded[t] = logits if t == n_last else self.decode_after(after, g, s)
                 return decoded[t]
         if not per_step:  # mean token_nll over the scored targets (-1: not scored)
             scored = (targets >= 0).sum().clamp(min=1)
@@ -659,12 +659,12 @@ class LoopedGPT(nn.Module):
         xs = torch.stack(states)
 
         def mixture(p: Tensor) -> Tensor:  # ACT: the output decoded from Σ_n p_n x^(n)
-            return self.nll(self._decode_after(after, g, (p.unsqueeze(-1).to(xs.dtype) * xs).sum(0)), targets)
+            return self.nll(self.decode_after(after, g, (p.unsqueeze(-1).to(xs.dtype) * xs).sum(0)), targets)
 
         z = z.to(torch.promote_types(z.dtype, torch.float32))
         return halting(z=z, nll=nll, right=right, scored=targets >= 0, mixture=mixture)
 
-    def _decode_after(self, after: Sequence[tuple[str, int]], g: int, s: Tensor) -> Tensor:
+    def decode_after(self, after: Sequence[tuple[str, int]], g: int, s: Tensor) -> Tensor:
         """The logits of group g's state s passed on (`leave_group`) through the layers `after` it."""
         return self.decode_logits(self._run_layers(after, self.leave_group(g, s)))
 
