@@ -101,6 +101,32 @@ def test_a_task_checkpoint_evaluates_with_its_experiments_settings(roots_run, en
     assert "tokens: 96" in (tmp / "mine" / "config.yaml").read_text()
 
 
+def test_the_parallel_regime_at_a_fixed_depth_scores_as_the_per_step_cache(roots_run, env):
+    """eval.regime=parallel at a fixed depth is the training pass, which the per_step cache
+    reproduces token by token: the two regimes score every answer alike; under a rule the
+    positions stop at their own applications and the window at its slowest."""
+    tmp, rd = roots_run
+    ckpt = rd / "train" / "checkpoints" / "last.ckpt"
+    common = ["exit.max_steps=3", "eval.context_steps=null", "eval.latency_tokens=2", "eval.repeats=1"]
+    for name, extra in (("seq", ["exit=fixed", "eval.cache=per_step"]), ("par", ["exit=fixed", "eval.regime=parallel"]),
+                        ("rule", ["exit=stepnorm", "exit.tau=0.3", "eval.regime=parallel", "eval.wake=true"])):
+        p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", f"ckpt={ckpt}", *common,
+                            f"run_dir={tmp / name}", *extra], cwd=tmp, env=env, capture_output=True, text=True,
+                           timeout=600)
+        assert p.returncode == 0, p.stderr[-3000:]
+    seq, par = (list(csv.DictReader(open(tmp / n / "eval_tokens.csv"))) for n in ("seq", "par"))
+    assert len(seq) == len(par) > 0 and [r["position"] for r in seq] == [r["position"] for r in par]
+    assert max(abs(float(a["nll"]) - float(b["nll"])) for a, b in zip(seq, par, strict=True)) < 1e-4
+    ev = json.loads((tmp / "par" / "metrics.json").read_text())["eval"]
+    assert ev["regime"] == "parallel" and ev["steps_per_window"] == 3
+    ev = json.loads((tmp / "rule" / "metrics.json").read_text())["eval"]
+    assert ev["wake"] is True and ev["mean_applications"] <= ev["steps_per_window"] <= 3
+    p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", f"ckpt={ckpt}", "exit=fixed", *common,
+                        "eval.regime=parallel", "eval.warm_start=true", f"run_dir={tmp / 'bad'}"],
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0 and "eval.warm_start: not with eval.regime=parallel" in p.stderr
+
+
 def test_a_task_checkpoint_gives_the_report_its_grid(roots_run):
     """recdepth report on a task checkpoint takes the grid its experiment chose (the run's
     `frontier.fixed=[1,3]` and roots' warm_start false) where the command line sets none."""

@@ -45,7 +45,7 @@ def for_model(policy: ExitPolicy, opened) -> ExitPolicy:
 
 # eval keys an older run's config.yaml may lack, read as the code before them did
 _LATER_KEYS = {"answers": None, "context_steps": None, "latency_backend": None, "backend": EvalConfig.backend,
-               "copy_forward": False}
+               "copy_forward": False, "regime": "sequential", "exit_level": "token", "wake": False}
 # eval keys renamed since: an older run's config.yaml names them so
 _RENAMED = {"backend": "step", "latency_backend": "latency_step"}
 
@@ -56,7 +56,7 @@ def decode_settings(cfg, bos: int | None = None) -> DecodeSettings:
     `_LATER_KEYS`, or name them as before, `_RENAMED`); `bos`: the opened model's BOS id (an hf= tokenizer's), if any."""
     e = cfg.eval
     keys = ("cache", "copy_forward", "warm_start", "backend", "context_steps", "batch_size", "warmup_tokens", "latency_tokens",
-            "repeats", "latency_backend", "answers")
+            "repeats", "latency_backend", "answers", "regime", "exit_level", "wake")
     return DecodeSettings(seed=cfg.seed, bos=bos, **{k: getattr(e, k, getattr(e, _RENAMED.get(k, k), _LATER_KEYS.get(k)))
                                                       for k in keys})
 
@@ -130,7 +130,7 @@ def decode_shared(jobs: list[DictConfig], max_rows: int, opened=None,
         if policy.name != ORACLE:
             groups.setdefault(job_key(cfg, without=("exit",)), []).append((cfg, policy))
     for group in groups.values():
-        if len(group) < 2:
+        if len(group) < 2 or OmegaConf.select(group[0][0], "eval.regime") == "parallel":  # one setting at a time
             continue
         cfg, n = group[0][0], group[0][0].eval.tokens
         try:

@@ -299,6 +299,16 @@ class EvalConfig(DecodeConfig):
     split: str = "test"
     """The held-out split scored: test | extrapolation (data=task: harder instances than
     any trained on; recdepth.evaluate only)."""
+    regime: str = DecodeSettings.regime
+    """sequential (token by token with a K/V cache, SPEC §4) | parallel (every position of a
+    window loops at once, as in training; docs/exits.md)."""
+    exit_level: str = DecodeSettings.exit_level
+    """With regime=parallel: token (a position stops when its rule fires and keeps its
+    state, which the others read) | sequence (the window stops when every position's rule
+    fires together)."""
+    wake: bool = DecodeSettings.wake
+    """With regime=parallel, exit_level=token: a stopped position starts again after an
+    application in which a position in its attention window changed."""
     context_steps: int | None = DecodeSettings.context_steps
     """A task (docs/spec.md §6): positions whose target is not an answer (the statements,
     operands, terms: the prompt) loop exactly this many applications and the exit rule
@@ -314,4 +324,5 @@ class EvalConfig(DecodeConfig):
         return DecodeSettings(cache=self.cache, copy_forward=self.copy_forward, warm_start=self.warm_start,
                               backend=self.backend, context_steps=self.context_steps, batch_size=self.batch_size,
                               warmup_tokens=self.warmup_tokens, latency_tokens=self.latency_tokens,
-                              repeats=self.repeats, latency_backend=self.latency_backend, answers=self.answers, **more)
+                              repeats=self.repeats, latency_backend=self.latency_backend, answers=self.answers,
+                              regime=self.regime, exit_level=self.exit_level, wake=self.wake, **more)

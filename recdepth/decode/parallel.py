@@ -22,12 +22,12 @@ compute is `steps` × positions; a position's `apps` is what its own state took.
 
 One recurrence group (the tasks' models: prelude, one looped group, coda); a decoding rule
 decodes every position through the coda in one parallel pass (exit.decode=coda) or through
-the head (head). Noise, where state_init draws it, comes from `generator` for the whole
-instance at once.
+the head (head). Noise, where state_init draws it, is drawn for a whole instance at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -78,10 +78,11 @@ def window_changed(active: Tensor, window: int | None) -> Tensor:
 
 @torch.no_grad()
 def parallel_exit(model: LoopedGPT, idx: Tensor, policy: ExitPolicy, level: str = "token", wake: bool = False,
-                  generator: torch.Generator | None = None) -> ParallelRun:
+                  generator: torch.Generator | None = None, row_seeds: Sequence[int] | None = None) -> ParallelRun:
     """The instances idx [B, T] through `model` in the parallel regime under `policy` (module
     docstring). At most `policy.max_steps` applications; a position whose rule never fires
-    stops there."""
+    stops there. Initial-state noise: instance b's from a generator seeded with row_seeds[b]
+    alone (so a batch gives each instance its result alone), else from `generator`."""
     check_parallel(model, policy, level, wake)
     policy = policy.with_head(model).group(0)
     B, T = idx.shape
@@ -92,7 +93,7 @@ def parallel_exit(model: LoopedGPT, idx: Tensor, policy: ExitPolicy, level: str 
         x = model.h[i](x)
     after = plan[k + 1 :]
     e_proj = model.adapters[0].input(x)
-    s = model.initial_state(x, generator)
+    s = model.initial_state(x, generator, row_seeds)
 
     def decode(rows: Tensor) -> Tensor:  # [B·T, d] -> [B·T, V]: every position at once
         if decode_mode(model, policy) == "head":

@@ -27,11 +27,14 @@ from recdepth.decode.engine import (
     REFERENCE,
     decode_windows,
     merge_records,
+    noise_seed,
     prepare_windows,
     records,
+    span,
     warm_up,
 )
 from recdepth.decode.mixed import MixedPolicy
+from recdepth.decode.parallel import parallel_exit
 from recdepth.decode.settings import AUTO, DecodeSettings
 from recdepth.decode.state_decode import check_is_output, check_price, has_coda
 from recdepth.exits.policy import ORACLE, ExitPolicy, build
@@ -164,6 +167,8 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     scores against it instead of the next token (`engine.decode_windows`).
     """
     policy.check_model(model.n_groups, model.cfg.n_embd)
+    if settings.regime == "parallel" and policy.name != ORACLE:  # the oracle: the sequential regime's bound
+        return evaluate_parallel(model, tokens, policy, n_tokens, settings, first_window, labels, targets)
     if policy.name == ORACLE:
         if settings.context_steps is not None and settings.context_steps != policy.max_steps_bound:
             raise ValueError(f"eval.context_steps: exit=oracle reads every position's history at exit.max_steps="
@@ -241,6 +246,84 @@ def decode_policies(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPol
     return [merge_records(p) for p in parts], time.perf_counter() - t0
 
 
+def decode_parallel(model: LoopedGPT, tokens: Tensor, wins: list[tuple[int, int]], policy: ExitPolicy,
+                    settings: DecodeSettings, first_window: int = 0,
+                    targets: np.ndarray | Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The windows `wins` (one length) in the parallel regime (`parallel.parallel_exit`), window
+    w's noise keyed by `engine.noise_seed(seed, first_window + w's index, 0, 0)`: per-token NLL
+    and correct [W, L], applications [W, L, 1], and the steps each window's pass ran [W]."""
+    L = wins[0][1]
+    if any(n != L for _, n in wins):
+        raise ValueError("decode_parallel: windows of one length a batch")
+    stream = tokens if targets is None else torch.as_tensor(targets, device=tokens.device)
+    idx = torch.stack([tokens[a : a + L] for a, _ in wins])
+    tgt = torch.stack([stream[a + 1 : a + L + 1] for a, _ in wins]).long()
+    seeds = [noise_seed(settings.seed, first_window + a // span(model.cfg.block_size), 0, 0) for a, _ in wins]
+    run = parallel_exit(model, idx, policy, settings.exit_level, settings.wake, row_seeds=seeds)
+    nll = model.nll(run.logits, tgt).double().cpu()
+    return nll, run.apps[..., None].cpu(), (run.logits.argmax(-1) == tgt).cpu(), run.steps.cpu()
+
+
+@torch.no_grad()
+def evaluate_parallel(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens: int,
+                      settings: DecodeSettings, first_window: int = 0, labels: np.ndarray | None = None,
+                      targets: np.ndarray | Tensor | None = None) -> tuple[dict, dict]:
+    """`evaluate_exit` in the parallel regime (`eval.regime=parallel`): the windows
+    `settings.batch_size` at a time through `parallel.parallel_exit`, the records and the eval
+    block as the sequential regime's (a position's applications: what its own state took),
+    plus `steps_per_window` (the parallel pass's depth, its mean over windows: a pass
+    computes every position at each of its steps). Latency: each of the first windows holding
+    `latency_tokens` tokens timed alone, `repeats` times; a token's ms is its window's pass
+    over the window's tokens. `batch_check` compares those batch-1 passes with the batched one."""
+    if policy.name == ORACLE:
+        raise ValueError("exit.name: 'oracle' reads the target, so no loop can run it (eval.regime=parallel neither)")
+    was_training = model.training
+    model.eval()
+    T = model.cfg.block_size
+    tokens, n_tokens, wins = prepare_windows(model, tokens, n_tokens, settings.bos)
+    groups = [[w for w in wins if w[1] == n] for n in dict.fromkeys(n for _, n in wins)]
+    parts, steps, t0 = [], [], time.perf_counter()
+    with Progress(f"decoding under {policy.name}, in parallel", len(wins)) as progress:
+        for same in groups:
+            for b in range(0, len(same), settings.batch_size):
+                ws = same[b : b + settings.batch_size]
+                nll, apps, ok, st = decode_parallel(model, tokens, ws, policy, settings, first_window, targets)
+                parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok, targets))
+                steps.append(st)
+                progress.update(len(ws))
+    batch_seconds = time.perf_counter() - t0
+    rec = merge_records(parts)
+    order = np.argsort(rec["position"], kind="stable")  # stream order (a short last window came last anyway)
+    rec = {k: v[order] for k, v in rec.items()}
+    rec["ms"] = np.full(n_tokens, np.nan)
+    token_costs(model, policy, rec, labels, settings)
+    ev = _summary(model, policy, rec, settings)
+    ev.update(tokens_per_s=n_tokens / batch_seconds, regime="parallel", exit_level=settings.exit_level,
+              wake=settings.wake, steps_per_window=float(torch.cat(steps).double().mean()))
+    n_lat = n_tokens if settings.latency_tokens is None else min(settings.latency_tokens, n_tokens)
+    timed_wins, covered = [], 0
+    for w in wins:
+        if covered >= n_lat:
+            break
+        timed_wins.append(w)
+        covered += w[1]
+    timings = []
+    for _ in range(settings.repeats if n_lat > 0 else 0):
+        secs, nll1, apps1 = [], [], []
+        for w in timed_wins:
+            t1 = time.perf_counter()
+            nll, apps, _, _ = decode_parallel(model, tokens, [w], policy, settings, first_window, targets)
+            ms = 1000 * (time.perf_counter() - t1) / w[1]
+            secs += [ms] * w[1]
+            nll1.append(nll[0].numpy())
+            apps1.append(apps[0].numpy())
+        timings.append((np.asarray(secs)[:n_lat], np.concatenate(nll1)[:n_lat], np.concatenate(apps1)[:n_lat]))
+    ev["latency_backend"] = "module"
+    add_latency(ev, rec, timings)
+    model.train(was_training)
+    return score_task(model, policy, ev, rec, labels, settings)
+
+
 @torch.no_grad()
 def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPolicy], n_tokens: int,
                    settings: DecodeSettings = REFERENCE, first_window: int = 0,
@@ -255,6 +338,9 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     tokens over its seconds and `shared_batch` the number of policies decoded side by
     side. The timed passes' step: `latency_backend_for` the policies timed here. `targets`: a
     scored stream, as `evaluate_exit`'s."""
+    if settings.regime == "parallel":
+        raise ValueError("eval.regime: parallel decodes one setting at a time (recdepth evaluate; make frontier "
+                         "runs its jobs one by one there); settings side by side are sequential only")
     was_training = model.training
     model.eval()
     out: list[tuple[dict, dict] | None] = [None] * len(policies)

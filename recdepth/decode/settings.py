@@ -20,7 +20,9 @@ from dataclasses import dataclass
 from recdepth.core.checks import check_bool, check_int
 from recdepth.decode.kv_cache import check_cache
 
-BACKENDS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.lean_steps`)
+BACKENDS = ("module", "lean", "compiled")
+REGIMES = ("sequential", "parallel")  # token by token (the engine) | every position at once (decode/parallel.py)
+EXIT_LEVELS = ("token", "sequence")  # the parallel regime's: a position stops, or the whole instance  # how a token's layers are computed (`engine.lean_steps`)
 AUTO = "auto"  # latency_backend: the compiled backend where it is measured to pay (`scoring.latency_backend_for`)
 
 
@@ -37,6 +39,16 @@ class DecodeSettings:
     its cache entry: later tokens read it, at every deeper application, through its final
     state x^(n) (the Universal Transformer's copy forward) instead of the input of its last
     application; the extra application is counted in its cost (docs/spec.md §4)."""
+    regime: str = "sequential"
+    """sequential: token by token with a K/V cache, each token after the earlier ones are done
+    (SPEC §4, the engine) | parallel: every position of a window loops at once, as in training
+    (recdepth/decode/parallel.py; one recurrence group; the module backend)."""
+    exit_level: str = "token"
+    """The parallel regime's: token (a position stops when its rule fires, keeping its state)
+    | sequence (the window stops when every position's rule fires together)."""
+    wake: bool = False
+    """The parallel regime at exit_level=token: a stopped position starts again after an
+    application in which a position in its attention window changed."""
     warm_start: bool = False
     """Continuous compute: each group's loop for a token starts from the state it ended with
     for the previous token of the window (the first token: the initial state)."""
@@ -77,8 +89,23 @@ class DecodeSettings:
         if self.latency_backend is not None and self.latency_backend != AUTO and self.latency_backend not in BACKENDS:
             raise ValueError(f"eval.latency_backend: expected null, {AUTO} or one of {', '.join(BACKENDS)}, "
                              f"got {self.latency_backend!r}")
-        for field in ("copy_forward", "warm_start", "compact", "share_first"):
+        for field in ("copy_forward", "wake", "warm_start", "compact", "share_first"):
             check_bool(f"eval.{field}", getattr(self, field))
+        if self.regime not in REGIMES:
+            raise ValueError(f"eval.regime: expected one of {', '.join(REGIMES)}, got {self.regime!r}")
+        if self.exit_level not in EXIT_LEVELS:
+            raise ValueError(f"eval.exit_level: expected one of {', '.join(EXIT_LEVELS)}, got {self.exit_level!r}")
+        if self.regime == "sequential" and (self.exit_level != "token" or self.wake):
+            raise ValueError("eval.exit_level / eval.wake: the parallel regime's, set eval.regime=parallel")
+        if self.wake and self.exit_level == "sequence":
+            raise ValueError("eval.wake: a stopped position wakes at eval.exit_level=token only (sequence stops every "
+                             "position together)")
+        if self.regime == "parallel":
+            for field, off in (("warm_start", False), ("copy_forward", False), ("context_steps", None), ("bos", None)):
+                if getattr(self, field) != off:
+                    raise ValueError(f"eval.{field}: not with eval.regime=parallel (every position loops at once "
+                                     f"from its initial state and keeps its last state in view; set it to "
+                                     f"{str(off).lower() if off is not None else 'null'})")
         check_bool("eval.answers", self.answers, null=True)
         check_int("eval.seed", self.seed, -(2**63))
         check_int("eval.bos", self.bos, 0, null=True)

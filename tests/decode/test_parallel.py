@@ -100,3 +100,22 @@ def test_bad_settings_are_one_line_errors(kw, match):
     with pytest.raises(ValueError, match=match) as e:
         parallel_exit(one_group(), IDX, exits.build("fixed", None, max_steps=2), **kw)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kw, match", [({"regime": "batch"}, "^eval.regime: expected one of sequential, parallel"),
+                                       ({"exit_level": "sequence"}, "^eval.exit_level / eval.wake: the parallel"),
+                                       ({"regime": "parallel", "exit_level": "sequence", "wake": True}, "^eval.wake"),
+                                       ({"regime": "parallel", "warm_start": True}, "^eval.warm_start: not with"),
+                                       ({"regime": "parallel", "context_steps": 4}, "^eval.context_steps: not with")])
+def test_regime_settings_are_checked_in_one_line(kw, match):
+    with pytest.raises(ValueError, match=match) as e:
+        DecodeSettings(**kw)
+    assert "\n" not in str(e.value)
+
+
+def test_settings_side_by_side_refuse_the_parallel_regime():
+    from recdepth.decode.scoring import evaluate_exits
+
+    with pytest.raises(ValueError, match="^eval.regime: parallel decodes one setting at a time"):
+        evaluate_exits(one_group(), IDX.flatten(), [exits.build("fixed", None, max_steps=2)] * 2, 20,
+                       DecodeSettings(regime="parallel"))
