@@ -7,7 +7,9 @@ format, recdepth/integrations/hf.py); its held-out tokens and its text encoding 
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
+import random
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -134,13 +136,41 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int =
     return torch.as_tensor(checkpoint_data(module, data, seed).heldout_tokens(n, start))
 
 
+def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
+    """A task checkpoint's data config with its data.task `fields` set anew for its
+    extrapolation split alone (`eval.task`; `TaskData.extrapolation_task`), the model's block grown to the split's longest instance
+    (`grow_block`: EOT, the instance, its newline; one line for learned positions). The
+    longest is measured on instances drawn at the split's largest size (carry, prefixsums:
+    one length per size)."""
+    if data.get("source") != "task":
+        raise ValueError(f"eval.task: sets a task's fields, and this checkpoint was trained on "
+                         f"data.source={data.get('source')!r}")
+    known = {f.name for f in dataclasses.fields(data_config(data).task)} - {"name"}
+    for k in fields:
+        if k not in known:
+            raise ValueError(f"eval.task.{k}: task {data['task'].get('name')} has no such field (its fields: "
+                             f"{', '.join(sorted(known))})")
+    out = {**data, "extrapolation_task": {**(data.get("extrapolation_task") or {}), **fields}}
+    try:
+        task = data_config(out).split_task()
+    except (ValueError, TypeError) as e:  # the task's own one-line check, named as the command line set it
+        raise ValueError(str(e).replace("data.task.", "eval.task.").replace("data.extrapolation_task.", "eval.task.")
+                         ) from None
+    lo, hi = task.sizes("extrapolation")
+    rng = random.Random("recdepth/eval.task")
+    longest = max(len(task.generate(rng, (hi, hi))) for _ in range(32))
+    model.grow_block(longest + 2, "eval.task")
+    return out
+
+
 def checkpoint_data(module: LoopedLM, data: dict, seed: int):
     """The set-up TokenDataModule of a checkpoint's data config (a plain dict of any form:
-    `schema.data_config` types it), with its train and val splits, checked to have the
-    checkpoint's vocabulary."""
+    `schema.data_config` types it), with its train and val splits in records of the model's
+    block (grown by `with_task`), checked to have the checkpoint's vocabulary."""
     from recdepth.data.datamodule import TokenDataModule
 
-    dm = TokenDataModule(data_config(data), block_size=module.config.block_size, batch_size=1, max_steps=1, seed=seed)
+    dm = TokenDataModule(data_config(data), block_size=module.model.cfg.block_size, batch_size=1, max_steps=1,
+                         seed=seed)
     dm.prepare_data()
     dm.setup()
     ours = None if dm.id_map is None else torch.as_tensor(dm.id_map)
@@ -206,6 +236,9 @@ def open_model(job, device: torch.device) -> Opened:
     if job.ckpt is not None:
         module, data = load_checkpoint(job.ckpt, device)
         module.model.to(dtype)
+        fields = getattr(getattr(job, "eval", None), "task", None)
+        if fields:
+            data = with_task(module.model, data, dict(fields))
         dm = None
 
         def datamodule():

@@ -227,8 +227,9 @@ def log_eval(ev: dict) -> None:
              [round(a, 2) for a in ev["applications_per_token"]], ev["tokens_per_s"], ev["batch_size"])
     if "answers" in ev:
         a = ev["answers"]
-        log.info("answers: accuracy %.4f [%.4f, %.4f] over %d answers, %.2f layer applications each; by "
-                 "difficulty %s", *a["accuracy"], a["tokens"], a["layer_applications"][0],
+        log.info("answers: accuracy %.4f [%.4f, %.4f] over %d answers, %.2f layer applications each; exact %.4f "
+                 "of %d instances; by difficulty %s", *a["accuracy"], a["tokens"], a["layer_applications"][0],
+                 a.get("exact", [float("nan")])[0], a.get("instances", 0),
                  {d: round(v["accuracy"][0], 3) for d, v in a["by_difficulty"].items()})
 
 

@@ -299,6 +299,13 @@ class EvalConfig(DecodeConfig):
     split: str = "test"
     """The held-out split scored: test | extrapolation (data=task: harder instances than
     any trained on; recdepth.evaluate only)."""
+    task: dict[str, Any] = field(default_factory=dict)
+    """A task checkpoint with eval.split=extrapolation: fields of its data.task set anew for
+    the evaluated data, given as `+eval.task.<field>=<value>` (Hydra's + adds a key), e.g.
+    `+eval.task.extrapolation=[256,256]` (256-bit additions) or `+eval.task.ripple=1` (carry:
+    one carry through every bit). The evaluated model's block grows to the longest instance's
+    need where its positions allow (rope); learned positions refuse in one line. Empty: the
+    checkpoint's."""
     regime: str = DecodeSettings.regime
     """sequential (token by token with a K/V cache, SPEC §4) | parallel (every position of a
     window loops at once, as in training; docs/exits.md)."""
@@ -317,6 +324,8 @@ class EvalConfig(DecodeConfig):
     def __post_init__(self):
         super().__post_init__()
         check_one_of("eval.split", self.split, ("test", "extrapolation"))
+        if self.task and self.split != "extrapolation":
+            raise ValueError("eval.task: sets the extrapolation split's instances anew; add eval.split=extrapolation")
         check_int("eval.tokens", self.tokens, 0)
 
     def settings(self, **more) -> DecodeSettings:

@@ -433,16 +433,23 @@ def prepare_tokens(
 TASK_REGIONS = ("test", "validation", "extrapolation")
 
 
-def task_key_fields(task: tasks.Task, length: int, counts: dict[str, int], seed: int) -> dict:
+def task_key_fields(task: tasks.Task, length: int, counts: dict[str, int], seed: int,
+                    extrapolation: tasks.Task | None = None) -> dict:
     """What a task cache's content depends on: hashed into its key, recorded in meta.json."""
-    return {"format": CACHE_FORMAT, "source": "task", "task_version": tasks.TASK_VERSION,
-            "tokenizer": tokenizer_id(), "task": json.loads(json.dumps(asdict(task))),
-            "length": int(length), "records": dict(counts), "instance_seed": int(seed), "compact_vocab": True}
+    out = {"format": CACHE_FORMAT, "source": "task", "task_version": tasks.TASK_VERSION,
+           "tokenizer": tokenizer_id(), "task": json.loads(json.dumps(asdict(task))),
+           "length": int(length), "records": dict(counts), "instance_seed": int(seed), "compact_vocab": True}
+    if extrapolation is not None:
+        out["extrapolation_task"] = json.loads(json.dumps(asdict(extrapolation)))
+    return out
 
 
 def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], seed: int = 0,
-                        cache_dir: str | os.PathLike | None = None) -> TokenCache:
+                        cache_dir: str | os.PathLike | None = None,
+                        extrapolation: tasks.Task | None = None) -> TokenCache:
     """Open the token cache of a generated task, building it first if there is no valid one.
+    `extrapolation` (a task of the same name): the task the extrapolation split is drawn from
+    instead of `task` (`TaskData.extrapolation_task`).
 
     train.bin holds counts["train"] records of `length` tokens (`tasks.records`) and a final
     EOT (the last record's last target); val.bin holds the test, validation and extrapolation
@@ -462,7 +469,7 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
         if int(counts.get(split, 0)) < 1:
             raise ValueError(f"data.{split}_records: expected a number of records >= 1, got {counts.get(split)}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    fields = task_key_fields(task, length, counts, seed)
+    fields = task_key_fields(task, length, counts, seed, extrapolation)
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
     path = root / "tokens" / f"task-{task.name}-{key[:16]}"
     cache, why = open_cache(path, key)
@@ -482,7 +489,8 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
     streams["train"] = tuple(np.concatenate([a, b]) for a, b in zip(tr, tail[: len(tr)], strict=True))
     parts, start = [], 0
     for name in TASK_REGIONS:
-        part = tasks.records(task, name, seed, int(counts[name]), length, ids, EOT_ID)
+        drawn = extrapolation if name == "extrapolation" and extrapolation is not None else task
+        part = tasks.records(drawn, name, seed, int(counts[name]), length, ids, EOT_ID)
         regions[name] = [start, len(part[0])]
         parts.append(tuple(np.concatenate([a, b]) for a, b in zip(part, tail[: len(part)], strict=True)))
         start += len(part[0]) + 1

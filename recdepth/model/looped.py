@@ -113,6 +113,11 @@ class Rotary:
         self.head_dim, self.block_size, self.base = head_dim, block_size, base
         self._tables: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
+    def extend(self, block_size: int) -> None:
+        """Positions 0 .. block_size − 1 from now on (the tables are computed again when asked)."""
+        self.block_size = block_size
+        self._tables.clear()
+
     def __call__(self, pos0: int, T: int, device: torch.device) -> tuple[Tensor, Tensor]:
         """cos, sin [T, head_dim/2] of positions pos0 .. pos0 + T − 1."""
         table = self._tables.get(device)
@@ -432,6 +437,22 @@ class LoopedGPT(nn.Module):
             else:
                 s = sigma_out if how == "out" else sigma
                 nn.init.trunc_normal_(p, mean=0.0, std=s, a=-3 * s, b=3 * s)
+
+    def grow_block(self, block_size: int, key: str = "eval.task") -> None:
+        """Read windows of up to `block_size` tokens, more than the model was built for (longer
+        task instances than it trained on): rotary angles are computed for any position, so
+        a `rope` model only extends its table; learned positions (`wpe`) end at their table
+        and refuse in one line naming `key`. Smaller or equal: nothing changes."""
+        if block_size <= self.cfg.block_size:
+            return
+        if self.wpe is not None:
+            raise ValueError(f"{key}: these instances need windows of {block_size} tokens, and this model's learned "
+                             f"positions end at block_size={self.cfg.block_size} (a model with position=rope reads "
+                             "any length)")
+        self.cfg.block_size = block_size
+        rotary = self.h[0].attn.rotary if len(self.h) else None
+        if rotary is not None:
+            rotary.extend(block_size)
 
     @torch.no_grad()
     def init_logit_bias(self, log_prior: Tensor) -> None:

@@ -124,12 +124,31 @@ def test_carry_generator_is_deterministic_and_its_splits_share_no_instance():
     ({"propagate": 0}, "data.task.propagate"),
     ({"propagate": 1}, "data.task.propagate"),
     ({"propagate": 1.5}, "data.task.propagate"),
+    ({"ripple": -0.1}, "data.task.ripple"),
+    ({"ripple": 2}, "data.task.ripple"),
     ({"nodes": 3}, "data.task.nodes"),  # another task's option
 ])
 def test_bad_carry_config_is_one_line_naming_the_field(task, field):
     with pytest.raises(ValueError, match="^" + field.replace(".", r"\.") + ": ") as e:
         data_config({"source": "task", "task": {"name": "carry", **task}})
     assert "\n" not in str(e.value)
+
+
+def test_a_rippling_instance_carries_through_every_bit_by_an_independent_solver():
+    """ripple=1: pair 0 generates, every later pair propagates, so bit i's carry is decided at
+    pair 0 (d_i = i, d_0 = 1 from the start) and every sum bit above 0 is 0 (a + b = 2^n):
+    checked by `solve`, integer addition; ripple=0 draws exactly the instances of before."""
+    task = tasks.lookup("carry")(size=[8, 16], extrapolation=[40, 40], ripple=1.0)
+    rng = random.Random(3)
+    for _ in range(20):
+        inst = task.generate(rng, (40, 40))
+        pairs = [t[0] for t in inst[:-1]]
+        assert pairs[0] == "d" and all(p in "bc" for p in pairs[1:])
+        got = [(int(t[3]), t[1]) for t in inst[1:]]  # the token after pair i carries s_i and d_i
+        assert got == solve(pairs) == [(0, 1)] + [(0, i) for i in range(1, 40)]
+    plain, none = tasks.lookup("carry")(), tasks.lookup("carry")(ripple=0.0)
+    r1, r2 = random.Random(9), random.Random(9)
+    assert [plain.generate(r1, (8, 16)) for _ in range(50)] == [none.generate(r2, (8, 16)) for _ in range(50)]
 
 
 def test_a_scored_symbol_needs_an_in_place_task():

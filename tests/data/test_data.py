@@ -810,7 +810,8 @@ def test_an_old_flat_task_config_reads_back_as_today_s(flat, experiment):
     up = upgrade(flat)
     assert is_flat(flat) and not is_flat(up) and upgrade(up) == up  # once is enough
     assert up["task"]["name"] == experiment and "chains" not in up and "paths" not in up
-    assert data_config(flat) == now and asdict(data_config(flat)) == {**up, "cache_dir": None, "num_workers": 0}
+    assert data_config(flat) == now and asdict(data_config(flat)) == {**up, "cache_dir": None, "num_workers": 0,
+                                                                         "extrapolation_task": {}}
     if experiment == "hops":
         assert up["task"] == {"name": "hops", "size": [1, 4], "extrapolation": [5, 8], "chains": 3, "distractors": 1,
                               "layout": "sorted", "names": 16}

@@ -4,7 +4,9 @@ hops), `data.task.*` are its options."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -39,6 +41,10 @@ class TaskData(DataConfig):
     """Seed of the instances (the training order has its own, `seed`)."""
     loss: str = "answers"
     """answers (the task's answer tokens only) | all (every next token)."""
+    extrapolation_task: dict[str, Any] = field(default_factory=dict)
+    """Fields of `task` set anew for the extrapolation split alone (what `recdepth evaluate`'s
+    eval.task sets on a checkpoint: longer instances, carry's ripple); the other splits, and
+    so the vocabulary, stay the task's. Empty: the task's."""
 
     def __post_init__(self):
         super().__post_init__()
@@ -70,5 +76,11 @@ class TaskData(DataConfig):
         """Records per split (train, test, validation, extrapolation)."""
         return {s: int(getattr(self, f"{s}_records")) for s in ("train", "test", "validation", "extrapolation")}
 
+    def split_task(self) -> tasks.Task:
+        """The task the extrapolation split is drawn from: `task` with `extrapolation_task`'s
+        fields (its own checks, one line naming data.task.<field>)."""
+        return dataclasses.replace(self.task, **self.extrapolation_task) if self.extrapolation_task else self.task
+
     def prepare(self, block_size: int, progress: bool = True) -> TokenCache:
-        return prepare_task_tokens(self.task, block_size, self.records(), self.instance_seed, self.cache_dir)
+        return prepare_task_tokens(self.task, block_size, self.records(), self.instance_seed, self.cache_dir,
+                                   extrapolation=self.split_task() if self.extrapolation_task else None)

@@ -29,6 +29,22 @@ def spearman(x, y) -> float:
     return float((rx * ry).sum() / den) if den > 0 else float("nan")
 
 
+def instance_runs(positions: np.ndarray, windows: np.ndarray, ok: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """An instance's answers as the task writes them, a run of consecutive answer positions in
+    one window (carry's sum bits, prefixsums' parities, addition's digits; a single answer
+    where an instance has one): per run, whether every answer in it is right (1.0 / 0.0), and
+    its window. `positions`, `windows`, `ok`: the answers' stream positions, windows and
+    correctness, in stream order."""
+    if not len(positions):
+        return np.zeros(0), np.zeros(0, dtype=np.int64)
+    new = np.ones(len(positions), dtype=bool)
+    new[1:] = (np.diff(positions) != 1) | (windows[1:] != windows[:-1])
+    run = np.cumsum(new) - 1
+    right = np.ones(run[-1] + 1)
+    np.minimum.at(right, run, np.asarray(ok, dtype=float))
+    return right, np.asarray(windows)[new]
+
+
 def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray,
                   loop_cost_per_token: np.ndarray | None = None, resamples: int = 1000, seed: int = 0) -> dict:
     """The `answers` block of an evaluation on a task (docs/spec.md §6): over the scored
@@ -37,8 +53,9 @@ def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray,
     the rule's checks, docs/spec.md §4b; `loop_layer_applications`, with
     `loop_cost_per_token`: the loop alone), overall and per difficulty, each with a 95%
     bootstrap interval over windows (a window is one record of whole instances drawn
-    independently), and Spearman's correlation of the cost with difficulty (its interval
-    from the same window resamples)."""
+    independently), Spearman's correlation of the cost with difficulty (its interval
+    from the same window resamples), and `exact`: the fraction of `instances` whose every
+    answer is right (`instance_runs`), its interval over windows."""
     answer = np.asarray(labels) > 0
     if not answer.any():
         raise ValueError("answers: no answer tokens among the scored tokens (eval.tokens too small?)")
@@ -56,6 +73,10 @@ def score_answers(rec: dict, labels: np.ndarray, cost_per_token: np.ndarray,
     loop = None if loop_cost_per_token is None else np.asarray(loop_cost_per_token, dtype=float)[answer]
     out = {"tokens": int(answer.sum()), "windows": boot.n_units, "accuracy": ci(ok), "nll": ci(nll),
            "layer_applications": ci(cost), "by_difficulty": {}}
+    if "position" in rec:  # a decoding's record (a hand-made one may hold only what it tests)
+        run_ok, run_windows = instance_runs(np.asarray(rec["position"])[answer], windows, ok)
+        m, lo, hi = stats.mean_ci(run_ok, stats.Bootstrap(run_windows, resamples, seed))
+        out.update(instances=len(run_ok), exact=[m, lo, hi])
     if loop is not None:
         out["loop_layer_applications"] = ci(loop)
     for d in np.unique(diff).tolist():

@@ -47,19 +47,25 @@ class Carry(Task):
     propagate: float = 0.75
     """P(a_i != b_i), a pair that propagates the carry, in (0, 1); the rest generate (11) or
     kill (00) it, alike."""
+    ripple: float = 0.0
+    """P(an instance ripples), in [0, 1]: its first pair generates the carry (11) and every
+    later pair propagates it, so the carry travels through every bit (d_i = i): the longest
+    chain an addition of its size has. 0 (training's): none does."""
 
     def __post_init__(self):
         super().__post_init__()
-        v = self.propagate
-        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 < v < 1:
-            raise ValueError(f"data.task.propagate: expected a probability in (0, 1), got {v!r}")
-        self.propagate = float(v)
+        for name, lo_open in (("propagate", True), ("ripple", False)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (0 < v < 1 if lo_open else 0 <= v <= 1):
+                raise ValueError(f"data.task.{name}: expected a probability in {'(0, 1)' if lo_open else '[0, 1]'}, "
+                                 f"got {v!r}")
+            setattr(self, name, float(v))
 
     def in_place(self) -> bool:
         return True  # the sum bits are scored at the pairs, not written as tokens
 
     def generate(self, rng: random.Random, sizes: tuple[int, int]) -> Instance:
-        return carry(rng, sizes, self.propagate)
+        return carry(rng, sizes, self.propagate, self.ripple)
 
 
 def add(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
@@ -74,15 +80,19 @@ def add(a: list[int], b: list[int]) -> tuple[list[int], list[int]]:
     return s, d
 
 
-def carry(rng: random.Random, bits: tuple[int, int], propagate: float) -> Instance:
+def carry(rng: random.Random, bits: tuple[int, int], propagate: float, ripple: float = 0.0) -> Instance:
     """n in [lo, hi] bit pairs, pair i propagating with probability `propagate` (else 00 or
-    11 alike), then ` =`; the token after pair i carries s_i (scored symbol) and d_i (label)."""
+    11 alike), then ` =`; the token after pair i carries s_i (scored symbol) and d_i (label).
+    With probability `ripple` the instance ripples instead: pair 0 is 11, every later pair
+    propagates (its bits drawn at random). With ripple 0 no draw is spent on it, so the
+    instances are those of a task without the option."""
     n = rng.randint(*bits)
+    rippling = ripple > 0 and rng.random() < ripple
     a, b = [], []
-    for _ in range(n):
-        x = rng.randint(0, 1)
+    for i in range(n):
+        x = 1 if rippling and i == 0 else rng.randint(0, 1)
         a.append(x)
-        b.append(1 - x if rng.random() < propagate else x)
+        b.append(x if rippling and i == 0 else 1 - x if rippling or rng.random() < propagate else x)
     s, d = add(a, b)
     syms = [PAIRS[x + 2 * y] for x, y in zip(a, b, strict=True)] + ["="]
     return [(sym, 0 if i == 0 else d[i - 1], (), None if i == 0 else DIGITS[s[i - 1]]) for i, sym in enumerate(syms)]

@@ -1,0 +1,93 @@
+"""Instances longer than the training block (issue 50): `eval.task` sets a task checkpoint's
+fields anew for its extrapolation split (its sizes, carry's ripple), the model's block grows
+where its positions allow (rope), learned positions refuse in one line; `exact` counts
+instances whose every answer is right."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from recdepth.config.groups import EvalConfig
+from recdepth.data.tasks.answers import instance_runs
+from recdepth.model.looped import GPTConfig, LoopedGPT
+from tests.helpers import run
+
+
+def rope(block, seed=0):
+    torch.manual_seed(seed)
+    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=block, vocab_size=60, groups=[[1]],
+                    position="rope", attention_window=2, state_init="zero")
+    return LoopedGPT(cfg).double().eval()
+
+
+def test_a_grown_rope_model_equals_the_model_built_with_the_longer_block():
+    short, long = rope(12), rope(40, seed=1)
+    long.load_state_dict(short.state_dict())  # rope: no parameter depends on the block
+    short.grow_block(40)
+    idx = torch.randint(0, 60, (2, 37), generator=torch.Generator().manual_seed(0))
+    got, _ = short(idx, loops=[6])
+    want, _ = long(idx, loops=[6])
+    assert torch.equal(got, want) and short.cfg.block_size == 40
+
+
+def test_learned_positions_refuse_a_longer_block_in_one_line():
+    torch.manual_seed(0)
+    m = LoopedGPT(GPTConfig(n_layer=3, n_head=2, n_embd=32, block_size=12, vocab_size=60, groups=[[1]]))
+    with pytest.raises(ValueError, match=r"^eval.task: these instances need windows of 30 tokens, and this model's "
+                                         r"learned positions end at block_size=12") as e:
+        m.grow_block(30, "eval.task")
+    assert "\n" not in str(e.value)
+    m.grow_block(12)  # no longer: nothing to refuse
+
+
+def test_instance_runs_by_hand():
+    positions = np.array([1, 2, 3, 6, 7, 9, 10, 11])
+    windows = np.array([0, 0, 0, 0, 0, 0, 1, 1])  # 9 and 10 are consecutive but in two windows
+    ok = np.array([1, 1, 1, 1, 0, 1, 1, 1], dtype=bool)
+    right, w = instance_runs(positions, windows, ok)
+    assert right.tolist() == [1.0, 0.0, 1.0, 1.0] and w.tolist() == [0, 0, 0, 1]
+
+
+def test_eval_task_needs_the_extrapolation_split_in_one_line():
+    with pytest.raises(ValueError, match="^eval.task: sets the extrapolation split's instances anew; add "
+                                         "eval.split=extrapolation") as e:
+        EvalConfig(task={"extrapolation": [256, 256]})
+    assert "\n" not in str(e.value)
+
+
+@pytest.fixture(scope="module")
+def carry_run(env, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("carry")
+    rd = tmp / "job"
+    run(["debug=tiny", "experiment=carry", "trainer.max_steps=2", "data.train_records=100", "data.test_records=4",
+         "data.validation_records=8", "data.extrapolation_records=6", "eval.tokens=64", "eval.latency_tokens=0",
+         "callbacks=none", f"run_dir={rd}"], cwd=tmp, env=env)
+    return tmp, rd / "train" / "checkpoints" / "last.ckpt"
+
+
+def evaluate(tmp, env, ckpt, out, *extra):
+    return subprocess.run([sys.executable, "-m", "recdepth.evaluate", f"ckpt={ckpt}", "exit=fixed", "exit.max_steps=3",
+                           "eval.split=extrapolation", "eval.latency_tokens=0", f"run_dir={out}", *extra],
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.parametrize("regime", ["sequential", "parallel"])
+def test_a_rope_task_checkpoint_evaluates_instances_longer_than_its_block(carry_run, env, regime):
+    """debug carry trains on a block of 64 tokens; rippling 100-bit additions (103 tokens with
+    EOT and newline) are evaluated in one command, each whole instance in a window of its own,
+    their chains as long as the instance."""
+    tmp, ckpt = carry_run
+    out = tmp / f"long_{regime}"
+    p = evaluate(tmp, env, ckpt, out, "+eval.task.extrapolation=[100,100]", "+eval.task.ripple=1",
+                 f"eval.regime={regime}", "eval.tokens=309")
+    assert p.returncode == 0, p.stderr[-3000:]
+    a = json.loads((out / "metrics.json").read_text())["eval"]["answers"]
+    assert a["tokens"] == 300 and a["instances"] == 3  # 3 windows of 103 tokens, 100 sum bits each
+    assert sorted(int(d) for d in a["by_difficulty"]) == list(range(1, 100))  # d_i = i (d_0 = 1 too)
+    assert 0.0 <= a["exact"][0] <= a["accuracy"][0]
+    p = evaluate(tmp, env, ckpt, tmp / "bad", "+eval.task.ripple=2")
+    assert p.returncode != 0 and "eval.task.ripple: expected a probability in [0, 1], got 2" in p.stderr
