@@ -270,9 +270,12 @@ def evaluate_parallel(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_to
                       targets: np.ndarray | Tensor | None = None) -> tuple[dict, dict]:
     """`evaluate_exit` in the parallel regime (`eval.regime=parallel`): the windows
     `settings.batch_size` at a time through `parallel.parallel_exit`, the records and the eval
-    block as the sequential regime's (a position's applications: what its own state took),
-    plus `steps_per_window` (the parallel pass's depth, its mean over windows: a pass
-    computes every position at each of its steps). Latency: each of the first windows holding
+    block as the sequential regime's, a token's applications and cost being its window's
+    steps (the pass computes, and checks, every position at each of its steps: what it
+    spends), plus `steps_per_window` (their mean over windows) and `own_applications` (a
+    position's own, what its state took: overall, and on a task per answer and by
+    difficulty; what a pass computing only the positions still looping would spend, which
+    this one does not). Latency: each of the first windows holding
     `latency_tokens` tokens timed alone, `repeats` times; a token's ms is its window's pass
     over the window's tokens. `batch_check` compares those batch-1 passes with the batched one."""
     if policy.name == ORACLE:
@@ -288,7 +291,12 @@ def evaluate_parallel(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_to
             for b in range(0, len(same), settings.batch_size):
                 ws = same[b : b + settings.batch_size]
                 nll, apps, ok, st = decode_parallel(model, tokens, ws, policy, settings, first_window, targets)
-                parts.append(records(ws, nll, apps, tokens, T, first_window, settings.bos, ok, targets))
+                part = records(ws, nll, apps, tokens, T, first_window, settings.bos, ok, targets)
+                # what the pass spent on a position: every one of its steps (the position's own
+                # applications, what its state took, are kept beside: own_apps)
+                part["own_apps"] = part["apps"]
+                part["apps"] = np.concatenate([np.full((n, 1), int(st[w])) for w, (_, n) in enumerate(ws)])
+                parts.append(part)
                 steps.append(st)
                 progress.update(len(ws))
     batch_seconds = time.perf_counter() - t0
@@ -312,16 +320,24 @@ def evaluate_parallel(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_to
         secs, nll1, apps1 = [], [], []
         for w in timed_wins:
             t1 = time.perf_counter()
-            nll, apps, _, _ = decode_parallel(model, tokens, [w], policy, settings, first_window, targets)
+            nll, _, _, st = decode_parallel(model, tokens, [w], policy, settings, first_window, targets)
             ms = 1000 * (time.perf_counter() - t1) / w[1]
             secs += [ms] * w[1]
             nll1.append(nll[0].numpy())
-            apps1.append(apps[0].numpy())
+            apps1.append(np.full((w[1], 1), int(st[0])))
         timings.append((np.asarray(secs)[:n_lat], np.concatenate(nll1)[:n_lat], np.concatenate(apps1)[:n_lat]))
     ev["latency_backend"] = "module"
     add_latency(ev, rec, timings)
     model.train(was_training)
-    return score_task(model, policy, ev, rec, labels, settings)
+    ev, rec = score_task(model, policy, ev, rec, labels, settings)
+    own = rec["own_apps"][:, 0].astype(float)
+    ev["own_applications"] = float(own.mean()) if len(own) else 0.0
+    if "answers" in ev:
+        lab = rec["label"]
+        ev["answers"]["own_applications"] = float(own[lab > 0].mean())
+        ev["answers"]["own_applications_by_difficulty"] = {str(int(d)): float(own[lab == d].mean())
+                                                           for d in np.unique(lab[lab > 0])}
+    return ev, rec
 
 
 @torch.no_grad()
