@@ -91,3 +91,23 @@ def test_a_rope_task_checkpoint_evaluates_instances_longer_than_its_block(carry_
     assert 0.0 <= a["exact"][0] <= a["accuracy"][0]
     p = evaluate(tmp, env, ckpt, tmp / "bad", "+eval.task.ripple=2")
     assert p.returncode != 0 and "eval.task.ripple: expected a probability in [0, 1], got 2" in p.stderr
+
+
+def test_a_longer_extrapolation_task_with_more_per_step_targets_shares_one_cache(tmp_path):
+    """prefixsums states one per-step target per bit: its extrapolation split at 60 bits needs
+    a wider steps file than the 8-32-bit train split; every split is written at the widest,
+    and the train split (so the vocabulary) is the task's own."""
+    from recdepth.config.schema import data_config
+    from recdepth.data.datamodule import TokenDataModule
+
+    base = {"source": "task", "train_records": 20, "test_records": 4, "validation_records": 4,
+            "extrapolation_records": 4, "cache_dir": str(tmp_path), "task": {"name": "prefixsums"}}
+    plain = TokenDataModule(data_config(base), 64, 2, 4)
+    plain.setup()
+    wide = TokenDataModule(data_config({**base, "extrapolation_task": {"extrapolation": [60, 60]}}), 64, 2, 4)
+    wide.setup()
+    assert wide.step_width > plain.step_width
+    assert np.array_equal(wide.train_tokens, plain.train_tokens) and np.array_equal(wide.id_map, plain.id_map)
+    start, n = wide.region("extrapolation")
+    labels = wide.heldout_labels(n, start)
+    assert labels.max() == 60  # a 60-bit instance's last parity needs all 60 bits

@@ -479,18 +479,28 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
         log.warning("rebuilding token cache %s: %s", path, why)
     t0 = time.time()
     ids = tasks.symbol_ids(gpt2().encode_ordinary)
-    width, in_place = task.step_width(), task.in_place()
+    # an extrapolation task with larger sizes may state more per-step targets: every split is
+    # written at the widest, the narrower ones' extra columns without a target
+    width = max(task.step_width(), 0 if extrapolation is None else extrapolation.step_width())
+    in_place = task.in_place()
+
+    def widened(part: tuple[np.ndarray, ...]) -> tuple[np.ndarray, ...]:
+        if not width or part[2].shape[1] == width:
+            return part
+        pad = np.full((len(part[2]), width - part[2].shape[1]), tasks.NO_STEP, dtype=np.uint16)
+        return (*part[:2], np.concatenate([part[2], pad], axis=1), *part[3:])
+
     # the EOT closing each split / region: its label 0, no per-step target, scored as itself
     tail = (np.array([EOT_ID], dtype=np.uint16), np.zeros(1, dtype=np.uint8))
     tail += (np.full((1, width), tasks.NO_STEP, dtype=np.uint16),) if width else ()
     tail += (np.array([EOT_ID], dtype=np.uint16),) if in_place else ()
     streams, regions = {}, {}
-    tr = tasks.records(task, "train", seed, int(counts["train"]), length, ids, EOT_ID)
+    tr = widened(tasks.records(task, "train", seed, int(counts["train"]), length, ids, EOT_ID))
     streams["train"] = tuple(np.concatenate([a, b]) for a, b in zip(tr, tail[: len(tr)], strict=True))
     parts, start = [], 0
     for name in TASK_REGIONS:
         drawn = extrapolation if name == "extrapolation" and extrapolation is not None else task
-        part = tasks.records(drawn, name, seed, int(counts[name]), length, ids, EOT_ID)
+        part = widened(tasks.records(drawn, name, seed, int(counts[name]), length, ids, EOT_ID))
         regions[name] = [start, len(part[0])]
         parts.append(tuple(np.concatenate([a, b]) for a, b in zip(part, tail[: len(part)], strict=True)))
         start += len(part[0]) + 1

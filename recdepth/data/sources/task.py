@@ -70,7 +70,8 @@ class TaskData(DataConfig):
         return self.loss == "answers"
 
     def step_width(self) -> int:
-        return self.task.step_width()  # a task that states per-step targets (data=roots): S > 0
+        # a task that states per-step targets (data=roots): S > 0; the widest of the splits' tasks
+        return max(self.task.step_width(), self.split_task().step_width())
 
     def records(self) -> dict[str, int]:
         """Records per split (train, test, validation, extrapolation)."""
