@@ -25,6 +25,11 @@ reproduces batch 1.
 
 The scoring built on this engine (evaluate_exit(s), latency, the oracle) is
 recdepth/decode/scoring.py.
+
+Over 600 lines: the group loop's ways to run (compiled whole, reference with rows compacted
+or masked, shared history for the oracle) and their cache bookkeeping (per-application
+slots, copy forward) must change together; splitting them apart would spread one loop's
+invariants over files.
 """
 
 from __future__ import annotations

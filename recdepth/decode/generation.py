@@ -314,7 +314,7 @@ def _chunk_group(model: LoopedGPT, g: int, e: Tensor, policy: ExitPolicy, caches
     seeds = [noise_seed(noise.seed, noise.sequences[0], pos + i, g) for i in range(T)]
     # Positions as rows, so each draws from its own key exactly as decode_step draws it.
     # (Seam for eval.warm_start: a start that depends on the previous position's final
-    # state would have to wait for it, which a parallel chunk cannot; see docs/spec.md §4d.)
+    # state would have to wait for it, which a parallel chunk cannot; see docs/generate.md, self-speculative decoding.)
     s = model.initial_state(e[0][:, None], None, seeds)[:, 0][None]
     # A rule that decodes reads the head, or the coda over the chunk (exit.decode; the coda's
     # attention reads the cache before the chunk and the chunk's own states, writing nothing)
