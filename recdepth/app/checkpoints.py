@@ -136,6 +136,9 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int =
     return torch.as_tensor(checkpoint_data(module, data, seed).heldout_tokens(n, start))
 
 
+EVAL_TASK_RECORDS = {"train_records": 512, "validation_records": 16, "test_records": 16}
+
+
 def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
     """A task checkpoint's data config with its data.task `fields` set anew for its
     extrapolation split alone (`eval.task`; `TaskData.extrapolation_task`), the model's block grown to the split's longest instance
@@ -151,6 +154,10 @@ def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
             raise ValueError(f"eval.task.{k}: task {data['task'].get('name')} has no such field (its fields: "
                              f"{', '.join(sorted(known))})")
     out = {**data, "extrapolation_task": {**(data.get("extrapolation_task") or {}), **fields}}
+    # the evaluated split is the extrapolation one: the others are written in the grown block
+    # only to fix the vocabulary (checked against the checkpoint's in checkpoint_data), so a
+    # few records do (a task's per-step targets would otherwise fill gigabytes)
+    out.update({k: min(int(data[k]), n) for k, n in EVAL_TASK_RECORDS.items() if k in data})
     try:
         task = data_config(out).split_task()
     except (ValueError, TypeError) as e:  # the task's own one-line check, named as the command line set it
