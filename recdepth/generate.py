@@ -102,6 +102,8 @@ def generate(cfg: DictConfig) -> dict:
     policy.check_model(model.n_groups, model.cfg.n_embd)
     policy = policy.resolve(has_coda(model), hf=loaded.info["source"] == "hf")  # exit.decode, kl_direction: auto
     ids, prompt_text = prompt_of(run, loaded)
+    if model.wpe is None:  # rope: any position has its angles, so the block grows to what is asked
+        model.grow_block(len(ids) + run.max_new_tokens - 1, "max_new_tokens")
     T = model.cfg.block_size
     if len(ids) > T:
         raise ValueError(f"prompt: {len(ids)} tokens, more than the model's block_size={T} (its learned positions "

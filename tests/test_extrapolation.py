@@ -111,3 +111,16 @@ def test_a_longer_extrapolation_task_with_more_per_step_targets_shares_one_cache
     start, n = wide.region("extrapolation")
     labels = wide.heldout_labels(n, start)
     assert labels.max() == 60  # a 60-bit instance's last parity needs all 60 bits
+
+
+def test_a_rope_model_generates_past_its_training_block(carry_run, env):
+    """debug carry's block is 64 tokens; with rope the block grows to the prompt and the tokens
+    asked for, so generation runs to max_new_tokens instead of stopping at the block."""
+    tmp, ckpt = carry_run
+    out = tmp / "gen"
+    p = subprocess.run([sys.executable, "-m", "recdepth.generate", f"ckpt={ckpt}", "prompt_ids=[1,2,3]",
+                        "max_new_tokens=100", "stream=false", "exit=fixed", "exit.max_steps=2", f"run_dir={out}"],
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    gen = json.loads((out / "generation.json").read_text())
+    assert gen["tokens"] == 100 and gen["stopped"] == "max_new_tokens"
