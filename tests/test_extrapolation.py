@@ -124,3 +124,22 @@ def test_a_rope_model_generates_past_its_training_block(carry_run, env):
     assert p.returncode == 0, p.stderr[-3000:]
     gen = json.loads((out / "generation.json").read_text())
     assert gen["tokens"] == 100 and gen["stopped"] == "max_new_tokens"
+
+
+def test_make_frontier_passes_eval_task_to_every_job(carry_run, env):
+    """`make frontier` on longer instances: each job scores the 100-bit additions, the fixed
+    depths and the rule alike, in the grown block."""
+    tmp, ckpt = carry_run
+    out = tmp / "frontier"
+    p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
+                        f"hydra.sweep.dir={out}", "eval.split=extrapolation", "+eval.task.extrapolation=[100,100]",
+                        "eval.regime=parallel", "eval.tokens=206", "eval.latency_tokens=0", "hydra.sweeper.fixed=[1,2]",
+                        "hydra.sweeper.warm_start=false", "hydra.sweeper.oracle=[]", "hydra.sweeper.rules.kl=[]",
+                        "hydra.sweeper.rules.accel=[]", "hydra.sweeper.rules.stepnorm=[0.1]"],
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    jobs = sorted(d for d in out.iterdir() if d.is_dir())
+    assert len(jobs) == 3
+    for job in jobs:
+        a = json.loads((job / "metrics.json").read_text())["eval"]["answers"]
+        assert a["tokens"] == 200 and a["instances"] == 2  # two 100-bit additions, 103 tokens a window
