@@ -44,14 +44,22 @@ def diagnose(cfg: DictConfig) -> dict:
     T = c.seq_len or model.cfg.block_size
     if not 2 <= T <= model.cfg.block_size:
         raise ValueError(f"loop_dynamics.seq_len: expected 2..{model.cfg.block_size} (the block size), got {T}")
-    batch = opened.heldout(c.sequences * T, 0).view(c.sequences, T)
-    lab = opened.labels(c.sequences * T + 1, 0)  # a task: the label of each position's target
+    start = 0
+    if run.split == "extrapolation":
+        if opened.region is None or "extrapolation" not in opened.regions():
+            raise ValueError("split: extrapolation is a task checkpoint's region; this model has none")
+        start, n = opened.region("extrapolation")
+        if c.sequences * T + 1 > n:
+            raise ValueError(f"loop_dynamics.sequences: {c.sequences} windows of {T} tokens need "
+                             f"{c.sequences * T + 1}, the extrapolation region holds {n}")
+    batch = opened.heldout(c.sequences * T, start).view(c.sequences, T)
+    lab = opened.labels(c.sequences * T + 1, start)  # a task: the label of each position's target
     labels = None if lab is None else torch.as_tensor(lab[1:]).view(c.sequences, T)
     start_job(run_dir, cfg)
     d = diagnostics.measure(model, batch.to(next(model.parameters()).device), run_dir, opened.step,
                             opened.decode, loops=c.loops, seed=c.seed, pca_sequence=c.pca_sequence,
                             pca_tokens=c.pca_tokens, max_state_bytes=c.max_state_bytes, labels=labels)
-    metrics = {opened.kind: opened.source, "global_step": opened.step,
+    metrics = {opened.kind: opened.source, "global_step": opened.step, "split": run.split,
                "groups": model.cfg.groups, "loops": c.loops, "tokens": c.sequences * T,
                "seconds": d["seconds"], "geometry": diagnostics.summary_scalars(d)}
     if labels is not None:  # a task: step norms and cosines by answer difficulty (docs/spec.md §6)

@@ -143,3 +143,22 @@ def test_make_frontier_passes_eval_task_to_every_job(carry_run, env):
     for job in jobs:
         a = json.loads((job / "metrics.json").read_text())["eval"]["answers"]
         assert a["tokens"] == 200 and a["instances"] == 2  # two 100-bit additions, 103 tokens a window
+
+
+def test_diagnose_reads_the_longer_instances_of_the_extrapolation_split(carry_run, env):
+    """`recdepth diagnose split=extrapolation +task.extrapolation=[100,100] +task.ripple=1`:
+    windows of the grown block (103 tokens) from the extrapolation region, its labels by
+    difficulty (a rippling carry's reach 99)."""
+    tmp, ckpt = carry_run
+    out = tmp / "diag"
+    p = subprocess.run([sys.executable, "-m", "recdepth.diagnose", f"ckpt={ckpt}", "split=extrapolation",
+                        "+task.extrapolation=[100,100]", "+task.ripple=1", "loop_dynamics.sequences=2", "loop_dynamics.loops=3",
+                        "loop_dynamics.figures=false", f"run_dir={out}"],
+                       cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["split"] == "extrapolation" and m["tokens"] == 2 * 103
+    assert max(int(d) for g in m["by_difficulty"].values() for d in g) == 99  # rippling: d_i = i, past the trained 16
+    p = subprocess.run([sys.executable, "-m", "recdepth.diagnose", f"ckpt={ckpt}", "+task.extrapolation=[100,100]",
+                        f"run_dir={tmp / 'bad'}"], cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode != 0 and "task: sets the extrapolation split's instances anew; add split=extrapolation" in p.stderr

@@ -243,7 +243,7 @@ def open_model(job, device: torch.device) -> Opened:
     if job.ckpt is not None:
         module, data = load_checkpoint(job.ckpt, device)
         module.model.to(dtype)
-        fields = getattr(getattr(job, "eval", None), "task", None)
+        fields = getattr(getattr(job, "eval", None), "task", None) or getattr(job, "task", None)
         if fields:
             data = with_task(module.model, data, dict(fields))
         dm = None

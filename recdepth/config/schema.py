@@ -28,7 +28,7 @@ import dataclasses
 import difflib
 import re
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from hydra.core.config_store import ConfigStore
@@ -196,6 +196,17 @@ class DiagnoseConfig(ModelJob):
     """conf/diagnose.yaml: the loop geometry of one checkpoint, `python -m recdepth.diagnose`."""
 
     loop_dynamics: LoopGeometryConfig = field(default_factory=LoopGeometryConfig)
+    split: str = "test"
+    """A task checkpoint's held-out region the windows come from: test | extrapolation."""
+    task: dict[str, Any] = field(default_factory=dict)
+    """With split=extrapolation: the task's fields set anew for that split, `+task.<field>=<value>`
+    (as recdepth.evaluate's eval.task: longer instances, the block grown where positions are rope)."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        check_one_of("split", self.split, ("test", "extrapolation"))
+        if self.task and self.split != "extrapolation":
+            raise ValueError("task: sets the extrapolation split's instances anew; add split=extrapolation")
 
 
 GATE_STATES = ("decode", "parallel")
