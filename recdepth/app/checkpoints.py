@@ -141,8 +141,9 @@ EVAL_TASK_RECORDS = {"train_records": 512, "validation_records": 16, "test_recor
 
 def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
     """A task checkpoint's data config with its data.task `fields` set anew for its
-    extrapolation split alone (`eval.task`; `TaskData.extrapolation_task`), the model's block grown to the split's longest instance
-    (`grow_block`: EOT, the instance, its newline; one line for learned positions). The
+    extrapolation split alone (`eval.task`; `TaskData.extrapolation_task`), the model's block
+    grown to the split's longest instance (`grow_block`: EOT, the instance, its newline; one
+    line for learned positions). The
     longest is measured on instances drawn at the split's largest size (carry, prefixsums:
     one length per size)."""
     if data.get("source") != "task":
@@ -163,7 +164,7 @@ def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
     except (ValueError, TypeError) as e:  # the task's own one-line check, named as the command line set it
         raise ValueError(str(e).replace("data.task.", "eval.task.").replace("data.extrapolation_task.", "eval.task.")
                          ) from None
-    lo, hi = task.sizes("extrapolation")
+    _, hi = task.sizes("extrapolation")
     rng = random.Random("recdepth/eval.task")
     longest = max(len(task.generate(rng, (hi, hi))) for _ in range(32))
     model.grow_block(longest + 2, "eval.task")

@@ -305,7 +305,7 @@ def _loop_steps(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, policy: Exi
                 fired = _forced(fired, n, None, fixed_steps, limit)
             if bool(fired[0]):
                 n.fill_(j)
-                if bool(_writes_forward(settings, policy, by_rule, n, limit)[0]):
+                if settings.copy_forward and bool(_writes_forward(settings, policy, by_rule, n, limit)[0]):
                     n = _write_forward(model, g, s, e_proj, caches, pos, n, lean)
                 for c in step_caches:
                     c.finish(pos, n)
@@ -321,7 +321,7 @@ def _loop_steps(model: LoopedGPT, g: int, s: Tensor, e_proj: Tensor, policy: Exi
             fired = monitor.observe(s_new[:, 0], active)
         elif not idle and bool(active[checked].any()):
             fired[checked] = monitor.observe(s_new[checked, 0], active[checked])
-        by_rule = fired & active
+        by_rule = fired & active if settings.copy_forward else None  # before the limits join it
         fired = _forced(fired, n, fixed_rows, fixed_steps, limit)
         active = active & ~fired
         n_active = int(active.sum())

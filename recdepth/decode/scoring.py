@@ -278,8 +278,6 @@ def evaluate_parallel(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_to
     this one does not). Latency: each of the first windows holding
     `latency_tokens` tokens timed alone, `repeats` times; a token's ms is its window's pass
     over the window's tokens. `batch_check` compares those batch-1 passes with the batched one."""
-    if policy.name == ORACLE:
-        raise ValueError("exit.name: 'oracle' reads the target, so no loop can run it (eval.regime=parallel neither)")
     was_training = model.training
     model.eval()
     T = model.cfg.block_size

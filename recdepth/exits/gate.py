@@ -75,9 +75,9 @@ def gate_labels(nll_by_n: Tensor, margin: float) -> Tensor:
 def gate_probability(x: Tensor, weight: Tensor, bias: Tensor) -> Tensor:
     """q = σ(w · x + b) over the last axis of x [..., d] (weight [d], bias scalar): the
     gate's predicted probability that continuing still helps, the halting head's 1 − λ
-    with λ = σ(−(w · x + b)) (`looped.halt_logit` of the negated weights, a per-row sum: a
-    row's q does not depend on the rows beside it)."""
-    return torch.sigmoid(-halt_logit(x, -weight, -bias, normed=False))
+    with λ = σ(−(w · x + b)) (`looped.halt_logit`, a per-row sum: a row's q does not depend on
+    the rows beside it)."""
+    return torch.sigmoid(halt_logit(x, weight, bias, normed=False))
 
 
 def class_weights(labels: Tensor) -> Tensor:

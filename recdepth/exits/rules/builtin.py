@@ -342,7 +342,7 @@ class Gate(Halt):
 
     def advance(self, s: Step) -> tuple[Tensor, ...]:
         w, b = s.gate
-        return (left_to_halt("direct", s.old[0], halt_logit(s.x_new, -w, -b, False).to(s.old[0].dtype)),)
+        return (left_to_halt("direct", s.old[0], -halt_logit(s.x_new, w, b, False).to(s.old[0].dtype)),)
 
     def check_tau(self, where: str, tau) -> float:
         return _in_unit_interval(where, tau, "a probability in (0, 1) for rule 'gate' (exit once the gate's q < τ)")
