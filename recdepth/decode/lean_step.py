@@ -88,7 +88,7 @@ def attend_shared(q: Tensor, k: Tensor, v: Tensor, ck: Tensor, cv: Tensor, pos: 
 
 
 _STATIC: dict[str, types.FunctionType] = {}
-_RULES: dict[tuple, ExitPolicy] = {}  # `LeanSteps.loop`'s rule objects, by (name, kl_direction)
+_RULES: dict[tuple, ExitPolicy] = {}  # `LeanSteps.loop`'s rule objects, by (name and the options its check reads)
 
 
 def _static(fn: types.FunctionType) -> types.FunctionType:
@@ -373,10 +373,12 @@ class LeanSteps:
             tau = math.nan if policy.tau is None else policy.tau
             limits = self._limits[key] = torch.tensor([tau, *key[1:]], dtype=torch.float64, device=s.device)
         gate = None if policy.gate is None else tuple(t.to(device=s.device, dtype=s.dtype) for t in policy.gate)
-        which = (policy.name, policy.kl_direction)
+        # the options a check reads besides τ and the gate: kl's direction, the head's input and reading
+        which = (policy.name, policy.kl_direction, policy.halt_input, policy.halt_reading)
         rule = _RULES.get(which)  # one object per rule, in every process-wide graph's guards
         if rule is None:
-            rule = _RULES[which] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction)
+            rule = _RULES[which] = ExitPolicy(policy.name, None, kl_direction=policy.kl_direction,
+                                              halt_input=policy.halt_input, halt_reading=policy.halt_reading)
         # g is a constant of the graph: passed only where the body reads it (leaving the group
         # into the coda), so groups of one shape share one graph as they did before
         s, n, logits = self._loop(rule, s, e_proj, self.model.adapters[g].state.weight, kvs, self.pos[pos],
