@@ -77,6 +77,25 @@ def test_calibrate_finds_a_halting_threshold(halt_run, env, ckpt_env):
     assert "accuracy_drop" in out["test"]
 
 
+def test_the_default_text_model_trains_a_head_per_group_and_evaluates_under_them(env, tmp_path):
+    """`halt=correct` on the default text model (three recurrence groups): every group's head
+    moves off zero (the earlier groups' from their drawn applications), and `exit=halt`
+    evaluates with each group's applications its head's."""
+    rd = tmp_path / "job"
+    run(["debug=tiny", "halt=correct", "halt.label=margin", "halt.margin=0.05", "exit=halt", "exit.tau=0.5",
+         "exit.max_steps=4", "trainer.max_steps=4", "trainer.log_every_n_steps=1", "callbacks=none",
+         "eval.tokens=64", "eval.latency_tokens=0", f"run_dir={rd}"], cwd=tmp_path, env=env)
+    ckpt = torch.load(rd / "train" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
+    m = ckpt["hyper_parameters"]["model"]
+    w = ckpt["state_dict"]["model.halt.weight"]
+    assert len(m["groups"]) == 3 and w.shape == (3, m["n_embd"]) and m["halt_reading"] == "direct"
+    assert (w.abs().sum(1) > 0).all()  # each head started at 0 and learned
+    ev = json.loads((rd / "metrics.json").read_text())["eval"]
+    assert ev["exit"] == "halt" and len(ev["applications_per_token"]) == 3
+    assert all(1 <= a <= 4 for a in ev["applications_per_token"])
+    assert all(c["layers"] == 0 and c["statistic"] > 0 for c in ev["check_cost"])  # each head's check, decoding-free
+
+
 def test_exit_halt_on_a_checkpoint_without_a_head_is_one_line(tiny_ckpt, env, cli_here, tmp_path):
     code, err, _ = cli_here("recdepth.evaluate", [f"ckpt={tiny_ckpt}", "exit=halt", "eval.tokens=6"], tmp_path)
     assert code == 1
@@ -87,7 +106,8 @@ def test_exit_halt_on_a_checkpoint_without_a_head_is_one_line(tiny_ckpt, env, cl
 @pytest.mark.parametrize("args, message", [
     (["halt=act", "halt.epsilon=2"], "halt.epsilon: expected a number in (0, 1), got 2"),
     (["halt.loss=ponder"], "halt.loss: unknown halting loss 'ponder'"),
-    (["halt=correct"], "halt.loss: a halting head needs a model with exactly one recurrence group"),
+    (["halt=pondernet"], "halt.loss: pondernet needs the loss after every application of every group"),
+    (["halt=correct", "halt.label=improvement"], "halt.label: improvement compares two successive applications"),
 ])
 def test_a_bad_halt_value_is_one_line(args, message, env, cli_here, tmp_path):
     code, err, _ = cli_here("recdepth.train", ["debug=tiny", *args], tmp_path)

@@ -132,7 +132,8 @@ class LossConfig:
 class HaltConfig:
     """`halt`: a halting head trained with the loop (recdepth/training/halting.py, docs/spec.md
     §1d; read at evaluation by exit=halt). conf/halt/: none (the default), act, pondernet,
-    entropy, correct. A model with exactly one recurrence group."""
+    entropy, correct; with several recurrence groups (a head each) correct alone, its label
+    right or margin (`halting.check_groups`)."""
 
     loss: str = "none"
     """none (no head) | act | pondernet | entropy | correct (a registered halting loss)."""

@@ -111,9 +111,8 @@ class TrainConfig:
         if "trajectory" in {self.loss.steps, self.loss.anneal_to} and not self.data.step_width():
             raise ValueError(f"loss.steps: trajectory needs per-step targets, and data={self.data.source} has none "
                              "(a task that states them, e.g. data=roots; else loss.steps=all or last)")
-        if self.halt.on and len(self.model.groups) != 1:
-            raise ValueError(f"halt.loss: a halting head needs a model with exactly one recurrence group, "
-                             f"model.groups={self.model.groups}")
+        if self.halt.on:
+            halting.check_groups(self.halt.loss, self.halt.label, len(self.model.groups))
         e = self.exit  # per-group values: one per recurrence group of the model
         exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups),
                        decode=e.decode, kl_direction=e.kl_direction)

@@ -118,9 +118,9 @@ class GPTConfig:
     one position per application (the carry task of docs/tasks.md)."""
     # --- a halting head trained with the loop (`halt.*`, recdepth/training/halting.py)
     halt_head: str | None = None
-    """None (no head), or what the halting head reads: `state` (the last recurrence group's
-    state x^(n)) or `normed` (x^(n) / rms(x^(n)), no weight). The head is one Linear(d -> 1)
-    on the last group, λ_n = σ(w · f(x^(n)) + b) (`looped.halt_logit`); one recurrence group only."""
+    """None (no head), or what the halting heads read: `state` (their recurrence group's state
+    x^(n)) or `normed` (x^(n) / rms(x^(n)), no weight). One head per group, Linear(d -> G) as a
+    whole, λ_n = σ(w_g · f(x^(n)) + b_g) (`looped.halt_logit`)."""
     halt_bias: float = -3.0
     """The head's initial bias b (λ ≈ σ(−3) ≈ 0.05 at the start: a zero or positive bias traps
     ACT runs, arXiv 2604.21999)."""
@@ -237,9 +237,8 @@ def check_halt_head(head: str | None, bias: float, reading: str, n_groups: int) 
         raise ValueError(f"halt.init_bias: expected a finite number, got {bias!r}")
     if reading not in HALT_READINGS:
         raise ValueError(f"halt.reading: unknown {reading!r} (expected one of {', '.join(HALT_READINGS)})")
-    if n_groups != 1:
-        raise ValueError(f"halt.loss: a halting head needs a model with exactly one recurrence group (its losses "
-                         f"read the per-application losses of that group), this model has {n_groups}")
+    if n_groups < 1:
+        raise ValueError("halt.loss: a halting head reads a recurrence group's state, and this model has none")
 
 
 def validate_groups(groups, n_layer: int) -> list[list[int]]:

@@ -372,9 +372,9 @@ class LoopedGPT(nn.Module):
         self.adapters = nn.ModuleList(Adapter(d) for _ in cfg.groups)
         self.ln_f = RMSNorm(d, cfg.norm_eps)
         self.lm_bias = nn.Parameter(torch.zeros(cfg.padded_vocab_size)) if cfg.logit_bias else None
-        # the halting head on the (one) recurrence group's state, weight [1, d], bias [1]: the
-        # shape of a one-group gate, (weight [G, d], bias [G]), which exit=halt reads it as
-        self.halt = nn.Linear(d, 1) if cfg.halt_head is not None else None
+        # one halting head per recurrence group, on its state: weight [G, d], bias [G], the shape
+        # of a gate (recdepth/exits/gate.py), which exit=halt reads it as
+        self.halt = nn.Linear(d, len(cfg.groups)) if cfg.halt_head is not None else None
         # Execution plan: ("layer", l) runs layer l once, ("group", g) loops group g.
         starts = {g[0]: i for i, g in enumerate(cfg.groups)}
         looped = {layer for g in cfg.groups for layer in g}
@@ -598,12 +598,15 @@ class LoopedGPT(nn.Module):
         the last application.
 
         `halting` (with targets; a model with a halting head, `halt_head`): a function of the
-        keywords z, nll, right, scored and mixture (recdepth/training/halting.py, `HaltInputs`)
-        returning the halting loss, added to the loss. It sees every application n = 1 .. N of
-        the recurrence group: the head's logit z_n, the NLL of the final targets decoded after
-        n (the applications outside the backprop window decoded without gradient, their
-        states detached), whether that argmax is the target, and the NLL of the output
-        decoded from a mixture of the states (ACT).
+        keywords of `HaltInputs` (recdepth/training/halting.py) returning a halting loss,
+        called once per recurrence group; the mean of its values is added to the loss. For
+        the last group it sees every application n = 1 .. N: the head's logit z_n, the NLL of
+        the final targets decoded after n (the applications outside the backprop window
+        decoded without gradient, their states detached), whether that argmax is the target,
+        and the NLL of the output decoded from a mixture of the states (ACT). For an earlier
+        group (`sampled`), each row's one application n drawn uniformly from 1 .. N (from
+        `generator`) and the last, N: the rest of the pass run again from x^(n) without
+        gradient (the later groups at this pass's counts) gives L_n.
 
         `trace`, if given, receives the hidden states in depth order, one entry per step of
         the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
@@ -621,7 +624,8 @@ class LoopedGPT(nn.Module):
         if halt and self.halt is None:
             raise ValueError("halt.loss: this model has no halting head (model config halt_head is null)")
         graded: list[tuple[int, Tensor]] = []
-        states: list[Tensor] = []  # the last group's states x^(1) .. x^(N) (halting)
+        states: dict[int, list[Tensor]] = {}  # plan index k of a group -> its states x^(1) .. x^(N) (halting)
+        noise: dict[int, Tensor] = {}  # plan index k of a group -> the generator's state as it entered (halting)
         x = self.embed(idx)
         for k, (kind, i) in enumerate(self.plan):
             rec = None if trace is None else []
@@ -630,12 +634,14 @@ class LoopedGPT(nn.Module):
                 if rec is not None:
                     rec.append(x)
             else:
-                if halt and k == last_group and rec is None:
-                    rec = states
+                if halt and rec is None:
+                    rec = []
+                if halt and generator is not None:  # an earlier group's L_n replays this group's noise
+                    noise[k] = generator.get_state()
                 x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec,
                                                        graded if per_step and k == last_group else None))
-                if halt and k == last_group:
-                    states = rec
+                if halt:
+                    states[k] = rec
             if trace is not None:
                 trace.append((kind, i, rec))
         logits = self.decode_logits(x)
@@ -657,12 +663,50 @@ class LoopedGPT(nn.Module):
             loss = objective.loss(mix, logits, [(t, after_step(t, s)) for t, s in graded], targets, step_targets,
                                   self.nll)
         if halt:
-            loss = loss + self._halting_loss(halting, states, after_step, targets)
+            terms = [self._halting_loss(halting, states[last_group], after_step, targets)]
+            terms += [self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise)
+                      for k in states if k != last_group]
+            loss = loss + sum(terms) / len(terms)
         return logits, loss
 
+    def _sampled_halting_loss(self, halting, k: int, states: list[Tensor], logits: Tensor, targets: Tensor,
+                              loops: Sequence[int], generator: torch.Generator | None,
+                              noise: dict[int, Tensor]) -> Tensor:
+        """`forward`'s halting term of an earlier group (plan index k) over its states x^(1) ..
+        x^(N): each row's drawn application n and the last, N (`HaltInputs.sampled`); L_n from
+        the rest of the pass run again from x^(n) without gradient (each later group's initial
+        noise the pass's own, replayed from `noise`), L_N from the pass's `logits`."""
+        g, N, B = self.plan[k][1], len(states), targets.shape[0]
+        dev = targets.device
+        n = torch.randint(0, N, (B,), generator=generator, device=dev if generator is None else generator.device)
+        x_n = torch.stack(states)[n.to(dev), torch.arange(B, device=dev)]  # [B, T, d]: row b's x^(n_b + 1)
+        with torch.no_grad():
+            x = self.leave_group(g, x_n)
+            for j, (kind, i) in enumerate(self.plan[k + 1 :], k + 1):
+                if kind == "layer":
+                    x = self.h[i](x)
+                    continue
+                replay = None
+                if j in noise:
+                    replay = torch.Generator(device=generator.device)
+                    replay.set_state(noise[j])
+                x = self.leave_group(i, self.run_group(i, x, loops[i], generator=replay))
+            both = torch.stack([self.decode_logits(x), logits.detach()])  # [2, B, T, V]: after n, after N
+        nll = self.nll(both, targets.expand(both.shape[:-1]))
+        right = (both.argmax(-1) == targets) & (targets >= 0)
+        w, b, normed = self.halt.weight[g], self.halt.bias[g], self.cfg.halt_head == "normed"
+        z = torch.stack([halt_logit(x_n, w, b, normed), halt_logit(states[-1], w, b, normed)])
+        z = z.to(torch.promote_types(z.dtype, torch.float32))
+
+        def mixture(p: Tensor) -> Tensor:
+            raise ValueError("halt.loss: an earlier group's halting term has one drawn application per token, "
+                             "not the states a mixture needs")
+
+        return halting(z=z, nll=nll, right=right, scored=targets >= 0, mixture=mixture, sampled=True)
+
     def _halting_loss(self, halting, states: list[Tensor], after_step, targets: Tensor) -> Tensor:
-        """`forward`'s halting term: the inputs of a halting loss over the states x^(1) .. x^(N)
-        of the (one) recurrence group, `after_step(t, x)` the logits decoded after application t."""
+        """`forward`'s halting term of the last recurrence group over its states x^(1) .. x^(N),
+        `after_step(t, x)` the logits decoded after application t."""
         steps = []
         for t, s in enumerate(states, 1):
             if s.requires_grad or not torch.is_grad_enabled():
@@ -673,10 +717,10 @@ class LoopedGPT(nn.Module):
         stacked = torch.stack(steps)  # [N, B, T, V]
         nll = self.nll(stacked, targets.expand(stacked.shape[:-1]))
         right = (stacked.argmax(-1) == targets) & (targets >= 0)
-        w, b = self.halt.weight[0], self.halt.bias[0]
-        z = torch.stack([halt_logit(s, w, b, self.cfg.halt_head == "normed") for s in states])
         last = max(k for k, (kind, _) in enumerate(self.plan) if kind == "group")
         g, after = self.plan[last][1], self.plan[last + 1 :]
+        w, b = self.halt.weight[g], self.halt.bias[g]
+        z = torch.stack([halt_logit(s, w, b, self.cfg.halt_head == "normed") for s in states])
         xs = torch.stack(states)
 
         def mixture(p: Tensor) -> Tensor:  # ACT: the output decoded from Σ_n p_n x^(n)

@@ -1,10 +1,11 @@
 """Halting learned with the loop: the losses that train a halting head (`halt.*`, docs/spec.md §1d).
 
-The head (recdepth/model/looped.py, `halt_logit`) reads the last recurrence group's state
-after each application n = 1 .. N of a training pass (N: the pass's sampled count) and gives
-λ_n = σ(z_n). A loss here turns the λ_n and the per-application token losses L_n (the
-token's NLL of its final target with the loop stopped after n: the coda and the head on
-x^(n), what `loss.steps` computes) into one scalar, added to the objective of `loss.*`:
+The head (recdepth/model/looped.py, `halt_logit`; one per recurrence group) reads its group's
+state after each application n = 1 .. N of a training pass (N: the pass's sampled count) and
+gives λ_n = σ(z_n). A loss here turns the λ_n and the per-application token losses L_n (the
+token's NLL of its final target with the group stopped after n and the rest of the pass run
+from there: for the last group the coda and the head on x^(n), what `loss.steps` computes)
+into one scalar, added to the objective of `loss.*`:
 
     act        ACT (Graves 2016): h_n = λ_n, N(t) = the first n with Σ_{j≤n} h_j ≥ 1 − ε
                (else N), p_n = h_n before N(t), p_{N(t)} = R = 1 − Σ_{j<N(t)} h_j, 0 after;
@@ -21,7 +22,13 @@ x^(n), what `loss.steps` computes) into one scalar, added to the objective of `l
                this loss with label margin on a frozen model, fitted by logistic regression
                (its sign flipped: q = 1 − λ), read by the same `direct` reading.
 
-Each is the mean over the scored tokens (target >= 0) of a per-token quantity. What the head
+Each is the mean over the scored tokens (target >= 0) of a per-token quantity. With several
+recurrence groups the halting term is the mean of one term per group. The last group's L_n
+cost a coda each; an earlier group's cost the rest of the pass each, so there every token
+gets one application n drawn uniformly from 1 .. N, its L_n from one more pass (without
+gradient) from that state on, and only a loss that is a mean over applications of a term of
+that application alone (`samples`: correct with label right or margin) can be trained:
+the one drawn application estimates the mean without bias. What the head
 means at inference (`exit=halt`, recdepth/exits/rules/builtin.py) is the loss's `reading`, through what
 is left to halt after n: `sum` (ACT: 1 − Σ_{j≤n} λ_j; ACT trains to halt once it is below ε),
 `cdf` (PonderNet, Ouro: ∏_{j≤n} (1 − λ_j), the halting distribution's mass after n; below 0.5:
@@ -66,6 +73,9 @@ class HaltInputs(NamedTuple):
     """[B, T] bool: the tokens that count (target >= 0)."""
     mixture: Callable[[Tensor], Tensor]
     """weights p [N, B, T] -> the NLL [B, T] of the output decoded from Σ_n p_n x^(n) (ACT)."""
+    sampled: bool = False
+    """True for an earlier group of a multi-group model: the first axis holds two entries per
+    token, (n, N), n its one application drawn from 1 .. N, not every application."""
 
 
 @dataclass(frozen=True)
@@ -95,6 +105,10 @@ class HaltingLoss:
     name: ClassVar[str]
     reading: ClassVar[str]
     """How exit=halt reads a head trained with this loss: one of READINGS."""
+    samples: ClassVar[bool] = False
+    """Whether `per_token` is the mean over applications of `per_application`, a term of one
+    application alone, so that one drawn application estimates it (`HaltInputs.sampled`:
+    what an earlier group of a multi-group model gives; see the module docstring)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -104,6 +118,10 @@ class HaltingLoss:
 
     def per_token(self, h: HaltInputs, s: HaltSettings) -> Tensor:
         """The loss of each token [B, T]."""
+        raise NotImplementedError
+
+    def per_application(self, h: HaltInputs, s: HaltSettings) -> Tensor:
+        """The term of each application and token [N, B, T] (a loss that `samples`)."""
         raise NotImplementedError
 
     def loss(self, h: HaltInputs, s: HaltSettings) -> Tensor:
@@ -201,14 +219,35 @@ class Entropy(HaltingLoss):
 
 
 class Correct(HaltingLoss):
-    """BCE of λ_n against "the prediction after application n is right", every n."""
+    """BCE of λ_n against "the prediction after application n is right", every n (a drawn n
+    when `sampled`)."""
 
     name = "correct"
     reading = "direct"
+    samples = True
+
+    def per_application(self, h: HaltInputs, s: HaltSettings) -> Tensor:
+        return F.binary_cross_entropy_with_logits(h.z, correct_labels(h, s), reduction="none")
 
     def per_token(self, h: HaltInputs, s: HaltSettings) -> Tensor:
-        y = correct_labels(h, s)
-        return F.binary_cross_entropy_with_logits(h.z, y, reduction="none").mean(0)
+        bce = self.per_application(h, s)
+        return bce[0] if h.sampled else bce.mean(0)
+
+
+def check_groups(name: str, label: str, n_groups: int) -> None:
+    """Whether halt.loss=`name` (with halt.label=`label`) can train heads on a model with
+    `n_groups` recurrence groups; a one-line ValueError naming the field otherwise."""
+    if n_groups < 1:
+        raise ValueError("halt.loss: a halting head reads a recurrence group's state, and this model has none")
+    if n_groups == 1:
+        return
+    if not lookup(name).samples:
+        raise ValueError(f"halt.loss: {name} needs the loss after every application of every group, which on a "
+                         f"model with {n_groups} recurrence groups costs the rest of the pass per application; "
+                         "there halt.loss=correct (each token's application drawn) or one group (model=single)")
+    if name == "correct" and label == "improvement":
+        raise ValueError(f"halt.label: improvement compares two successive applications, and on a model with "
+                         f"{n_groups} recurrence groups one application is drawn per token (label right or margin)")
 
 
 def names() -> tuple[str, ...]:

@@ -63,6 +63,8 @@ class LoopedLM(L.LightningModule):
                                                                                  "margin") if k in h}))
         if self.halting is not None and self.model.halt is None:
             raise ValueError(f"halt.loss={h['loss']}: the model has no halting head (model config halt_head is null)")
+        if self.halting is not None:
+            halting.check_groups(h["loss"], self.halting[1].label, self.model.n_groups)
         if h.get("freeze"):  # the second stage: the halting head alone learns
             for n, p in self.model.named_parameters():
                 p.requires_grad_(n.startswith("halt."))
@@ -106,8 +108,8 @@ class LoopedLM(L.LightningModule):
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
                              generator=self.noise, objective=self.objective, step_targets=z, mix=mix,
                              halting=None if self.halting is None else lambda **kw: self._halting_term(terms, **kw))
-        if "halt" in terms:
-            self.log("train/halt_loss", terms["halt"])
+        if "halt" in terms:  # the mean over groups, as the loss adds it; the last group's expected depth
+            self.log("train/halt_loss", sum(terms["halt"]) / len(terms["halt"]))
             self.log("train/halt_expected_n", terms["expected_n"])
         if self.objective.anneal_to is not None:
             self.log("train/anneal", mix[self.objective.anneal_to])
@@ -124,16 +126,17 @@ class LoopedLM(L.LightningModule):
         return loss
 
     def _halting_term(self, terms: dict, **inputs) -> Tensor:
-        """The halting loss of this pass (`LoopedGPT.forward`'s `halting`), kept in `terms` with
-        the mean halting depth its reading gives (Σ_n n·p_n under PonderNet's p, for the logs)."""
+        """A group's halting loss in this pass (`LoopedGPT.forward`'s `halting`), kept in `terms`
+        with, for the last group, the mean halting depth under PonderNet's p (Σ_n n·p_n, for the logs)."""
         loss_fn, settings = self.halting
         h = halting.HaltInputs(**inputs)
         term = loss_fn.loss(h, settings)
-        with torch.no_grad():
-            p = halting.halting_distribution(h.z).exp()
-            n = torch.arange(1, p.shape[0] + 1, device=p.device, dtype=p.dtype).view(-1, 1, 1)
-            terms["expected_n"] = ((p * n).sum(0) * h.scored).sum() / h.scored.sum().clamp(min=1)
-        terms["halt"] = term.detach()
+        if not h.sampled:
+            with torch.no_grad():
+                p = halting.halting_distribution(h.z).exp()
+                n = torch.arange(1, p.shape[0] + 1, device=p.device, dtype=p.dtype).view(-1, 1, 1)
+                terms["expected_n"] = ((p * n).sum(0) * h.scored).sum() / h.scored.sum().clamp(min=1)
+        terms.setdefault("halt", []).append(term.detach())
         return term
 
     def on_train_batch_end(self, outputs, batch, batch_idx):

@@ -18,10 +18,10 @@ from recdepth.model.looped import GPTConfig, LoopedGPT
 LAMBDAS = [0.1, 0.2, 0.05, 0.6, 0.3, 0.9, 0.2, 0.4]  # λ_n of one row, n = 1 .. 8
 
 
-def head_model(reading="cdf", head="state", d=16, seed=0, dtype=torch.float64, **kw):
+def head_model(reading="cdf", head="state", d=16, seed=0, dtype=torch.float64, groups=((1,),), **kw):
     torch.manual_seed(seed)
-    cfg = GPTConfig(n_layer=3, n_head=2, n_embd=d, block_size=20, vocab_size=40, groups=[[1]], halt_head=head,
-                    halt_reading=reading, state_init="normal", **kw)
+    cfg = GPTConfig(n_layer=2 + sum(map(len, groups)), n_head=2, n_embd=d, block_size=20, vocab_size=40,
+                    groups=[list(g) for g in groups], halt_head=head, halt_reading=reading, state_init="normal", **kw)
     return LoopedGPT(cfg).to(dtype).eval()
 
 
@@ -91,11 +91,13 @@ def decode_all(m, idx, policy, noise, sharing="latest"):
 
 
 @pytest.mark.parametrize("sharing", ["latest", "per_step"])
-@pytest.mark.parametrize("reading", ["sum", "cdf", "direct"])
-def test_batch_rows_equal_batch_one_under_noise(reading, sharing):
+@pytest.mark.parametrize("reading, groups", [("sum", ((1,),)), ("cdf", ((1,),)), ("direct", ((1,),)),
+                                             ("direct", ((1,), (2, 3)))], ids=["sum", "cdf", "direct", "two_groups"])
+def test_batch_rows_equal_batch_one_under_noise(reading, groups, sharing):
     """A batch of windows under exit=halt gives each window its batch-1 logits and
-    applications (keyed noise), and the head really varies the depth."""
-    m = random_head(head_model(reading, head="normed" if reading == "cdf" else "state"))
+    applications (keyed noise), and the head really varies the depth; with two recurrence
+    groups, each group's own head."""
+    m = random_head(head_model(reading, head="normed" if reading == "cdf" else "state", groups=groups))
     idx = torch.randint(0, 40, (3, 10), generator=torch.Generator().manual_seed(4))
     policy = exits.build("halt", 0.4, max_steps=10)
     batched, apps = decode_all(m, idx, policy, RowNoise(7, [10, 11, 12]), sharing)
@@ -106,16 +108,18 @@ def test_batch_rows_equal_batch_one_under_noise(reading, sharing):
         assert torch.equal(apps[r : r + 1], apps_1)
 
 
-@pytest.mark.parametrize("warm, copy_forward", [(False, False), (False, True),
-                                                (pytest.param(True, False, marks=pytest.mark.slow))],
-                         ids=["cold", "copy_forward", "warm"])
-def test_eager_lean_and_compiled_loop_give_identical_applications(warm, copy_forward):
+@pytest.mark.parametrize("warm, copy_forward, reading, groups", [
+    (False, False, "cdf", ((1,),)), (False, True, "cdf", ((1,),)), (False, False, "direct", ((1,), (2, 3))),
+    pytest.param(True, False, "cdf", ((1,),), marks=pytest.mark.slow)],
+    ids=["cold", "copy_forward", "two_groups_direct", "warm"])
+def test_eager_lean_and_compiled_loop_give_identical_applications(warm, copy_forward, reading, groups):
     """exit=halt through the module step, the eager lean step and the compiled batch-1 loop
     (one graph with the head's check inside): identical applications, NLL within float32
-    rounding; with eval.copy_forward (per_step cache: the write after the compiled loop); warm
-    start too (the states the head reads start from the last token's; in `make test-slow`:
-    default-suite time)."""
-    m = random_head(head_model("cdf", dtype=torch.float32), scale=1.0)
+    rounding; with eval.copy_forward (per_step cache: the write after the compiled loop); on
+    two recurrence groups, each with its own head, read `direct` (the compiled loop once read
+    every head as `cdf`); warm start too (the states the head reads start from the last
+    token's; in `make test-slow`: default-suite time)."""
+    m = random_head(head_model(reading, dtype=torch.float32, groups=groups), scale=1.0)
     tokens = torch.randint(0, 40, (60,), generator=torch.Generator().manual_seed(3))
     policy = exits.build("halt", 0.5, max_steps=9).with_head(m)
     recs, calls = {}, []
@@ -131,7 +135,8 @@ def test_eager_lean_and_compiled_loop_give_identical_applications(warm, copy_for
     finally:
         del compiled.loop
     assert len(calls) >= 19  # the compiled loop ran, the head's check inside it, at every token
-    assert len(set(recs["module"]["apps"].ravel().tolist())) > 1
+    apps = recs["module"]["apps"].reshape(-1, len(groups))
+    assert all(len(set(apps[:, g].tolist())) > 1 for g in range(len(groups)))  # every group's head varies its depth
     for step in ("lean", "compiled"):
         assert (recs[step]["apps"] == recs["module"]["apps"]).all(), (warm, step)
         assert abs(recs[step]["nll"] - recs["module"]["nll"]).max() <= 1e-5

@@ -225,11 +225,92 @@ def test_halt_logit_is_a_per_row_dot_product():
     assert torch.allclose(zn, F.rms_norm(x, (16,), eps=1e-6) @ w + 0.3, atol=1e-12)
 
 
-def test_a_head_needs_one_recurrence_group():
-    with pytest.raises(ValueError, match="^halt.loss: a halting head needs a model with exactly one recurrence group"):
-        GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[[1], [2]], halt_head="state")
+def test_a_head_needs_a_recurrence_group_and_several_take_correct_alone():
+    with pytest.raises(ValueError, match="^halt.loss: a halting head reads a recurrence group's state, and this model "
+                                         "has none"):
+        GPTConfig(n_layer=4, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[], halt_head="state")
     with pytest.raises(ValueError, match="^halt.input: unknown 'logits'"):
         GPTConfig(n_layer=3, n_head=2, n_embd=16, block_size=12, vocab_size=30, groups=[[1]], halt_head="logits")
+    assert tiny(groups=((1,), (2,)), n_layer=4).halt.weight.shape == (2, 16)  # a head per group
+    for name in ("act", "pondernet", "entropy"):
+        halting.check_groups(name, "right", 1)
+        with pytest.raises(ValueError, match=f"^halt.loss: {name} needs the loss after every application of every "
+                                             "group") as e:
+            halting.check_groups(name, "right", 3)
+        assert "\n" not in str(e.value)
+    halting.check_groups("correct", "margin", 3)
+    with pytest.raises(ValueError, match="^halt.label: improvement compares two successive applications"):
+        halting.check_groups("correct", "improvement", 2)
+
+
+def test_a_drawn_application_trains_on_its_own_term():
+    """`sampled` inputs (an earlier group's: entries (n, N)): correct's per-token loss is the
+    BCE at the drawn n alone, its label against the last entry's loss (margin) or the drawn
+    n's argmax (right), by hand."""
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(2, B, T, generator=g, dtype=torch.float64)
+    nll = torch.rand(2, B, T, generator=g, dtype=torch.float64)
+    right = torch.rand(2, B, T, generator=g) > 0.5
+    scored = torch.ones(B, T, dtype=torch.bool)
+    h = HaltInputs(z, nll, right, scored, None, sampled=True)
+    for label, y in (("right", right[0].double()), ("margin", (nll[0] - nll[1] <= 0.1).double())):
+        got = halting.lookup("correct").per_token(h, HaltSettings(label=label, margin=0.1))
+        lam = torch.sigmoid(z[0])
+        want = -(y * lam.log() + (1 - y) * (1 - lam).log())
+        assert torch.allclose(got, want, atol=1e-12)
+
+
+@pytest.mark.parametrize("state_init", ["zero", "normal"])
+def test_an_earlier_groups_term_is_its_drawn_application_and_the_rest_of_the_pass(state_init):
+    """On two groups, `forward(halting=...)` hands the loss one term per group. The last
+    group's is every application's (as on one group, read by its own head, index 1). The
+    first group's is `sampled`: each row's drawn n and the last N, where L_n is the NLL of an
+    independent pass with the first group run n times (the second at its count; with a noisy
+    initial state, the pass's own noise replayed), z the first head on that pass's state
+    x^(n), and the entry N the pass itself. Over seeds every n is drawn."""
+    m = tiny(groups=((1,), (2,)), n_layer=4)
+    m.cfg.state_init = state_init
+    idx = torch.randint(0, 30, (3, 8), generator=torch.Generator().manual_seed(1))
+    tgt = torch.randint(0, 30, (3, 8), generator=torch.Generator().manual_seed(2))
+    N = 4
+    drawn = set()
+    for seed in range(6):
+        calls = []
+
+        def grab(**kw):
+            calls.append(kw)
+            return torch.zeros((), dtype=torch.float64)
+
+        noise = torch.Generator().manual_seed(100 + seed)
+        start = noise.get_state()
+        logits, _ = m(idx, tgt, loops=[N, 3], objective=Objective(), halting=grab, generator=noise)
+        assert [c.get("sampled", False) for c in calls] == [False, True]
+        last, first = calls
+        assert last["z"].shape == (3, 3, 8) and first["z"].shape == (2, 3, 8)
+        assert torch.allclose(first["nll"][1], m.nll(logits, tgt), atol=1e-12)
+        for b in range(3):
+            found = []
+            for n in range(1, N + 1):
+                replay = torch.Generator().manual_seed(0)
+                replay.set_state(start)
+                trace = []
+                ref, _ = m(idx, loops=[n, 3], trace=trace, generator=replay)
+                x = next(rec for kind, i, rec in trace if kind == "group" and i == 0)[n - 1]
+                z = (x[b] * m.halt.weight[0]).sum(-1) + m.halt.bias[0]
+                if torch.allclose(first["z"][0, b], z, atol=1e-12):
+                    found.append(n)
+                    assert torch.allclose(first["nll"][0, b], m.nll(ref, tgt)[b], atol=1e-12)
+                    assert torch.equal(first["right"][0, b], ref[b].argmax(-1) == tgt[b])
+                if n == N:
+                    assert torch.allclose(first["z"][1, b], z, atol=1e-12)
+            assert len(found) == 1, found
+            drawn.add(found[0])
+        trace = []
+        m(idx, loops=[N, 3], trace=trace, generator=torch.Generator().manual_seed(0).set_state(start))
+        x3 = next(rec for kind, i, rec in trace if kind == "group" and i == 1)
+        for t in range(3):
+            assert torch.allclose(last["z"][t], (x3[t] * m.halt.weight[1]).sum(-1) + m.halt.bias[1], atol=1e-12)
+    assert drawn == set(range(1, N + 1))
 
 
 @pytest.fixture
