@@ -277,7 +277,7 @@ def test_an_earlier_groups_term_is_its_drawn_application_and_the_rest_of_the_pas
     for seed in range(6):
         calls = []
 
-        def grab(**kw):
+        def grab(calls=calls, **kw):
             calls.append(kw)
             return torch.zeros((), dtype=torch.float64)
 
