@@ -599,14 +599,14 @@ class LoopedGPT(nn.Module):
 
         `halting` (with targets; a model with a halting head, `halt_head`): a function of the
         keywords of `HaltInputs` (recdepth/training/halting.py) returning a halting loss,
-        called once per recurrence group; the mean of its values is added to the loss. For
-        the last group it sees every application n = 1 .. N: the head's logit z_n, the NLL of
-        the final targets decoded after n (the applications outside the backprop window
-        decoded without gradient, their states detached), whether that argmax is the target,
-        and the NLL of the output decoded from a mixture of the states (ACT). For an earlier
-        group (`sampled`), each row's one application n drawn uniformly from 1 .. N (from
-        `generator`) and the last, N: the rest of the pass run again from x^(n) without
-        gradient (the later groups at this pass's counts) gives L_n.
+        called once per recurrence group; the mean of its values is added to the loss. On one
+        group it sees every application n = 1 .. N: the head's logit z_n, the NLL of the
+        final targets decoded after n (the applications outside the backprop window decoded
+        without gradient, their states detached), whether that argmax is the target, and the
+        NLL of the output decoded from a mixture of the states (ACT). With several groups
+        (`sampled`), for each group each row's one application n drawn uniformly from 1 .. N
+        (from `generator`) and the last, N: the rest of the pass run again from x^(n)
+        without gradient (the later groups at this pass's counts) gives L_n.
 
         `trace`, if given, receives the hidden states in depth order, one entry per step of
         the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
@@ -662,17 +662,18 @@ class LoopedGPT(nn.Module):
         else:
             loss = objective.loss(mix, logits, [(t, after_step(t, s)) for t, s in graded], targets, step_targets,
                                   self.nll)
-        if halt:
-            terms = [self._halting_loss(halting, states[last_group], after_step, targets)]
-            terms += [self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise)
-                      for k in states if k != last_group]
+        if halt and len(states) == 1:
+            loss = loss + self._halting_loss(halting, states[last_group], after_step, targets)
+        elif halt:  # several groups: each group's term at one drawn application a row (docs/spec.md §1d)
+            terms = [self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise)
+                     for k in states]
             loss = loss + sum(terms) / len(terms)
         return logits, loss
 
     def _sampled_halting_loss(self, halting, k: int, states: list[Tensor], logits: Tensor, targets: Tensor,
                               loops: Sequence[int], generator: torch.Generator | None,
                               noise: dict[int, Tensor]) -> Tensor:
-        """`forward`'s halting term of an earlier group (plan index k) over its states x^(1) ..
+        """`forward`'s halting term of a group (plan index k) of a multi-group model over its states x^(1) ..
         x^(N): each row's drawn application n and the last, N (`HaltInputs.sampled`); L_n from
         the rest of the pass run again from x^(n) without gradient (each later group's initial
         noise the pass's own, replayed from `noise`), L_N from the pass's `logits`."""
@@ -699,13 +700,13 @@ class LoopedGPT(nn.Module):
         z = z.to(torch.promote_types(z.dtype, torch.float32))
 
         def mixture(p: Tensor) -> Tensor:
-            raise ValueError("halt.loss: an earlier group's halting term has one drawn application per token, "
+            raise ValueError("halt.loss: a multi-group model's halting term has one drawn application per token, "
                              "not the states a mixture needs")
 
         return halting(z=z, nll=nll, right=right, scored=targets >= 0, mixture=mixture, sampled=True)
 
     def _halting_loss(self, halting, states: list[Tensor], after_step, targets: Tensor) -> Tensor:
-        """`forward`'s halting term of the last recurrence group over its states x^(1) .. x^(N),
+        """`forward`'s halting term of the one recurrence group over its states x^(1) .. x^(N),
         `after_step(t, x)` the logits decoded after application t."""
         steps = []
         for t, s in enumerate(states, 1):

@@ -23,12 +23,12 @@ into one scalar, added to the objective of `loss.*`:
                (its sign flipped: q = 1 − λ), read by the same `direct` reading.
 
 Each is the mean over the scored tokens (target >= 0) of a per-token quantity. With several
-recurrence groups the halting term is the mean of one term per group. The last group's L_n
-cost a coda each; an earlier group's cost the rest of the pass each, so there every token
-gets one application n drawn uniformly from 1 .. N, its L_n from one more pass (without
-gradient) from that state on, and only a loss that is a mean over applications of a term of
-that application alone (`samples`: correct with label right or margin) can be trained:
-the one drawn application estimates the mean without bias. What the head
+recurrence groups the halting term is the mean of one term per group, and a group's L_n
+costs the rest of the pass each (the later groups, the coda, the head), so every token gets
+one application n of each group drawn uniformly from 1 .. N, its L_n from one more pass
+(without gradient) from that state on. Only a loss that is a mean over applications of a
+term of that application alone (`samples`: correct with label right or margin) can be
+trained so: the one drawn application estimates the mean without bias. What the head
 means at inference (`exit=halt`, recdepth/exits/rules/builtin.py) is the loss's `reading`, through what
 is left to halt after n: `sum` (ACT: 1 − Σ_{j≤n} λ_j; ACT trains to halt once it is below ε),
 `cdf` (PonderNet, Ouro: ∏_{j≤n} (1 − λ_j), the halting distribution's mass after n; below 0.5:
@@ -74,8 +74,8 @@ class HaltInputs(NamedTuple):
     mixture: Callable[[Tensor], Tensor]
     """weights p [N, B, T] -> the NLL [B, T] of the output decoded from Σ_n p_n x^(n) (ACT)."""
     sampled: bool = False
-    """True for an earlier group of a multi-group model: the first axis holds two entries per
-    token, (n, N), n its one application drawn from 1 .. N, not every application."""
+    """True for a group of a multi-group model: the first axis holds two entries per token,
+    (n, N), n its one application drawn from 1 .. N, not every application."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ class HaltingLoss:
     samples: ClassVar[bool] = False
     """Whether `per_token` is the mean over applications of `per_application`, a term of one
     application alone, so that one drawn application estimates it (`HaltInputs.sampled`:
-    what an earlier group of a multi-group model gives; see the module docstring)."""
+    what each group of a multi-group model gives; see the module docstring)."""
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -108,9 +108,10 @@ class LoopedLM(L.LightningModule):
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
                              generator=self.noise, objective=self.objective, step_targets=z, mix=mix,
                              halting=None if self.halting is None else lambda **kw: self._halting_term(terms, **kw))
-        if "halt" in terms:  # the mean over groups, as the loss adds it; the last group's expected depth
+        if "halt" in terms:  # the mean over groups, as the loss adds it; on one group its expected depth
             self.log("train/halt_loss", sum(terms["halt"]) / len(terms["halt"]))
-            self.log("train/halt_expected_n", terms["expected_n"])
+            if "expected_n" in terms:
+                self.log("train/halt_expected_n", terms["expected_n"])
         if self.objective.anneal_to is not None:
             self.log("train/anneal", mix[self.objective.anneal_to])
         bad = (~torch.isfinite(loss.detach())).float()
@@ -127,7 +128,8 @@ class LoopedLM(L.LightningModule):
 
     def _halting_term(self, terms: dict, **inputs) -> Tensor:
         """A group's halting loss in this pass (`LoopedGPT.forward`'s `halting`), kept in `terms`
-        with, for the last group, the mean halting depth under PonderNet's p (Σ_n n·p_n, for the logs)."""
+        with, on one group (every application), the mean halting depth under PonderNet's p
+        (Σ_n n·p_n, for the logs)."""
         loss_fn, settings = self.halting
         h = halting.HaltInputs(**inputs)
         term = loss_fn.loss(h, settings)

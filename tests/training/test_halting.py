@@ -261,20 +261,19 @@ def test_a_drawn_application_trains_on_its_own_term():
 
 
 @pytest.mark.parametrize("state_init", ["zero", "normal"])
-def test_an_earlier_groups_term_is_its_drawn_application_and_the_rest_of_the_pass(state_init):
-    """On two groups, `forward(halting=...)` hands the loss one term per group. The last
-    group's is every application's (as on one group, read by its own head, index 1). The
-    first group's is `sampled`: each row's drawn n and the last N, where L_n is the NLL of an
-    independent pass with the first group run n times (the second at its count; with a noisy
-    initial state, the pass's own noise replayed), z the first head on that pass's state
-    x^(n), and the entry N the pass itself. Over seeds every n is drawn."""
+def test_each_groups_term_is_its_drawn_application_and_the_rest_of_the_pass(state_init):
+    """On two groups, `forward(halting=...)` hands the loss one `sampled` term per group,
+    each read by its own head: each row's drawn n and the last N, where L_n is the NLL of an
+    independent pass with that group run n times (the other at its count; with a noisy
+    initial state, the pass's own noise replayed), z the group's head on that pass's state
+    x^(n), and the entry N the pass itself. Over seeds every n of both groups is drawn."""
     m = tiny(groups=((1,), (2,)), n_layer=4)
     m.cfg.state_init = state_init
     idx = torch.randint(0, 30, (3, 8), generator=torch.Generator().manual_seed(1))
     tgt = torch.randint(0, 30, (3, 8), generator=torch.Generator().manual_seed(2))
-    N = 4
-    drawn = set()
-    for seed in range(6):
+    loops = [4, 3]
+    drawn = {0: set(), 1: set()}
+    for seed in range(8):
         calls = []
 
         def grab(calls=calls, **kw):
@@ -283,34 +282,30 @@ def test_an_earlier_groups_term_is_its_drawn_application_and_the_rest_of_the_pas
 
         noise = torch.Generator().manual_seed(100 + seed)
         start = noise.get_state()
-        logits, _ = m(idx, tgt, loops=[N, 3], objective=Objective(), halting=grab, generator=noise)
-        assert [c.get("sampled", False) for c in calls] == [False, True]
-        last, first = calls
-        assert last["z"].shape == (3, 3, 8) and first["z"].shape == (2, 3, 8)
-        assert torch.allclose(first["nll"][1], m.nll(logits, tgt), atol=1e-12)
-        for b in range(3):
-            found = []
-            for n in range(1, N + 1):
-                replay = torch.Generator().manual_seed(0)
-                replay.set_state(start)
-                trace = []
-                ref, _ = m(idx, loops=[n, 3], trace=trace, generator=replay)
-                x = next(rec for kind, i, rec in trace if kind == "group" and i == 0)[n - 1]
-                z = (x[b] * m.halt.weight[0]).sum(-1) + m.halt.bias[0]
-                if torch.allclose(first["z"][0, b], z, atol=1e-12):
-                    found.append(n)
-                    assert torch.allclose(first["nll"][0, b], m.nll(ref, tgt)[b], atol=1e-12)
-                    assert torch.equal(first["right"][0, b], ref[b].argmax(-1) == tgt[b])
-                if n == N:
-                    assert torch.allclose(first["z"][1, b], z, atol=1e-12)
-            assert len(found) == 1, found
-            drawn.add(found[0])
-        trace = []
-        m(idx, loops=[N, 3], trace=trace, generator=torch.Generator().manual_seed(0).set_state(start))
-        x3 = next(rec for kind, i, rec in trace if kind == "group" and i == 1)
-        for t in range(3):
-            assert torch.allclose(last["z"][t], (x3[t] * m.halt.weight[1]).sum(-1) + m.halt.bias[1], atol=1e-12)
-    assert drawn == set(range(1, N + 1))
+        logits, _ = m(idx, tgt, loops=loops, objective=Objective(), halting=grab, generator=noise)
+        assert [c["sampled"] for c in calls] == [True, True]
+        for g, got in enumerate(calls):
+            assert got["z"].shape == (2, 3, 8)
+            assert torch.allclose(got["nll"][1], m.nll(logits, tgt), atol=1e-12)
+            for b in range(3):
+                found = []
+                for n in range(1, loops[g] + 1):
+                    replay = torch.Generator().manual_seed(0)
+                    replay.set_state(start)
+                    trace = []
+                    ref, _ = m(idx, loops=[n if i == g else c for i, c in enumerate(loops)], trace=trace,
+                               generator=replay)
+                    x = next(rec for kind, i, rec in trace if kind == "group" and i == g)[n - 1]
+                    z = (x[b] * m.halt.weight[g]).sum(-1) + m.halt.bias[g]
+                    if torch.allclose(got["z"][0, b], z, atol=1e-12):
+                        found.append(n)
+                        assert torch.allclose(got["nll"][0, b], m.nll(ref, tgt)[b], atol=1e-12)
+                        assert torch.equal(got["right"][0, b], ref[b].argmax(-1) == tgt[b])
+                    if n == loops[g]:
+                        assert torch.allclose(got["z"][1, b], z, atol=1e-12)
+                assert len(found) == 1, found
+                drawn[g].add(found[0])
+    assert drawn == {0: {1, 2, 3, 4}, 1: {1, 2, 3}}
 
 
 @pytest.fixture
