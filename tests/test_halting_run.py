@@ -83,7 +83,7 @@ def test_the_default_text_model_trains_a_head_per_group_and_evaluates_under_them
     evaluates with each group's applications its head's."""
     rd = tmp_path / "job"
     run(["debug=tiny", "halt=correct", "halt.label=margin", "halt.margin=0.05", "exit=halt", "exit.tau=0.5",
-         "exit.max_steps=4", "trainer.max_steps=4", "trainer.log_every_n_steps=1", "callbacks=none",
+         "exit.max_steps=4", "trainer.max_steps=8", "trainer.log_every_n_steps=1", "callbacks=none",
          "eval.tokens=64", "eval.latency_tokens=0", f"run_dir={rd}"], cwd=tmp_path, env=env)
     ckpt = torch.load(rd / "train" / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=True)
     m = ckpt["hyper_parameters"]["model"]

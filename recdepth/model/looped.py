@@ -599,14 +599,14 @@ class LoopedGPT(nn.Module):
 
         `halting` (with targets; a model with a halting head, `halt_head`): a function of the
         keywords of `HaltInputs` (recdepth/training/halting.py) returning a halting loss,
-        called once per recurrence group; the mean of its values is added to the loss. On one
-        group it sees every application n = 1 .. N: the head's logit z_n, the NLL of the
-        final targets decoded after n (the applications outside the backprop window decoded
-        without gradient, their states detached), whether that argmax is the target, and the
-        NLL of the output decoded from a mixture of the states (ACT). With several groups
-        (`sampled`), for each group each row's one application n drawn uniformly from 1 .. N
-        (from `generator`) and the last, N: the rest of the pass run again from x^(n)
-        without gradient (the later groups at this pass's counts) gives L_n.
+        added to the loss. On one group it sees every application n = 1 .. N: the head's
+        logit z_n, the NLL of the final targets decoded after n (the applications outside the
+        backprop window decoded without gradient, their states detached), whether that argmax
+        is the target, and the NLL of the output decoded from a mixture of the states (ACT).
+        With several groups (`sampled`), one group drawn uniformly (from `generator`), and of
+        it each row's one application n drawn uniformly from 1 .. N and the last, N: the rest
+        of the pass run again from x^(n) without gradient (the later groups at this pass's
+        counts) gives L_n. (The drawn group's term estimates the mean over groups.)
 
         `trace`, if given, receives the hidden states in depth order, one entry per step of
         the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
@@ -664,10 +664,11 @@ class LoopedGPT(nn.Module):
                                   self.nll)
         if halt and len(states) == 1:
             loss = loss + self._halting_loss(halting, states[last_group], after_step, targets)
-        elif halt:  # several groups: each group's term at one drawn application a row (docs/spec.md §1d)
-            terms = [self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise)
-                     for k in states]
-            loss = loss + sum(terms) / len(terms)
+        elif halt:  # several groups: one drawn group's term at one drawn application a row (docs/spec.md §1d)
+            groups = list(states)
+            k = groups[int(torch.randint(len(groups), (1,), generator=generator,
+                                         device="cpu" if generator is None else generator.device))]
+            loss = loss + self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise)
         return logits, loss
 
     def _sampled_halting_loss(self, halting, k: int, states: list[Tensor], logits: Tensor, targets: Tensor,

@@ -23,12 +23,12 @@ into one scalar, added to the objective of `loss.*`:
                (its sign flipped: q = 1 − λ), read by the same `direct` reading.
 
 Each is the mean over the scored tokens (target >= 0) of a per-token quantity. With several
-recurrence groups the halting term is the mean of one term per group, and a group's L_n
-costs the rest of the pass each (the later groups, the coda, the head), so every token gets
-one application n of each group drawn uniformly from 1 .. N, its L_n from one more pass
-(without gradient) from that state on. Only a loss that is a mean over applications of a
-term of that application alone (`samples`: correct with label right or margin) can be
-trained so: the one drawn application estimates the mean without bias. What the head
+recurrence groups a group's L_n costs the rest of the pass each (the later groups, the coda,
+the head), so each training step draws one group and, for every row, one application n of
+it, uniformly from 1 .. N, and takes L_n from one more pass (without gradient) from that
+state on. Only a loss that is a mean over applications of a term of that application alone
+(`samples`: correct with label right or margin) can be trained so: the drawn group and
+application estimate the mean over groups and applications without bias. What the head
 means at inference (`exit=halt`, recdepth/exits/rules/builtin.py) is the loss's `reading`, through what
 is left to halt after n: `sum` (ACT: 1 − Σ_{j≤n} λ_j; ACT trains to halt once it is below ε),
 `cdf` (PonderNet, Ouro: ∏_{j≤n} (1 − λ_j), the halting distribution's mass after n; below 0.5:

@@ -262,18 +262,18 @@ def test_a_drawn_application_trains_on_its_own_term():
 
 @pytest.mark.parametrize("state_init", ["zero", "normal"])
 def test_each_groups_term_is_its_drawn_application_and_the_rest_of_the_pass(state_init):
-    """On two groups, `forward(halting=...)` hands the loss one `sampled` term per group,
-    each read by its own head: each row's drawn n and the last N, where L_n is the NLL of an
-    independent pass with that group run n times (the other at its count; with a noisy
+    """On two groups, `forward(halting=...)` hands the loss one `sampled` term a pass, of a
+    drawn group read by its own head: each row's drawn n and the last N, where L_n is the NLL
+    of an independent pass with that group run n times (the other at its count; with a noisy
     initial state, the pass's own noise replayed), z the group's head on that pass's state
-    x^(n), and the entry N the pass itself. Over seeds every n of both groups is drawn."""
+    x^(n), and the entry N the pass itself. Over seeds both groups and every n are drawn."""
     m = tiny(groups=((1,), (2,)), n_layer=4)
     m.cfg.state_init = state_init
     idx = torch.randint(0, 30, (3, 8), generator=torch.Generator().manual_seed(1))
     tgt = torch.randint(0, 30, (3, 8), generator=torch.Generator().manual_seed(2))
     loops = [4, 3]
     drawn = {0: set(), 1: set()}
-    for seed in range(8):
+    for seed in range(16):
         calls = []
 
         def grab(calls=calls, **kw):
@@ -283,9 +283,18 @@ def test_each_groups_term_is_its_drawn_application_and_the_rest_of_the_pass(stat
         noise = torch.Generator().manual_seed(100 + seed)
         start = noise.get_state()
         logits, _ = m(idx, tgt, loops=loops, objective=Objective(), halting=grab, generator=noise)
-        assert [c["sampled"] for c in calls] == [True, True]
-        for g, got in enumerate(calls):
-            assert got["z"].shape == (2, 3, 8)
+        assert [c["sampled"] for c in calls] == [True]
+        got, matched = calls[0], []
+        assert got["z"].shape == (2, 3, 8)
+        for g in (0, 1):  # which group was drawn: the one whose head and states give its z_N
+            trace = []
+            replay = torch.Generator().manual_seed(0)
+            replay.set_state(start)
+            m(idx, loops=loops, trace=trace, generator=replay)
+            x = next(rec for kind, i, rec in trace if kind == "group" and i == g)[-1]
+            if not torch.allclose(got["z"][1], (x * m.halt.weight[g]).sum(-1) + m.halt.bias[g], atol=1e-12):
+                continue
+            matched.append(g)
             assert torch.allclose(got["nll"][1], m.nll(logits, tgt), atol=1e-12)
             for b in range(3):
                 found = []
@@ -305,6 +314,7 @@ def test_each_groups_term_is_its_drawn_application_and_the_rest_of_the_pass(stat
                         assert torch.allclose(got["z"][1, b], z, atol=1e-12)
                 assert len(found) == 1, found
                 drawn[g].add(found[0])
+        assert len(matched) == 1
     assert drawn == {0: {1, 2, 3, 4}, 1: {1, 2, 3}}
 
 
