@@ -158,6 +158,10 @@ class HaltConfig:
     second stage on a frozen model (Ouro's stage II, the post-hoc gate's setting)."""
     freeze: bool = False
     """Train the halting head only, every other weight as `init_from` left it (needs init_from)."""
+    through_state: bool = True
+    """Whether the halting loss reaches the model through the states the head reads (true:
+    the state is trained to tell the head, as in ACT and PonderNet; false: the head's input
+    is detached, and the halting loss moves the model only through its L_n, if it has any)."""
 
     def settings(self) -> halting.HaltSettings:
         """The numbers the loss reads."""
@@ -174,8 +178,9 @@ class HaltConfig:
         check_one_of("halt.input", self.input, halting.INPUTS)
         check_number("halt.init_bias", self.init_bias, lo=-math.inf)
         self.settings()
-        if not isinstance(self.freeze, bool):
-            raise ValueError(f"halt.freeze: expected true or false, got {self.freeze!r}")
+        for name in ("freeze", "through_state"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"halt.{name}: expected true or false, got {getattr(self, name)!r}")
         if self.freeze and not self.init_from:
             raise ValueError("halt.freeze: true needs halt.init_from=<a training checkpoint> (the frozen model)")
         if self.init_from is not None and not self.on:

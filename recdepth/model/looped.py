@@ -587,6 +587,7 @@ class LoopedGPT(nn.Module):
         step_targets: Tensor | None = None,
         mix: dict[str, float] | None = None,
         halting=None,
+        halt_through_state: bool = True,
     ) -> tuple[Tensor, Tensor | None]:
         """Parallel forward over [B, T] token ids with `loops[g]` applications of group g
         (default: round(mean_recurrence)). Returns (logits, mean cross-entropy or None).
@@ -606,7 +607,8 @@ class LoopedGPT(nn.Module):
         With several groups (`sampled`), one group drawn uniformly (from `generator`), and of
         it each row's one application n drawn uniformly from 1 .. N and the last, N: the rest
         of the pass run again from x^(n) without gradient (the later groups at this pass's
-        counts) gives L_n. (The drawn group's term estimates the mean over groups.)
+        counts) gives L_n. (The drawn group's term estimates the mean over groups.) With
+        `halt_through_state` false the head reads the states detached (`halt.through_state`).
 
         `trace`, if given, receives the hidden states in depth order, one entry per step of
         the plan: ("layer", l, [output of layer l]) or ("group", g, [x_g^(0) .. x_g^(n-1)]),
@@ -663,17 +665,18 @@ class LoopedGPT(nn.Module):
             loss = objective.loss(mix, logits, [(t, after_step(t, s)) for t, s in graded], targets, step_targets,
                                   self.nll)
         if halt and len(states) == 1:
-            loss = loss + self._halting_loss(halting, states[last_group], after_step, targets)
+            loss = loss + self._halting_loss(halting, states[last_group], after_step, targets, halt_through_state)
         elif halt:  # several groups: one drawn group's term at one drawn application a row (docs/spec.md §1d)
             groups = list(states)
             k = groups[int(torch.randint(len(groups), (1,), generator=generator,
                                          device="cpu" if generator is None else generator.device))]
-            loss = loss + self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise)
+            loss = loss + self._sampled_halting_loss(halting, k, states[k], logits, targets, loops, generator, noise,
+                                                     halt_through_state)
         return logits, loss
 
     def _sampled_halting_loss(self, halting, k: int, states: list[Tensor], logits: Tensor, targets: Tensor,
                               loops: Sequence[int], generator: torch.Generator | None,
-                              noise: dict[int, Tensor]) -> Tensor:
+                              noise: dict[int, Tensor], through: bool = True) -> Tensor:
         """`forward`'s halting term of a group (plan index k) of a multi-group model over its states x^(1) ..
         x^(N): each row's drawn application n and the last, N (`HaltInputs.sampled`); L_n from
         the rest of the pass run again from x^(n) without gradient (each later group's initial
@@ -697,7 +700,8 @@ class LoopedGPT(nn.Module):
         nll = self.nll(both, targets.expand(both.shape[:-1]))
         right = (both.argmax(-1) == targets) & (targets >= 0)
         w, b, normed = self.halt.weight[g], self.halt.bias[g], self.cfg.halt_head == "normed"
-        z = torch.stack([halt_logit(x_n, w, b, normed), halt_logit(states[-1], w, b, normed)])
+        read = (lambda x: x) if through else Tensor.detach  # what the head reads (halt.through_state)
+        z = torch.stack([halt_logit(read(x_n), w, b, normed), halt_logit(read(states[-1]), w, b, normed)])
         z = z.to(torch.promote_types(z.dtype, torch.float32))
 
         def mixture(p: Tensor) -> Tensor:
@@ -706,7 +710,7 @@ class LoopedGPT(nn.Module):
 
         return halting(z=z, nll=nll, right=right, scored=targets >= 0, mixture=mixture, sampled=True)
 
-    def _halting_loss(self, halting, states: list[Tensor], after_step, targets: Tensor) -> Tensor:
+    def _halting_loss(self, halting, states: list[Tensor], after_step, targets: Tensor, through: bool = True) -> Tensor:
         """`forward`'s halting term of the one recurrence group over its states x^(1) .. x^(N),
         `after_step(t, x)` the logits decoded after application t."""
         steps = []
@@ -722,7 +726,7 @@ class LoopedGPT(nn.Module):
         last = max(k for k, (kind, _) in enumerate(self.plan) if kind == "group")
         g, after = self.plan[last][1], self.plan[last + 1 :]
         w, b = self.halt.weight[g], self.halt.bias[g]
-        z = torch.stack([halt_logit(s, w, b, self.cfg.halt_head == "normed") for s in states])
+        z = torch.stack([halt_logit(s if through else s.detach(), w, b, self.cfg.halt_head == "normed") for s in states])
         xs = torch.stack(states)
 
         def mixture(p: Tensor) -> Tensor:  # ACT: the output decoded from Σ_n p_n x^(n)

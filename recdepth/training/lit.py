@@ -107,7 +107,8 @@ class LoopedLM(L.LightningModule):
         terms: dict[str, Tensor] = {}
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
                              generator=self.noise, objective=self.objective, step_targets=z, mix=mix,
-                             halting=None if self.halting is None else lambda **kw: self._halting_term(terms, **kw))
+                             halting=None if self.halting is None else lambda **kw: self._halting_term(terms, **kw),
+                             halt_through_state=(self.hparams.halt or {}).get("through_state", True))
         if "halt" in terms:  # the mean over groups, as the loss adds it; on one group its expected depth
             self.log("train/halt_loss", sum(terms["halt"]) / len(terms["halt"]))
             if "expected_n" in terms:

@@ -74,7 +74,8 @@ def what_trains(training: dict) -> dict:
     learned positions), so a run from before them keeps its identity; `sampler.sigma`
     dropped under `sampler=fixed`, which never reads it; `loss` dropped where it is the loss
     after the last application (what every run before `loss` trained with); `halt` dropped
-    without a halting head (halt=none, every run before it); and `data` as its source's config
+    without a halting head (halt=none, every run before it), `halt.through_state` at its
+    default; and `data` as its source's config
     (recdepth/data/sources/), the keys its source has, a key missing (a config from before
     the schema) taking its default; an old flat one upgraded first (`recdepth.data.config.
     upgrade`, which says what that does to a task run's identity). Also applied to the
@@ -110,6 +111,8 @@ def what_trains(training: dict) -> dict:
     h = sub.get("halt")
     if h is None or (isinstance(h, dict) and h.get("loss", "none") == "none"):
         sub.pop("halt", None)  # no halting head: the runs from before `halt`
+    elif isinstance(h, dict) and h.get("through_state", True) is True:
+        h.pop("through_state", None)  # at its default: the halting runs from before it
     return sub
 
 

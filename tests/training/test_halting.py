@@ -368,3 +368,21 @@ def test_huginns_format_refuses_a_halting_head(tmp_path):
     with pytest.raises(ValueError, match=r"^save_hf: model.halt_head: 'state' has no counterpart in Huginn's") as e:
         save_hf(LoopedGPT(cfg), tmp_path / "hf")
     assert "\n" not in str(e.value) and not (tmp_path / "hf" / "config.json").exists()
+
+
+@pytest.mark.parametrize("groups", [((1,),), ((1,), (2,))], ids=["one_group", "two_groups"])
+def test_through_state_false_keeps_corrects_gradient_on_the_head(groups):
+    """`halt.through_state=false` (`forward(halt_through_state=False)`): correct's term, whose
+    labels carry no gradient, moves the heads alone; with it true the layers too."""
+    m = tiny(groups=groups, n_layer=2 + len(groups))
+    idx = torch.randint(0, 30, (2, 8), generator=torch.Generator().manual_seed(1))
+    fn, s = halting.lookup("correct"), HaltSettings()
+    layers = [p for n, p in m.named_parameters() if n.startswith("h.")]
+    for through in (True, False):
+        _, plain = m(idx, idx, loops=[3] * len(groups))
+        _, loss = m(idx, idx, loops=[3] * len(groups), objective=Objective(), halt_through_state=through,
+                    halting=lambda **kw: fn.loss(HaltInputs(**kw), s), generator=torch.Generator().manual_seed(2))
+        grads = torch.autograd.grad(loss - plain, layers + [m.halt.weight], allow_unused=True)
+        moved = sum(0.0 if g is None else float(g.abs().sum()) for g in grads[:-1])
+        assert (moved > 1e-6) is through, (through, moved)
+        assert grads[-1].abs().sum() > 0
