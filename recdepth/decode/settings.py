@@ -22,7 +22,7 @@ from recdepth.decode.kv_cache import check_cache
 
 BACKENDS = ("module", "lean", "compiled")  # how a token's layers are computed (`engine.lean_steps`)
 REGIMES = ("sequential", "parallel")  # token by token (the engine) | every position at once (decode/parallel.py)
-EXIT_LEVELS = ("token", "sequence")  # the parallel regime's: a position stops, or the whole instance)
+EXIT_LEVELS = ("token", "sequence")  # the parallel regime's: a position stops, or the whole instance
 AUTO = "auto"  # latency_backend: the compiled backend where it is measured to pay (`scoring.latency_backend_for`)
 
 

@@ -638,7 +638,7 @@ class LoopedGPT(nn.Module):
             else:
                 if halt and rec is None:
                     rec = []
-                if halt and generator is not None:  # an earlier group's L_n replays this group's noise
+                if halt and generator is not None and self.n_groups > 1:  # an earlier group's L_n replays it
                     noise[k] = generator.get_state()
                 x = self.leave_group(i, self.run_group(i, x, loops[i], backprop_depth, generator, rec,
                                                        graded if per_step and k == last_group else None))
@@ -700,8 +700,7 @@ class LoopedGPT(nn.Module):
         nll = self.nll(both, targets.expand(both.shape[:-1]))
         right = (both.argmax(-1) == targets) & (targets >= 0)
         w, b, normed = self.halt.weight[g], self.halt.bias[g], self.cfg.halt_head == "normed"
-        read = (lambda x: x) if through else Tensor.detach  # what the head reads (halt.through_state)
-        z = torch.stack([halt_logit(read(x_n), w, b, normed), halt_logit(read(states[-1]), w, b, normed)])
+        z = torch.stack([halt_logit(s if through else s.detach(), w, b, normed) for s in (x_n, states[-1])])
         z = z.to(torch.promote_types(z.dtype, torch.float32))
 
         def mixture(p: Tensor) -> Tensor:

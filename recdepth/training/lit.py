@@ -65,6 +65,7 @@ class LoopedLM(L.LightningModule):
             raise ValueError(f"halt.loss={h['loss']}: the model has no halting head (model config halt_head is null)")
         if self.halting is not None:
             halting.check_groups(h["loss"], self.halting[1].label, self.model.n_groups)
+        self.halt_through_state = h.get("through_state", True)  # halt.through_state: the head's input detached?
         if h.get("freeze"):  # the second stage: the halting head alone learns
             for n, p in self.model.named_parameters():
                 p.requires_grad_(n.startswith("halt."))
@@ -108,10 +109,10 @@ class LoopedLM(L.LightningModule):
         _, loss = self.model(x, y, loops=self._loops, backprop_depth=self.sampler.backprop_depth,
                              generator=self.noise, objective=self.objective, step_targets=z, mix=mix,
                              halting=None if self.halting is None else lambda **kw: self._halting_term(terms, **kw),
-                             halt_through_state=(self.hparams.halt or {}).get("through_state", True))
-        if "halt" in terms:  # the mean over groups, as the loss adds it; on one group its expected depth
-            self.log("train/halt_loss", sum(terms["halt"]) / len(terms["halt"]))
-            if "expected_n" in terms:
+                             halt_through_state=self.halt_through_state)
+        if "halt" in terms:  # the pass's one halting term (several groups: the drawn group's)
+            self.log("train/halt_loss", terms["halt"])
+            if "expected_n" in terms:  # one group: every application
                 self.log("train/halt_expected_n", terms["expected_n"])
         if self.objective.anneal_to is not None:
             self.log("train/anneal", mix[self.objective.anneal_to])
@@ -128,7 +129,7 @@ class LoopedLM(L.LightningModule):
         return loss
 
     def _halting_term(self, terms: dict, **inputs) -> Tensor:
-        """A group's halting loss in this pass (`LoopedGPT.forward`'s `halting`), kept in `terms`
+        """The halting loss of this pass (`LoopedGPT.forward`'s `halting`), kept in `terms`
         with, on one group (every application), the mean halting depth under PonderNet's p
         (Σ_n n·p_n, for the logs)."""
         loss_fn, settings = self.halting
@@ -139,7 +140,7 @@ class LoopedLM(L.LightningModule):
                 p = halting.halting_distribution(h.z).exp()
                 n = torch.arange(1, p.shape[0] + 1, device=p.device, dtype=p.dtype).view(-1, 1, 1)
                 terms["expected_n"] = ((p * n).sum(0) * h.scored).sum() / h.scored.sum().clamp(min=1)
-        terms.setdefault("halt", []).append(term.detach())
+        terms["halt"] = term.detach()
         return term
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
