@@ -41,7 +41,7 @@ compact ids 0..V_c: the sorted GPT-2 ids of the train split, then V_c = "other" 
 other GPT-2 id; vocab.npy maps them back (`recdepth.data.vocabulary` explains the scoring).
 
 A generated task's cache (`prepare_task_tokens`) holds its records (recdepth/data/tasks/)
-and their per-token labels beside the tokens (train.labels.bin, val.labels.bin, uint8), and
+and their per-token labels beside the tokens (train.labels.bin, val.labels.bin, uint16), and
 for a task with per-step targets those too (train.steps.bin, val.steps.bin: uint16, S =
 meta.json's `step_width` per token, compact ids like the tokens, NO_STEP where none), and for
 a task with in-place targets its scored stream (train.targets.bin, val.targets.bin: uint16,
@@ -181,7 +181,8 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     in_place = bool(meta.get("targets", False))  # a task's scored stream (in-place targets)
     files = [("train.bin", n_train, 2), ("val.bin", n_val, 2)]
     if labelled:
-        files += [("train.labels.bin", n_train, 1), ("val.labels.bin", n_val, 1)]
+        label_bytes = np.dtype(tasks.LABEL_DTYPE).itemsize
+        files += [("train.labels.bin", n_train, label_bytes), ("val.labels.bin", n_val, label_bytes)]
     if in_place:
         files += [("train.targets.bin", n_train, 2), ("val.targets.bin", n_val, 2)]
     if width:
@@ -203,8 +204,8 @@ def open_cache(path: Path, key: str) -> tuple[TokenCache | None, str]:
     val = np.memmap(path / "val.bin", dtype=np.uint16, mode="r", shape=(n_val,))
     cache = TokenCache(path, meta, train, val, id_map, built=False)
     if labelled:
-        cache.train_labels = np.memmap(path / "train.labels.bin", dtype=np.uint8, mode="r", shape=(n_train,))
-        cache.val_labels = np.memmap(path / "val.labels.bin", dtype=np.uint8, mode="r", shape=(n_val,))
+        cache.train_labels = np.memmap(path / "train.labels.bin", dtype=tasks.LABEL_DTYPE, mode="r", shape=(n_train,))
+        cache.val_labels = np.memmap(path / "val.labels.bin", dtype=tasks.LABEL_DTYPE, mode="r", shape=(n_val,))
     if width:
         cache.train_steps = np.memmap(path / "train.steps.bin", dtype=np.uint16, mode="r", shape=(n_train, width))
         cache.val_steps = np.memmap(path / "val.steps.bin", dtype=np.uint16, mode="r", shape=(n_val, width))
@@ -456,7 +457,7 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
     records, each region followed by one EOT, so a region starts right after the previous
     one's last target: test at 0 (`recdepth.evaluate`'s split), validation at
     test + 1 (where `recdepth.calibrate` starts when eval.tokens is the test region's size).
-    `train.labels.bin` / `val.labels.bin` (uint8) label every token (0 = not an answer,
+    `train.labels.bin` / `val.labels.bin` (uint16, `tasks.LABEL_DTYPE`) label every token (0 = not an answer,
     d >= 1 = answer of difficulty d). A task with per-step targets (`task.step_width()` =
     S > 0) adds `train.steps.bin` / `val.steps.bin` (uint16, [tokens, S] row-major): token
     i's target after loop application t at column t - 1, in the cache's ids like the

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from recdepth.data.tasks import NO_STEP
+from recdepth.data.tasks import LABEL_DTYPE, NO_STEP
 
 
 class WindowBatches(Dataset):
@@ -42,7 +42,7 @@ class WindowBatches(Dataset):
         labels: Path | None = None, steps: Path | None = None, step_width: int = 0, targets: Path | None = None,
     ):
         self.file = Path(file)
-        # A task's labels (uint8, aligned with the tokens): targets that are not answers
+        # A task's labels (LABEL_DTYPE, aligned with the tokens): targets that are not answers
         # become -1, which the loss ignores (`model.token_nll`): the answers-only loss.
         self.labels = None if labels is None else Path(labels)
         self._labels: np.memmap | None = None
@@ -85,7 +85,7 @@ class WindowBatches(Dataset):
             y = torch.from_numpy(self._targets[starts[:, None] + self._span[1:]].astype(np.int64))
         if self.labels is not None:
             if self._labels is None:
-                self._labels = np.memmap(self.labels, dtype=np.uint8, mode="r", shape=(self.n_tokens,))
+                self._labels = np.memmap(self.labels, dtype=LABEL_DTYPE, mode="r", shape=(self.n_tokens,))
             answer = torch.from_numpy(self._labels[starts[:, None] + self._span[1:]] > 0)
             y = y.masked_fill(~answer, -1)
         if self.steps is None:

@@ -10,6 +10,8 @@ import pytest
 from recdepth.config.schema import data_config
 from recdepth.data import tasks
 from recdepth.data.datamodule import TokenDataModule
+from recdepth.data.tasks.prefixsums import prefix_sums
+from recdepth.data.tokenizer import EOT_ID, gpt2
 from tests.data.helpers import assert_splits_disjoint, in_place_expected, in_place_split, symbols_of
 
 COUNTS = dict(train_records=40, test_records=16, validation_records=16, extrapolation_records=16)
@@ -96,3 +98,23 @@ def test_prefixsums_per_step_targets_are_the_window_parities(tmp_path, split):
 
 def test_prefixsums_splits_share_no_instance():
     assert_splits_disjoint(tasks.lookup("prefixsums")(size=[3, 6], extrapolation=[7, 8]))
+
+
+def test_difficulties_above_one_byte_are_stored_as_they_are(tmp_path):
+    """A 300-bit instance's bit k has difficulty k + 1 up to 300: the cache and the data module
+    hand back every one (one-byte labels stopped at 255, merging d = 255 .. 300), counted
+    here from the decoded bits."""
+    data = {"source": "task", "train_records": 4, "test_records": 1, "validation_records": 1,
+            "extrapolation_records": 2, "loss": "answers", "cache_dir": str(tmp_path / "cache"),
+            "task": {"name": "prefixsums", "size": [4, 20], "extrapolation": [290, 300]}}
+    dm = TokenDataModule(data_config(data), 320, 1, 1)
+    dm.setup()
+    toks, labs, _ = in_place_split(dm, "extrapolation")
+    _, want_labels, sizes = expected(symbols_of(dm.vocab, toks))
+    assert labs.tolist() == want_labels and min(sizes) >= 290
+    assert int(labs.max()) == max(sizes) > 255 and int((labs > 255).sum()) == sum(s - 255 for s in sizes)
+    spec = tasks.lookup("prefixsums")(size=[4, 8])  # a generator writing a label past two bytes
+    spec.generate = lambda rng, sizes: [(s, lab and 70000, st, sc) for s, lab, st, sc in prefix_sums(rng, sizes)]
+    with pytest.raises(ValueError, match=r"^data\.task: a prefixsums token's label is 70000, expected 0 \(no answer\) "
+                                         r"or a difficulty 1 \.\. 65535$"):
+        tasks.records(spec, "train", 0, 1, 16, tasks.symbol_ids(gpt2().encode_ordinary), EOT_ID)

@@ -19,7 +19,7 @@ from recdepth.data.tasks.answers import average_ranks, score_answers, spearman
 from recdepth.data.tasks.carry import Carry
 from recdepth.data.tasks.hops import Hops
 from recdepth.data.tasks.modsum import Modsum
-from recdepth.data.tasks.records import NO_STEP, records, symbol_ids
+from recdepth.data.tasks.records import LABEL_DTYPE, NO_STEP, records, symbol_ids
 from recdepth.data.tasks.roots import Roots
 from recdepth.data.tasks.task import (
     BUCKETS,
@@ -38,7 +38,7 @@ from recdepth.data.tasks.task import (
     names,
 )
 
-__all__ = ["BUCKETS", "DIGITS", "MAX_REDRAWS", "NAMES", "NO_STEP", "SPLITS", "SYMBOLS", "TASK_VERSION", "Addition",
+__all__ = ["BUCKETS", "DIGITS", "LABEL_DTYPE", "MAX_REDRAWS", "NAMES", "NO_STEP", "SPLITS", "SYMBOLS", "TASK_VERSION", "Addition",
            "Carry", "Hops", "Instance", "Modsum", "Roots", "Task", "Token", "average_ranks", "bucket", "instances", "lookup",
            "names", "records", "score_answers", "spearman", "symbol_ids"]
 

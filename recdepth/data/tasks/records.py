@@ -13,6 +13,10 @@ import numpy as np
 from recdepth.data.tasks.task import SYMBOLS, Task, instances
 
 NO_STEP = 0xFFFF  # a per-step target slot without a target (no GPT-2 or model id is this large)
+# A token's label (0, or its difficulty) as the records and the token cache store it: two bytes,
+# so a 512-bit prefix sum's last bit keeps its difficulty 512 (one byte stopped at 255)
+LABEL_DTYPE = np.uint16
+MAX_LABEL = int(np.iinfo(LABEL_DTYPE).max)
 
 
 def symbol_ids(encode: Callable[[str], list[int]]) -> dict[str, int]:
@@ -30,7 +34,7 @@ def records(task: Task, split: str, seed: int, n_records: int, length: int, ids:
             eot: int) -> tuple[np.ndarray, ...]:
     """n_records records of `length` tokens: EOT, then whole instances (each ending in a
     newline) packed greedily (one a record where `task.one_per_record()`), the rest EOT.
-    Returns GPT-2 ids and labels (uint8), both [n_records * length], and for a task with
+    Returns GPT-2 ids and labels (`LABEL_DTYPE`), both [n_records * length], and for a task with
     per-step targets (`task.step_width()` = S > 0) a third array, their GPT-2 ids
     [n_records * length, S] (uint16): row i, column t - 1 the target of token i after loop
     application t, NO_STEP past the token's last step (its own id is the target from there).
@@ -41,7 +45,7 @@ def records(task: Task, split: str, seed: int, n_records: int, length: int, ids:
     one_each = task.one_per_record()
     width = task.step_width()
     tokens = np.full((n_records, length), eot, dtype=np.uint16)
-    labels = np.zeros((n_records, length), dtype=np.uint8)
+    labels = np.zeros((n_records, length), dtype=LABEL_DTYPE)
     steps = np.full((n_records, length, width), NO_STEP, dtype=np.uint16) if width else None
     targets = tokens.copy() if task.in_place() else None  # filled with the tokens below, then the scored symbols
     it = instances(task, split, seed)
@@ -60,7 +64,10 @@ def records(task: Task, split: str, seed: int, n_records: int, length: int, ids:
                 break
             for j, (s, lab, *more) in enumerate(inst):
                 tokens[r, pos + j] = ids[s]
-                labels[r, pos + j] = min(lab, 255)
+                if not 0 <= lab <= MAX_LABEL:
+                    raise ValueError(f"data.task: a {task.name} token's label is {lab}, expected 0 (no answer) or a "
+                                     f"difficulty 1 .. {MAX_LABEL}")
+                labels[r, pos + j] = lab
                 if more and more[0]:
                     if len(more[0]) > width:
                         raise ValueError(f"data.task: a {task.name} token states {len(more[0])} per-step targets, "

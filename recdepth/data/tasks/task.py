@@ -60,7 +60,7 @@ NAMES = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [chr(c) for c in range
 DIGITS = [str(d) for d in range(10)]
 SYMBOLS = [*NAMES, *DIGITS, "=", "?", "+"]  # what an instance may write (each one GPT-2 token)
 # Bump when a generator changes what it writes: old task caches then stop matching.
-TASK_VERSION = 3  # 2: hops' unqueried distractor chains; 3: prefixsums' per-step targets
+TASK_VERSION = 4  # 2: hops' unqueried distractor chains; 3: prefixsums' per-step targets; 4: labels in two bytes
 
 MAX_REDRAWS = 10_000
 # (symbol, label), or (symbol, label, steps) for a task with per-step targets, or (symbol,
