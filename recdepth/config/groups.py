@@ -56,7 +56,7 @@ class ModelConfig:
     logit_bias: bool = True
     """LM-head bias initialised to the log unigram prior (deviation from SPEC §1; false = SPEC)."""
     position: str = "learned"
-    """Positions: learned (GPT-2's absolute embedding) | rope (rotary, Huginn)."""
+    """Positions: learned (GPT-2's absolute embedding) | rope (rotary, Huginn) | none (attention=grid)."""
     rope_base: float = 10000.0
     """RoPE's base (> 1; Huginn-0125: 50000); read with position=rope only."""
     mlp: str = "silu"
@@ -72,6 +72,9 @@ class ModelConfig:
     attention_window: int | None = None
     """Sliding-window attention: each position attends to the last W positions, its own
     included (null: all earlier ones, SPEC §1)."""
+    attention: str = "causal"
+    """causal (SPEC §1) | grid: each window one N × N grid (EOT, N² cells row by row, newline),
+    a cell reading itself and its four neighbours (data=mazes; needs position=none)."""
 
     def shape(self) -> dict:
         """n_layer, n_head, n_embd, block_size (and intermediate_size where the preset or

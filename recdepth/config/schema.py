@@ -113,6 +113,8 @@ class TrainConfig:
                              "(a task that states them, e.g. data=roots; else loss.steps=all or last)")
         if self.halt.on:
             halting.check_groups(self.halt.loss, self.halt.label, len(self.model.groups))
+        if self.model.attention == "grid":
+            self._check_grid()
         e = self.exit  # per-group values: one per recurrence group of the model
         exits.validate(e.name, e.tau, e.min_steps, e.max_steps, e.patience, groups=len(self.model.groups),
                        decode=e.decode, kl_direction=e.kl_direction)
@@ -125,6 +127,22 @@ class TrainConfig:
             if c.seq_len is not None and not 2 <= c.seq_len <= block:
                 raise ValueError(f"callbacks.loop_dynamics.seq_len: expected 2..{block} (the block size), "
                                  f"got {c.seq_len}")
+
+    def _check_grid(self) -> None:
+        """model.attention=grid reads each window as one N x N grid: the task's (one line otherwise)."""
+        task = getattr(self.data, "task", None)
+        side = None if task is None else task.grid_side("train")
+        if side is None:
+            raise ValueError(f"model.attention: grid reads each window as one N x N grid, and data={self.data.source} "
+                             "writes no grids (data=mazes does)")
+        block, need = self.model.shape()["block_size"], side * side + 2
+        if block != need:
+            raise ValueError(f"model.block_size: data.task.size={list(task.size)} writes {side} x {side} grids, which "
+                             f"grid attention reads from windows of N² + 2 = {need} tokens, got {block}")
+        c = self.callbacks.loop_dynamics
+        if c is not None and c.seq_len is not None and c.seq_len != block:
+            raise ValueError(f"callbacks.loop_dynamics.seq_len: a grid model reads whole grids, {block} tokens (or "
+                             f"null), got {c.seq_len}")
 
 
 def _device(v: str) -> None:

@@ -52,8 +52,19 @@ class ParallelRun:
     """[B] long: the applications the instance's parallel pass ran."""
 
 
+def check_regime(model: LoopedGPT, regime: str) -> None:
+    """A grid model (model.attention=grid: a cell reads the cells after it too) has no
+    token-by-token decoding: the parallel regime only, one line otherwise."""
+    if model.cfg.attention == "grid" and regime != "parallel":
+        raise ValueError(f"eval.regime: a grid model (model.attention=grid) reads every cell at once, so it decodes "
+                         f"with eval.regime=parallel only, got {regime!r}")
+
+
 def check_parallel(model: LoopedGPT, policy: ExitPolicy, level: str, wake: bool) -> None:
     """The parallel regime's settings, one line naming the field each."""
+    if wake and model.cfg.attention == "grid":
+        raise ValueError("eval.wake: a stopped position wakes when its attention window changes, and a grid "
+                         "model's neighbourhood is no window (model.attention=grid)")
     if level not in LEVELS:
         raise ValueError(f"eval.exit_level: expected one of {', '.join(LEVELS)}, got {level!r}")
     if wake and level != "token":

@@ -34,7 +34,7 @@ from recdepth.decode.engine import (
     warm_up,
 )
 from recdepth.decode.mixed import MixedPolicy
-from recdepth.decode.parallel import parallel_exit
+from recdepth.decode.parallel import check_regime, parallel_exit
 from recdepth.decode.settings import AUTO, DecodeSettings
 from recdepth.decode.state_decode import check_is_output, check_price, has_coda
 from recdepth.exits.policy import ORACLE, ExitPolicy, build
@@ -167,6 +167,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     scores against it instead of the next token (`engine.decode_windows`).
     """
     policy.check_model(model.n_groups, model.cfg.n_embd)
+    check_regime(model, settings.regime)
     if settings.regime == "parallel" and policy.name != ORACLE:  # the oracle: the sequential regime's bound
         return evaluate_parallel(model, tokens, policy, n_tokens, settings, first_window, labels, targets)
     if policy.name == ORACLE:
@@ -352,6 +353,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     tokens over its seconds and `shared_batch` the number of policies decoded side by
     side. The timed passes' step: `latency_backend_for` the policies timed here. `targets`: a
     scored stream, as `evaluate_exit`'s."""
+    check_regime(model, settings.regime)
     if settings.regime == "parallel":
         raise ValueError("eval.regime: parallel decodes one setting at a time (recdepth evaluate; make frontier "
                          "runs its jobs one by one there); settings side by side are sequential only")

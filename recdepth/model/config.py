@@ -24,14 +24,15 @@ SIZES: dict[str, dict[str, int]] = {
 STATE_INITS = ("normal", "zero", "input")
 HALT_HEADS = ("state", "normed")  # what a halting head reads (GPTConfig.halt_head)
 HALT_READINGS = ("sum", "cdf", "direct")  # how exit=halt reads it (GPTConfig.halt_reading)
-POSITIONS = ("learned", "rope")
+POSITIONS = ("learned", "rope", "none")
+ATTENTIONS = ("causal", "grid")  # GPTConfig.attention
 MLPS = ("silu", "gated_silu")
 # The architecture options beyond the shape, with the defaults that are the GPT-2 model
 # of SPEC §1 (GPTConfig documents each). intermediate_size belongs with the shape (a
 # size preset may set it).
 OPTION_DEFAULTS: dict[str, object] = dict(position="learned", rope_base=10000.0, mlp="silu", qk_bias=False,
                                           scale_embeddings=False, latent_norm=False, norm_eps=1e-6,
-                                          attention_window=None)
+                                          attention_window=None, attention="causal")
 
 
 def shape_of(size: str, **overrides) -> dict:
@@ -84,8 +85,9 @@ class GPTConfig:
     logits are masked to -inf so they never take probability mass."""
     # --- Huginn's architecture options (docs/spec.md §1b); the defaults are SPEC §1's model
     position: str = "learned"
-    """Positions: `learned` (GPT-2's absolute embedding `wpe`, SPEC §1) or `rope` (rotary
-    embedding of q and k in every attention, adjacent pairs, `apply_rope`; no `wpe`; Huginn)."""
+    """Positions: `learned` (GPT-2's absolute embedding `wpe`, SPEC §1), `rope` (rotary
+    embedding of q and k in every attention, adjacent pairs, `apply_rope`; no `wpe`; Huginn)
+    or `none` (no position at all: attention reads its keys as a set; `attention: grid`)."""
     rope_base: float = 10000.0
     """RoPE's base b (> 1): pair i turns by angle p·b^(−2i/head_dim) at position p
     (Huginn-0125: 50000). Read only with position=rope."""
@@ -116,6 +118,15 @@ class GPTConfig:
     p − W + 1 .. p only (W >= 1; None: every earlier position, SPEC §1). With W = 2
     information moves one position per layer application, so a looped group propagates it
     one position per application (the carry task of docs/tasks.md)."""
+    attention: str = "causal"
+    """`causal` (each position reads itself and earlier ones, SPEC §1) or `grid`: each window
+    is one N × N grid (its EOT, the N² cells row by row, its newline: N² + 2 positions), and a
+    cell reads itself and its four grid neighbours only, in both directions; the EOT and the
+    newline read themselves (`grid_attention`: a gather of 5 keys a position, not a dense
+    mask, so a 15,000-cell grid costs 5 keys a cell). N is read off each window's length, so
+    one model reads grids of any size (DeepThinking's mazes, data=mazes). Needs
+    position=none and no attention_window; the parallel pass only (training,
+    eval.regime=parallel): a cell reads cells after it, so there is no token-by-token decoding."""
     # --- a halting head trained with the loop (`halt.*`, recdepth/training/halting.py)
     halt_head: str | None = None
     """None (no head), or what the halting heads read: `state` (their recurrence group's state
@@ -193,7 +204,8 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
                        state_init: str, intermediate_size: int | None = None, *, position: str = "learned",
                        rope_base: float = 10000.0, mlp: str = "silu", qk_bias: bool = False,
                        scale_embeddings: bool = False, latent_norm: bool = False,
-                       norm_eps: float = 1e-6, attention_window: int | None = None) -> list[list[int]]:
+                       norm_eps: float = 1e-6, attention_window: int | None = None,
+                       attention: str = "causal") -> list[list[int]]:
     """The fields of a GPTConfig that do not depend on the data (shape, recurrence groups,
     initial state, architecture options), checked with one line naming the field each;
     returns the groups as lists of ints. GPTConfig checks itself with it, and the run
@@ -224,6 +236,12 @@ def check_architecture(n_layer: int, n_head: int, n_embd: int, block_size: int, 
                                          or attention_window < 1):
         raise ValueError(f"model.attention_window: expected null or an integer >= 1 (positions attended, the "
                          f"token's own included), got {attention_window!r}")
+    if attention not in ATTENTIONS:
+        raise ValueError(f"model.attention: unknown {attention!r} (expected one of {', '.join(ATTENTIONS)})")
+    if attention == "grid" and (position != "none" or attention_window is not None):
+        raise ValueError(f"model.attention: grid reads a cell's four neighbours as a set, the same at every grid size, "
+                         f"so it needs model.position=none and model.attention_window=null (got position={position}, "
+                         f"attention_window={attention_window})")
     return validate_groups(groups, n_layer)
 
 

@@ -1,10 +1,10 @@
 """The looped GPT-2 of SPEC §1, in one file (nanoGPT lineage).
 
 Over 600 lines: the whole model is kept readable in one file, as nanoGPT's model.py is: the
-block's math (written once, for every path), the attention with its sliding window, the
-recurrence, the per-step objective's forward with the halting head's inputs (the losses
-themselves: recdepth/training/halting.py), how each parameter starts (`INIT`) and the FLOP
-count belong together.
+block's math (written once, for every path), the attention with its sliding window or its
+grid, the recurrence, the per-step objective's forward with the halting head's inputs (the
+losses themselves: recdepth/training/halting.py), how each parameter starts (`INIT`) and the
+FLOP count belong together.
 
 A GPT-2-style decoder (learned absolute positions, tied embeddings, SiLU MLP, sandwich
 RMSNorm as in Huginn) in which some contiguous runs of layers — *recurrence groups* —
@@ -148,13 +148,20 @@ class CausalSelfAttention(nn.Module):
         self.proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
         self.rotary = rotary  # shared by every layer (position=rope), else None
         self.window = cfg.attention_window  # sliding-window attention: the last W positions, or None
+        self.grid = cfg.attention == "grid"  # a cell and its four grid neighbours (`grid_attention`)
 
     def attend(self, q: Tensor, k: Tensor, v: Tensor, cache=None, pos: int = 0, rows: Tensor | None = None) -> Tensor:
-        """softmax(q kᵀ / sqrt(hd)) v, causal, for q, k, v [B, H, T, hd] of positions pos ..
+        """softmax(q kᵀ / sqrt(hd)) v, causal (a grid model: over each cell's grid neighbours,
+        `grid_attention`, the parallel pass only), for q, k, v [B, H, T, hd] of positions pos ..
         pos + T − 1, each query reading positions `first(p)` .. p (`window_mask`). cache:
         None (the parallel pass) or one layer's decoding cache (recdepth/decode/kv_cache.py),
         which this chunk's k/v are written to and the attended k/v read from."""
         W = self.window
+        if self.grid:
+            if cache is not None:
+                raise ValueError("model.attention: a grid model's cells read cells after them, so it runs the parallel "
+                                 "pass only (training, eval.regime=parallel), not token-by-token decoding")
+            return grid_attention(q, k, v)
         if cache is None:
             if W is None:
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -171,6 +178,50 @@ class CausalSelfAttention(nn.Module):
         if rows is None or rows.dtype == torch.bool:
             return F.scaled_dot_product_attention(q, ck, cv)
         return attend_rows(q, ck, cv, rows)
+
+
+def grid_side(T: int) -> int:
+    """N of a grid model's window of T = N² + 2 positions (its EOT, N × N cells, its newline);
+    a window of another length is a one-line error (`GPTConfig.attention`)."""
+    n = math.isqrt(max(T - 2, 0))
+    if T < 3 or n * n != T - 2:
+        raise ValueError(f"model.attention: grid reads each window as EOT, an N x N grid and a newline (N² + 2 "
+                         f"tokens), got a window of {T} (model.block_size must be N² + 2 for the task's N)")
+    return n
+
+
+_GRID_NEIGHBOURS: dict[tuple[int, str], tuple[Tensor, Tensor]] = {}
+
+
+def grid_neighbours(T: int, device) -> tuple[Tensor, Tensor]:
+    """Which positions each position of a grid window reads: index [T, 5] (itself, then the
+    cell to its left, right, above, below, row-major from position 1) and valid [T, 5] (a
+    neighbour inside the grid; the EOT at 0 and the newline at T − 1 read themselves only)."""
+    key = (T, str(device))
+    if key not in _GRID_NEIGHBOURS:
+        n = grid_side(T)
+        p = torch.arange(T)
+        c = p - 1  # the cell's index, row-major
+        row, col = c.div(n, rounding_mode="floor"), c.remainder(n)
+        cell = (p >= 1) & (p <= n * n)
+        index = torch.stack([p, p - 1, p + 1, p - n, p + n], dim=1)
+        valid = torch.stack([torch.ones_like(cell), cell & (col > 0), cell & (col < n - 1), cell & (row > 0),
+                             cell & (row < n - 1)], dim=1)
+        index = torch.where(valid, index, p[:, None])  # an invalid slot points at the position itself, masked
+        _GRID_NEIGHBOURS[key] = (index.to(device), valid.to(device))
+    return _GRID_NEIGHBOURS[key]
+
+
+def grid_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    """softmax(q kᵀ / sqrt(hd)) v over each position's grid neighbours (`grid_neighbours`) for
+    q, k, v [B, H, T, hd]: the 5 keys of each query gathered ([B, H, T, 5, hd]), so memory and
+    work grow with T, not T² (a dense mask over a 15,000-cell grid would hold 2.25e8 entries
+    a head). Equal to scaled_dot_product_attention with the neighbour mask (tests/model/)."""
+    index, valid = grid_neighbours(q.shape[2], q.device)
+    kn, vn = k[:, :, index], v[:, :, index]  # [B, H, T, 5, hd]
+    scores = (q.unsqueeze(3) * kn).sum(-1) / math.sqrt(q.shape[-1])
+    weights = torch.softmax(scores.masked_fill(~valid, float("-inf")), dim=-1)
+    return (weights.unsqueeze(-1) * vn).sum(3)
 
 
 def first(pos: int, window: int | None) -> int:
