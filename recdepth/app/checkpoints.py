@@ -137,6 +137,7 @@ def heldout_tokens(module: LoopedLM, data: dict, n: int, seed: int, start: int =
 
 
 EVAL_TASK_RECORDS = {"train_records": 512, "validation_records": 16, "test_records": 16}
+EVAL_EXTRAPOLATION_RECORDS = 128  # eval.task's split where the checkpoint's data had none (data=mazes)
 
 
 def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
@@ -159,6 +160,8 @@ def with_task(model: LoopedGPT, data: dict, fields: dict) -> dict:
     # only to fix the vocabulary (checked against the checkpoint's in checkpoint_data), so a
     # few records do (a task's per-step targets would otherwise fill gigabytes)
     out.update({k: min(int(data[k]), n) for k, n in EVAL_TASK_RECORDS.items() if k in data})
+    if not int(data.get("extrapolation_records", 1)):  # none at training (mazes): the split's default
+        out["extrapolation_records"] = EVAL_EXTRAPOLATION_RECORDS
     try:
         task = data_config(out).split_task()
     except (ValueError, TypeError) as e:  # the task's own one-line check, named as the command line set it

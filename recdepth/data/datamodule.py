@@ -299,6 +299,9 @@ class TokenDataModule(L.LightningDataModule):
             raise ValueError(f"data: the {name!r} split exists for a task's data only (this data is "
                              f"data={self.data.source})")
         first, n = regions[name]
+        if not n:
+            raise ValueError(f"data.{name}_records: this task's data holds no {name} split (0 records); evaluate a "
+                             f"checkpoint's with eval.task, e.g. +eval.task.extrapolation=[lo,hi]")
         return int(first), int(n)
 
     def decode(self, ids) -> str:

@@ -467,8 +467,9 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
     its token (meta.json's `targets`: true). The vocabulary is compact: the symbols the train
     split uses (its tokens and its scored symbols), EOT among them, plus "other"."""
     for split in ("train", *TASK_REGIONS):
-        if int(counts.get(split, 0)) < 1:
-            raise ValueError(f"data.{split}_records: expected a number of records >= 1, got {counts.get(split)}")
+        least = int(split != "extrapolation")  # 0 extrapolation records: an empty region
+        if int(counts.get(split, 0)) < least:
+            raise ValueError(f"data.{split}_records: expected a number of records >= {least}, got {counts.get(split)}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
     fields = task_key_fields(task, length, counts, seed, extrapolation)
     key = hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()
@@ -492,7 +493,7 @@ def prepare_task_tokens(task: tasks.Task, length: int, counts: dict[str, int], s
         return (*part[:2], np.concatenate([part[2], pad], axis=1), *part[3:])
 
     # the EOT closing each split / region: its label 0, no per-step target, scored as itself
-    tail = (np.array([EOT_ID], dtype=np.uint16), np.zeros(1, dtype=np.uint8))
+    tail = (np.array([EOT_ID], dtype=np.uint16), np.zeros(1, dtype=tasks.LABEL_DTYPE))
     tail += (np.full((1, width), tasks.NO_STEP, dtype=np.uint16),) if width else ()
     tail += (np.array([EOT_ID], dtype=np.uint16),) if in_place else ()
     streams, regions = {}, {}

@@ -36,7 +36,9 @@ class TaskData(DataConfig):
     validation_records: int = 256
     """Validation records (training's val/ce; recdepth.calibrate's split)."""
     extrapolation_records: int = 256
-    """Extrapolation records (harder instances, never trained on)."""
+    """Extrapolation records (harder instances, never trained on); 0: none at training (a task
+    whose larger instances need a larger window than the model's: data=mazes; `recdepth
+    evaluate`'s eval.task writes them in a grown block)."""
     instance_seed: int = 0
     """Seed of the instances (the training order has its own, `seed`)."""
     loss: str = "answers"
@@ -52,7 +54,7 @@ class TaskData(DataConfig):
             raise ValueError(f"data.task: expected a task's config (select one with data=<task>: "
                              f"{', '.join(tasks.names())}), got {self.task!r}")
         for split in ("train", "test", "validation", "extrapolation"):
-            check_int(f"data.{split}_records", getattr(self, f"{split}_records"), 1)
+            check_int(f"data.{split}_records", getattr(self, f"{split}_records"), int(split != "extrapolation"))
         check_int("data.instance_seed", self.instance_seed, 0)
         if self.loss not in LOSSES:
             raise ValueError(f"data.loss: expected one of {', '.join(LOSSES)}, got {self.loss!r}")

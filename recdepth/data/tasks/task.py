@@ -148,6 +148,12 @@ class Task:
         whole instances greedily."""
         return False
 
+    def grid_side(self, split: str) -> int | None:
+        """N where each instance of the split is one N × N grid filling its window (EOT, N²
+        cells, newline), read by a grid model (`model.attention=grid`); None, the default: the
+        task writes no grids."""
+        return None
+
     # ------------------------------------------------------------------ helpers
     def largest(self) -> int:
         """The largest instance size of any split."""
