@@ -131,18 +131,15 @@ class TrainConfig:
     def _check_grid(self) -> None:
         """model.attention=grid reads each window as one N x N grid: the task's (one line otherwise)."""
         task = getattr(self.data, "task", None)
-        side = None if task is None else task.grid_side("train")
-        if side is None:
+        if (side := None if task is None else task.grid_side("train")) is None:
             raise ValueError(f"model.attention: grid reads each window as one N x N grid, and data={self.data.source} "
                              "writes no grids (data=mazes does)")
         block, need = self.model.shape()["block_size"], side * side + 2
         if block != need:
             raise ValueError(f"model.block_size: data.task.size={list(task.size)} writes {side} x {side} grids, which "
                              f"grid attention reads from windows of N² + 2 = {need} tokens, got {block}")
-        c = self.callbacks.loop_dynamics
-        if c is not None and c.seq_len is not None and c.seq_len != block:
-            raise ValueError(f"callbacks.loop_dynamics.seq_len: a grid model reads whole grids, {block} tokens (or "
-                             f"null), got {c.seq_len}")
+        if (c := self.callbacks.loop_dynamics) is not None and c.seq_len not in (None, block):
+            raise ValueError(f"callbacks.loop_dynamics.seq_len: a grid model reads whole grids, {block} tokens, got {c.seq_len}")
 
 
 def _device(v: str) -> None:
