@@ -180,7 +180,7 @@ class CausalSelfAttention(nn.Module):
         return attend_rows(q, ck, cv, rows)
 
 
-def grid_side(T: int) -> int:
+def window_grid_side(T: int) -> int:
     """N of a grid model's window of T = N² + 2 positions (its EOT, N × N cells, its newline);
     a window of another length is a one-line error (`GPTConfig.attention`)."""
     n = math.isqrt(max(T - 2, 0))
@@ -199,7 +199,7 @@ def grid_neighbours(T: int, device) -> tuple[Tensor, Tensor]:
     neighbour inside the grid; the EOT at 0 and the newline at T − 1 read themselves only)."""
     key = (T, str(device))
     if key not in _GRID_NEIGHBOURS:
-        n = grid_side(T)
+        n = window_grid_side(T)
         p = torch.arange(T)
         c = p - 1  # the cell's index, row-major
         row, col = c.div(n, rounding_mode="floor"), c.remainder(n)

@@ -21,9 +21,9 @@ round of **dead-end filling**: an open cell other than start and end whose open 
 are at most one is filled (becomes a wall), all cells at once. On a tree the cells left
 open when no cell fills are the path. Difficulty of a cell: 1 for a wall (its input says
 it), the round it is filled in for a dead end, and for a path cell the maze's last round F
-(a path cell is told from a dead end only when no dead end is left; at least 1). Per-step targets (`loss.steps=trajectory`):
-after application t < f a dead-end cell filled at round f is still open (` 1`), from t = f
-on its final ` 0`; a path cell is ` 1` throughout. They are stated for the training sizes
+(a path cell is told from a dead end only when no dead end is left; at least 1). Per-step
+targets (`loss.steps=trajectory`): after application t < f a dead-end cell filled at round
+f is still open (` 1`), from t = f on its final ` 0`; a path cell is ` 1` throughout. They are stated for the training sizes
 (`size`) only: the extrapolation split's mazes are scored on their final answers, so its
 widest maze (F up to ~2r²) does not size every split's per-step files.
 
@@ -35,7 +35,6 @@ s = 9), and every split has one size (`size` and `extrapolation` are [s, s]).
 from __future__ import annotations
 
 import random
-from collections import deque
 from dataclasses import dataclass, field
 
 from recdepth.data.tasks.task import DIGITS, Instance, Task
@@ -130,8 +129,8 @@ def carve(rng: random.Random, rooms: int) -> list[list[str]]:
 def dead_end_rounds(grid: list[list[str]]) -> tuple[dict[tuple[int, int], int], int]:
     """({open cell: the round dead-end filling fills it in}, F = the last round, at least 1)
     for a maze whose open cells form a tree: each round fills, at once, every open cell but
-    start and end with at most one open neighbour. Peeled from the leaves with a queue (each
-    cell visited once); tests/data/test_mazes.py checks it against the round-by-round rule."""
+    start and end with at most one open neighbour. Peeled from the leaves, each round from the
+    neighbours of the last (each cell visited once); tests/data/test_mazes.py checks it against the round-by-round rule."""
     n = len(grid)
     open_ = {(y, x) for y in range(n) for x in range(n) if grid[y][x] != WALL}
     ends = {(y, x) for (y, x) in open_ if grid[y][x] in (START, END)}
@@ -142,20 +141,17 @@ def dead_end_rounds(grid: list[list[str]]) -> tuple[dict[tuple[int, int], int], 
 
     degree = {c: len(nbrs(c)) for c in open_}
     fill: dict[tuple[int, int], int] = {}
-    frontier = deque(c for c in open_ if c not in ends and degree[c] <= 1)
+    frontier = {c for c in open_ if c not in ends and degree[c] <= 1}
     r = 0
-    while frontier:
+    while frontier:  # round r fills the frontier; a neighbour left with <= 1 open joins the next
         r += 1
-        now = list(frontier)
-        frontier.clear()
-        for c in now:
-            fill[c] = r
-        for c in now:
+        fill.update(dict.fromkeys(frontier, r))
+        following = set()
+        for c in frontier:
             for d in nbrs(c):
                 if d not in fill:
-                    degree[d] -= 1
-        for c in now:
-            for d in nbrs(c):
-                if d not in fill and d not in ends and degree[d] <= 1 and d not in frontier:
-                    frontier.append(d)
+                    degree[d] -= 1  # degrees only fall, so the check after the last decrement decides
+                    if d not in ends and degree[d] <= 1:
+                        following.add(d)
+        frontier = following
     return fill, max(r, 1)
