@@ -81,7 +81,8 @@ def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
 
 def test_a_task_checkpoint_evaluates_with_its_experiments_settings(roots_run, env):
     """`recdepth evaluate ckpt=<task checkpoint>` with no eval.* scores as its experiment chose
-    (eval.tokens, context_steps, cache: here SMALL's 288 and 4, roots' per_step), metrics.json
+    (eval.tokens, context_steps, cache, regime: here SMALL's 288 and 4, roots' per_step and
+    sequential), metrics.json
     saying so; a value on the command line wins."""
     tmp, rd = roots_run
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
@@ -92,12 +93,12 @@ def test_a_task_checkpoint_evaluates_with_its_experiments_settings(roots_run, en
         assert p.returncode == 0, p.stderr[-3000:]
     own = json.loads((tmp / "own" / "metrics.json").read_text())["eval"]
     mine = json.loads((tmp / "mine" / "metrics.json").read_text())["eval"]
-    assert own["cache"] == "per_step" and own["settings_from"] == dict.fromkeys(("tokens", "context_steps", "cache"),
-                                                                                   "checkpoint")
+    assert own["cache"] == "per_step" and own["settings_from"] == dict.fromkeys(
+        ("tokens", "context_steps", "cache", "regime"), "checkpoint")
     text = (tmp / "own" / "config.yaml").read_text()
     assert "tokens: 288" in text and "context_steps: 4" in text
     assert mine["cache"] == "latest" and mine["settings_from"] == {"tokens": "command", "context_steps": "checkpoint",
-                                                                   "cache": "command"}
+                                                                   "cache": "command", "regime": "checkpoint"}
     assert "tokens: 96" in (tmp / "mine" / "config.yaml").read_text()
 
 
@@ -144,7 +145,8 @@ def test_a_task_checkpoint_gives_the_report_its_grid(roots_run):
         got = checkpoint_eval(cfg, overrides)
         assert list(cfg.report.fixed) == fixed and cfg.report.warm_start is (not taken)  # ...the checkpoint's where taken
         assert list(cfg.report.from_checkpoint) == taken
-        assert got == ["eval.cache", "eval.context_steps", "eval.tokens", *(f"report.{k}" for k in taken)]
+        assert got == ["eval.cache", "eval.context_steps", "eval.regime", "eval.tokens",
+                       *(f"report.{k}" for k in taken)]
 
 
 def test_ltt_to_an_accuracy_drop_on_roots(roots_run, env, ckpt_env):

@@ -167,19 +167,23 @@ def test_diagnose_reads_the_longer_instances_of_the_extrapolation_split(carry_ru
 def test_experiment_mazes_trains_and_reads_larger_mazes_in_one_command(env, tmp_path):
     """A grid model trained on 3 x 3 mazes (5 x 5 grids, windows of 27) evaluates 7 x 7 mazes
     (9 x 9 grids) through the real CLI: the block grows to 83, every cell but the last is
-    scored (walls at difficulty 1), one instance a maze; token-by-token decoding refuses."""
+    scored (walls at difficulty 1), one instance a maze, in the parallel regime the checkpoint
+    carries (none on the command line); token-by-token decoding refuses."""
     rd = tmp_path / "job"
     run(["debug=tiny", "experiment=mazes", "data.task.size=[3,3]", "data.task.extrapolation=[5,5]",
          "model.block_size=27", "data.train_records=24", "data.test_records=4", "data.validation_records=4",
          "eval.tokens=54", "eval.latency_tokens=0", f"run_dir={rd}"], cwd=tmp_path, env=env)
     ckpt = rd / "train" / "checkpoints" / "last.ckpt"
     out = tmp_path / "big"
-    p = evaluate(tmp_path, env, ckpt, out, "+eval.task.extrapolation=[7,7]", "eval.regime=parallel", "eval.tokens=249")
+    p = evaluate(tmp_path, env, ckpt, out, "+eval.task.extrapolation=[7,7]", "eval.tokens=249")
     assert p.returncode == 0, p.stderr[-3000:]
-    a = json.loads((out / "metrics.json").read_text())["eval"]["answers"]
+    ev = json.loads((out / "metrics.json").read_text())["eval"]
+    assert ev["regime"] == "parallel" and ev["settings_from"]["regime"] == "checkpoint"
+    a = ev["answers"]
     assert a["tokens"] == 3 * 80 and a["instances"] == 3  # 81 cells a maze, the last (a wall) unscored
     assert a["by_difficulty"]["1"]["tokens"] > 3 * 40  # the walls: the outer ring alone is 32 a maze
-    p = evaluate(tmp_path, env, ckpt, tmp_path / "seq", "+eval.task.extrapolation=[7,7]", "eval.tokens=249")
+    p = evaluate(tmp_path, env, ckpt, tmp_path / "seq", "+eval.task.extrapolation=[7,7]", "eval.tokens=249",
+                 "eval.regime=sequential")
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == (
         "error: eval.regime: a grid model (model.attention=grid) reads every cell at once, so it decodes with "
         "eval.regime=parallel only, got 'sequential'")

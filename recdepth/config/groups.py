@@ -275,7 +275,7 @@ class DecodeConfig:
 # The eval keys a task's checkpoint carries (its experiment's choices: conf/experiment/) and the
 # evaluation commands (evaluate, calibrate, report, train-gate, make frontier) take as their
 # defaults on it; a value on the command line wins (recdepth.cli.runner.checkpoint_eval).
-EVAL_FROM_CHECKPOINT = ("tokens", "context_steps", "cache")
+EVAL_FROM_CHECKPOINT = ("tokens", "context_steps", "cache", "regime")
 
 
 @dataclass
