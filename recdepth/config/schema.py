@@ -4,10 +4,9 @@ One dataclass per config group (recdepth/config/groups.py and schema_training.py
 root per command, registered in Hydra's ConfigStore: `TrainConfig` (conf/config.yaml, `python -m recdepth.train`),
 `EvaluateConfig` (conf/evaluate.yaml, `python -m recdepth.evaluate`),
 `TrainGateConfig` (conf/train_gate.yaml, `python -m recdepth.train_gate`) and
-`GenerateConfig` (conf/generate.yaml, `python -m recdepth.generate`), besides the
-calibrate and report roots. The YAML files name
-their root first in their defaults lists, so the groups compose onto it: a group file sets
-values; the keys and their types are the schema's.
+`GenerateConfig` (conf/generate.yaml, `python -m recdepth.generate`), besides the calibrate
+and report roots. The YAML files name their root first in their defaults lists, so the groups
+compose onto it: a group file sets values; the keys and their types are the schema's.
 
 Every failure is one line naming the dotted field (`trainer.max_steps: expected an
 integer >= 1, got 0`), from two checks:
@@ -18,8 +17,7 @@ integer >= 1, got 0`), from two checks:
    dataclasses, whose `__post_init__` checks ranges and dependent fields with the core
    classes' own checks (`model.check_architecture`, `sampler.check_args`, `exits.build`,
    ...), so each message is written once; then whether this machine can run it.
-What needs the data or the file system (a glob matching nothing, a missing checkpoint) is
-checked where it is read.
+What needs the data or the file system (a glob matching nothing, a missing checkpoint) is checked where it is read.
 """
 
 from __future__ import annotations
@@ -140,6 +138,8 @@ class TrainConfig:
                              f"grid attention reads from windows of N² + 2 = {need} tokens, got {block}")
         if (c := self.callbacks.loop_dynamics) is not None and c.seq_len not in (None, block):
             raise ValueError(f"callbacks.loop_dynamics.seq_len: a grid model reads whole grids, {block} tokens, got {c.seq_len}")
+        if self.eval.tokens % block:  # the run's own evaluation, after training: refused before it
+            raise ValueError(f"eval.tokens: a grid model scores whole grids of {block} tokens, expected a multiple of {block}, got {self.eval.tokens}")
 
 
 def _device(v: str) -> None:

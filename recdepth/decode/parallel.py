@@ -52,12 +52,18 @@ class ParallelRun:
     """[B] long: the applications the instance's parallel pass ran."""
 
 
-def check_regime(model: LoopedGPT, regime: str) -> None:
+def check_regime(model: LoopedGPT, regime: str, n_tokens: int) -> None:
     """A grid model (model.attention=grid: a cell reads the cells after it too) has no
-    token-by-token decoding: the parallel regime only, one line otherwise."""
-    if model.cfg.attention == "grid" and regime != "parallel":
+    token-by-token decoding: the parallel regime only, and whole grids (`n_tokens` scored, a
+    multiple of the block), one line otherwise."""
+    if model.cfg.attention != "grid":
+        return
+    if regime != "parallel":
         raise ValueError(f"eval.regime: a grid model (model.attention=grid) reads every cell at once, so it decodes "
                          f"with eval.regime=parallel only, got {regime!r}")
+    if n_tokens % (T := model.cfg.block_size):
+        raise ValueError(f"eval.tokens: a grid model scores whole grids of {T} tokens (its block here), expected a "
+                         f"multiple of {T}, got {n_tokens}")
 
 
 def check_parallel(model: LoopedGPT, policy: ExitPolicy, level: str, wake: bool) -> None:

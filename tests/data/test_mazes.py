@@ -167,6 +167,7 @@ def test_experiment_mazes_composes_and_a_grid_model_checks_its_data_in_one_line(
         run = validated(compose("config", overrides=over))
         wrong_block = compose("config", overrides=[*over, "data.task.size=[7,7]", "data.task.extrapolation=[9,9]"])
         no_grid = compose("config", overrides=[*over, "data=prefixsums", "data.extrapolation_records=1"])
+        part_grid = compose("config", overrides=[*over, "eval.tokens=6500"])
     assert (run.model.attention, run.model.position, run.data.task.grid_side("train")) == ("grid", "none", 7)
     assert run.model.shape()["block_size"] == 7 * 7 + 2 and run.eval.tokens == run.data.test_records * 51
     assert run.data.extrapolation_records == 0 and run.eval.regime == "parallel"
@@ -176,3 +177,6 @@ def test_experiment_mazes_composes_and_a_grid_model_checks_its_data_in_one_line(
     with pytest.raises(ValueError, match=r"^model\.attention: grid reads each window as one N x N grid, and "
                                          r"data=task writes no grids \(data=mazes does\)$"):
         validated(no_grid)
+    with pytest.raises(ValueError, match=r"^eval\.tokens: a grid model scores whole grids of 51 tokens, expected a "
+                                         r"multiple of 51, got 6500$"):  # refused before training, not after it
+        validated(part_grid)

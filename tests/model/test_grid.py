@@ -111,6 +111,9 @@ def test_a_grid_model_refuses_what_it_cannot_read_in_one_line():
         S.evaluate_exit(m, tokens, policy, 11, DecodeSettings(latency_tokens=0, warmup_tokens=0))
     with pytest.raises(ValueError, match=r"^eval\.wake: .*model\.attention=grid"):
         parallel_exit(m, tokens[:11][None], policy, wake=True)
+    with pytest.raises(ValueError, match=r"^eval\.tokens: a grid model scores whole grids of 11 tokens \(its block "
+                                         r"here\), expected a multiple of 11, got 15$"):  # not a grid of 4 cells
+        S.evaluate_exit(m, tokens, policy, 15, DecodeSettings(regime="parallel", latency_tokens=0, warmup_tokens=0))
 
 
 def test_the_parallel_regime_at_fixed_n_is_the_training_forward():
