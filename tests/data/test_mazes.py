@@ -145,7 +145,37 @@ def test_mazes_splits_share_no_instance():
     assert_splits_disjoint(tasks.lookup("mazes")(size=[3, 3], extrapolation=[5, 5]))
 
 
+def test_branching_grows_trees_with_four_way_rooms_and_leaves_the_extrapolation_split_depth_first():
+    """data.task.branching: a random stacked room carves instead of the newest. The mazes stay
+    trees over every room (counted here from the grid); 3 x 3-room mazes get the room open on
+    all four sides that depth-first ones never have; the extrapolation split's are unchanged."""
+    import random
+
+    from recdepth.data.tasks.mazes import carve
+
+    def four_way_rooms(g):
+        return sum(all(g[y + dy][x + dx] != "w" for dy, dx in ((0, 1), (0, -1), (1, 0), (-1, 0)))
+                   for y in range(1, len(g), 2) for x in range(1, len(g), 2))
+
+    counts = {}
+    for b in (0.0, 1.0):
+        rng, n = random.Random(3), 0
+        for _ in range(600):
+            g = carve(rng, 3, b)
+            cells = [(y, x) for y in range(7) for x in range(7) if g[y][x] != "w"]
+            edges = sum(g[y][x + 1] != "w" for y, x in cells) + sum(g[y + 1][x] != "w" for y, x in cells)
+            assert len(cells) == 2 * 9 - 1 and edges == len(cells) - 1  # 9 rooms, 8 passages: a spanning tree
+            n += four_way_rooms(g) > 0
+        counts[b] = n
+    assert counts[0.0] == 0 and counts[1.0] >= 20  # about 9% of them at branching 1
+    dfs, grown = (tasks.lookup("mazes")(size=[5, 5], extrapolation=[9, 9], branching=b) for b in (0.0, 1.0))
+    for sizes, same in (((9, 9), True), ((5, 5), False)):
+        a, c = (t.generate(random.Random(7), sizes) for t in (dfs, grown))
+        assert (a == c) is same
+
+
 @pytest.mark.parametrize("field, value, message", [
+    ("branching", 1.5, r"^data\.task\.branching: expected a probability in \[0, 1\], got 1\.5$"),
     ("size", [9, 11], r"^data\.task\.size: one odd maze size a split, \[s, s\] .*got \[9, 11\]$"),
     ("size", [8, 8], r"^data\.task\.size: one odd maze size a split"),
     ("extrapolation", [15, 17], r"^data\.task\.extrapolation: one odd maze size a split"),

@@ -52,9 +52,16 @@ class Mazes(Task):
     rooms, an 11 × 11 grid)."""
     extrapolation: list[int] = field(default_factory=lambda: [13, 13])
     """Maze size of the extrapolation split, [s, s], above `size` (DeepThinking tests up to 59)."""
+    branching: float = 0.0
+    """In [0, 1]: mazes of the `size` splits grow, at each step with this probability, from a
+    random room already carved instead of the newest (the growing-tree algorithm; 0 = the
+    depth-first search, DeepThinking's). Depth-first mazes of 3 × 3 rooms never have a room
+    open on all four sides, which 59 × 59 ones do; the extrapolation split stays depth-first."""
 
     def __post_init__(self):
         super().__post_init__()
+        if isinstance(self.branching, bool) or not isinstance(self.branching, int | float) or not 0 <= self.branching <= 1:
+            raise ValueError(f"data.task.branching: expected a probability in [0, 1], got {self.branching!r}")
         for key in ("size", "extrapolation"):
             lo, hi = getattr(self, key)
             if lo != hi or lo % 2 == 0:
@@ -79,9 +86,9 @@ class Mazes(Task):
         return self.sizes(split)[0] + 2
 
     def generate(self, rng: random.Random, sizes: tuple[int, int]) -> Instance:
-        grid = carve(rng, (sizes[0] + 1) // 2)
+        trained = sizes[1] <= self.size[1]  # per-step targets and branching for the training sizes only
+        grid = carve(rng, (sizes[0] + 1) // 2, self.branching if trained else 0.0)
         fill, last = dead_end_rounds(grid)
-        trained = sizes[1] <= self.size[1]  # per-step targets for the training sizes only
         n = len(grid)
         cells = [c for row in grid for c in row]
         out = []
@@ -98,10 +105,12 @@ class Mazes(Task):
         return out
 
 
-def carve(rng: random.Random, rooms: int) -> list[list[str]]:
+def carve(rng: random.Random, rooms: int, branching: float = 0.0) -> list[list[str]]:
     """A maze of rooms × rooms rooms as its (2·rooms + 1)² grid: a depth-first search from
     the start room knocks down the wall to a random unvisited neighbour, backtracking at dead
-    ends; start and end are two distinct rooms drawn uniformly."""
+    ends; start and end are two distinct rooms drawn uniformly. With `branching` > 0 each
+    step carves, with that probability, from a random room of the search's stack instead of
+    its top (the growing tree; a room leaves the stack when it has no unvisited neighbour)."""
     n = 2 * rooms + 1
     grid = [[WALL] * n for _ in range(n)]
     start, end = rng.sample(range(rooms * rooms), 2)
@@ -109,12 +118,13 @@ def carve(rng: random.Random, rooms: int) -> list[list[str]]:
     seen = {(sy, sx)}
     stack = [(sy, sx)]
     grid[2 * sy + 1][2 * sx + 1] = OPEN
-    while stack:
-        y, x = stack[-1]
+    while stack:  # at branching 0 no draw is added: the depth-first mazes stay those of every earlier version
+        k = len(stack) - 1 if branching == 0 or rng.random() >= branching else rng.randrange(len(stack))
+        y, x = stack[k]
         nbrs = [(y + dy, x + dx) for dy, dx in ((0, -1), (0, 1), (1, 0), (-1, 0))
                 if 0 <= y + dy < rooms and 0 <= x + dx < rooms and (y + dy, x + dx) not in seen]
         if not nbrs:
-            stack.pop()
+            stack.pop(k)
             continue
         ny, nx = rng.choice(nbrs)
         grid[y + ny + 1][x + nx + 1] = OPEN  # the wall between (y, x) and (ny, nx)
