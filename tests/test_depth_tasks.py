@@ -58,7 +58,8 @@ def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
     assert sorted(int(json.loads((sweep / str(j) / "metrics.json").read_text())["eval"]["max_steps"])
                   for j in range(2)) == grid  # the two fixed jobs; no warm-start copies
     assert json.loads((sweep / "grid.json").read_text()) == {str(ckpt): {
-        "fixed": grid, "warm_start": False, "from": dict.fromkeys(("fixed", "warm_start"), "checkpoint" if own else "command")}}
+        "fixed": grid, "warm_start": False, "oracle": [0.01],
+        "from": {**dict.fromkeys(("fixed", "warm_start"), "checkpoint" if own else "command"), "oracle": "command"}}}
     # the checkpoint's own eval.tokens (SMALL's 288) and cache where the command line set none;
     # the jobs decoded side by side all the same (the sweep's shared decode took them)
     for j in range(4):

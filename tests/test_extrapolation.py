@@ -187,3 +187,15 @@ def test_experiment_mazes_trains_and_reads_larger_mazes_in_one_command(env, tmp_
     assert p.returncode != 0 and p.stderr.strip().splitlines()[-1] == (
         "error: eval.regime: a grid model (model.attention=grid) reads every cell at once, so it decodes with "
         "eval.regime=parallel only, got 'sequential'")
+    # make frontier on it: the checkpoint's grid, parallel regime and no oracle (mazes.yaml's frontier.oracle: [])
+    sweep = tmp_path / "frontier"
+    p = subprocess.run([sys.executable, "-m", "recdepth.evaluate", "--multirun", "hydra/sweeper=frontier", f"ckpt={ckpt}",
+                        f"hydra.sweep.dir={sweep}", "eval.latency_tokens=0", "hydra.sweeper.rules.kl=[0.01]",
+                        "hydra.sweeper.rules.stepnorm=[]", "hydra.sweeper.rules.accel=[]", "exit.max_steps=3"],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    grid = json.loads((sweep / "grid.json").read_text())[str(ckpt)]
+    assert grid["oracle"] == [] and grid["from"]["oracle"] == "checkpoint"
+    jobs = [json.loads((sweep / str(j) / "metrics.json").read_text())["eval"] for j in range(8)]
+    assert [e["exit"] for e in jobs] == ["fixed"] * 7 + ["kl"] and not (sweep / "8").exists()
+    assert {e["regime"] for e in jobs} == {"parallel"}

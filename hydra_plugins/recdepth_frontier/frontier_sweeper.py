@@ -79,7 +79,7 @@ class FrontierSweeper(BasicSweeper):
         grid = dataclasses.replace(self.grid, **mine)  # validated again (FrontierGrid.__post_init__)
         if mine:
             log.info("frontier grid from the checkpoint: %s", ", ".join(f"{k}={v}" for k, v in mine.items()))
-        self.used[str(ckpt)] = {"fixed": grid.fixed, "warm_start": grid.warm_start,
+        self.used[str(ckpt)] = {"fixed": grid.fixed, "warm_start": grid.warm_start, "oracle": grid.oracle,
                                 "from": {k: "checkpoint" if k in mine else "command" for k in FRONTIER_FROM_CHECKPOINT}}
         if hydra_cfg is not None:
             out = Path(hydra_cfg.sweep.dir)

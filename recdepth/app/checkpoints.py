@@ -110,7 +110,7 @@ def start_from(module: LoopedLM, path: str | Path) -> None:
 def eval_defaults(path: str | Path) -> dict[str, dict]:
     """The settings a task checkpoint carries for its evaluation: {"eval": its experiment's
     eval.tokens, context_steps, cache and regime (`eval_config`), "frontier": the frontier grid its
-    experiment chose (`frontier_config`: fixed, warm_start)}; empty blocks for a checkpoint
+    experiment chose (`frontier_config`: fixed, warm_start, oracle)}; empty blocks for a checkpoint
     without them (not a task's, from before they travelled) or anything unreadable (the job
     then says why)."""
     try:

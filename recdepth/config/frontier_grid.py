@@ -29,7 +29,7 @@ WARM = "eval.warm_start=true"
 # The grid keys a task's checkpoint carries (its experiment's `frontier:` block) and `make
 # frontier` and `recdepth report` take as their defaults on it; a value on the command line wins
 # (the sweeper; recdepth.cli.runner.checkpoint_eval for the report).
-FRONTIER_FROM_CHECKPOINT = ("fixed", "warm_start")
+FRONTIER_FROM_CHECKPOINT = ("fixed", "warm_start", "oracle")
 
 
 def check_fixed(where: str, fixed) -> None:
@@ -135,12 +135,19 @@ class FrontierChoice:
     """The fixed depths of the frontier (at least two, each >= 1); null: the command's grid."""
     warm_start: bool | None = None
     """Whether the fixed grid is drawn again under warm start; null: the command's default."""
+    oracle: list[float] | None = None
+    """The oracle's ε grid; [] leaves the oracle out (it decodes token by token, which a grid
+    model cannot: conf/experiment/mazes.yaml); null: the command's grid."""
 
     def __post_init__(self):
+        from recdepth import exits
+
         if self.fixed is not None:
             check_fixed("frontier.fixed", self.fixed)
         if self.warm_start is not None and not isinstance(self.warm_start, bool):
             raise ValueError(f"frontier.warm_start: expected true, false or null, got {self.warm_start!r}")
+        for e in self.oracle or []:
+            exits.validate("oracle", e)
 
     def carried(self) -> dict:
         """The values a checkpoint carries: those set (not null)."""

@@ -52,12 +52,15 @@ class ParallelRun:
     """[B] long: the applications the instance's parallel pass ran."""
 
 
-def check_regime(model: LoopedGPT, regime: str, n_tokens: int) -> None:
+def check_regime(model: LoopedGPT, regime: str, n_tokens: int, oracle: bool = False) -> None:
     """A grid model (model.attention=grid: a cell reads the cells after it too) has no
-    token-by-token decoding: the parallel regime only, and whole grids (`n_tokens` scored, a
-    multiple of the block), one line otherwise."""
+    token-by-token decoding: the parallel regime only, no `oracle` (it decodes token by
+    token), and whole grids (`n_tokens` scored, a multiple of the block), one line otherwise."""
     if model.cfg.attention != "grid":
         return
+    if oracle:
+        raise ValueError("exit.name: 'oracle' decodes token by token, which a grid model (model.attention=grid) "
+                         "cannot; its bound is the fixed grid (make frontier: hydra.sweeper.oracle=[])")
     if regime != "parallel":
         raise ValueError(f"eval.regime: a grid model (model.attention=grid) reads every cell at once, so it decodes "
                          f"with eval.regime=parallel only, got {regime!r}")

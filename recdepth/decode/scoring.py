@@ -167,7 +167,7 @@ def evaluate_exit(model: LoopedGPT, tokens: Tensor, policy: ExitPolicy, n_tokens
     scores against it instead of the next token (`engine.decode_windows`).
     """
     policy.check_model(model.n_groups, model.cfg.n_embd)
-    check_regime(model, settings.regime, n_tokens)
+    check_regime(model, settings.regime, n_tokens, oracle=policy.name == ORACLE)
     if settings.regime == "parallel" and policy.name != ORACLE:  # the oracle: the sequential regime's bound
         return evaluate_parallel(model, tokens, policy, n_tokens, settings, first_window, labels, targets)
     if policy.name == ORACLE:
@@ -353,7 +353,7 @@ def evaluate_exits(model: LoopedGPT, tokens: Tensor, policies: Sequence[ExitPoli
     tokens over its seconds and `shared_batch` the number of policies decoded side by
     side. The timed passes' step: `latency_backend_for` the policies timed here. `targets`: a
     scored stream, as `evaluate_exit`'s."""
-    check_regime(model, settings.regime, n_tokens)
+    check_regime(model, settings.regime, n_tokens, oracle=any(p.name == ORACLE for p in policies))
     if settings.regime == "parallel":
         raise ValueError("eval.regime: parallel decodes one setting at a time (recdepth evaluate; make frontier "
                          "runs its jobs one by one there); settings side by side are sequential only")

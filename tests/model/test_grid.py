@@ -114,6 +114,9 @@ def test_a_grid_model_refuses_what_it_cannot_read_in_one_line():
     with pytest.raises(ValueError, match=r"^eval\.tokens: a grid model scores whole grids of 11 tokens \(its block "
                                          r"here\), expected a multiple of 11, got 15$"):  # not a grid of 4 cells
         S.evaluate_exit(m, tokens, policy, 15, DecodeSettings(regime="parallel", latency_tokens=0, warmup_tokens=0))
+    with pytest.raises(ValueError, match=r"^exit\.name: 'oracle' decodes token by token, which a grid model "):
+        S.evaluate_exit(m, tokens, build("oracle", 0.01, max_steps=2), 11,
+                        DecodeSettings(regime="parallel", latency_tokens=0, warmup_tokens=0))
 
 
 def test_the_parallel_regime_at_fixed_n_is_the_training_forward():
