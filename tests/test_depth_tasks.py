@@ -66,7 +66,7 @@ def test_debug_roots_frontier_sweep_under_each_cache(roots_run, env, cache):
         m = json.loads((sweep / str(j) / "metrics.json").read_text())
         assert m["eval"]["cache"] == cache and m["eval"]["settings_from"] == {
             "tokens": "checkpoint", "context_steps": "command",
-            "cache": "checkpoint" if cache == "per_step" else "command"}
+            "cache": "checkpoint" if cache == "per_step" else "command", "regime": "checkpoint"}
         assert "tokens: 288" in (sweep / str(j) / "config.yaml").read_text()
         if m["eval"]["exit"] != "oracle":
             assert m["eval"]["shared_batch"] == 3
