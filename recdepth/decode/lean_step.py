@@ -53,6 +53,7 @@ from torch import Tensor
 from recdepth.exits.monitor import history0, observe_step
 from recdepth.exits.policy import ExitPolicy
 from recdepth.model.looped import (
+    GRID_PARALLEL_ONLY,
     BlockWeights,
     LoopedGPT,
     attend_rows,
@@ -111,6 +112,8 @@ class LeanSteps:
 
     def __init__(self, model: LoopedGPT, compile: bool = False):
         cfg = model.cfg
+        if cfg.attention == "grid":  # its attention is causal over a cache: no grid neighbours
+            raise ValueError(GRID_PARALLEL_ONLY)
         self.model, self.compiled = model, compile
         self.n_head, self.head_dim, self.eps = cfg.n_head, cfg.head_dim, cfg.norm_eps
         self.gated = cfg.mlp == "gated_silu"

@@ -159,8 +159,7 @@ class CausalSelfAttention(nn.Module):
         W = self.window
         if self.grid:
             if cache is not None:
-                raise ValueError("model.attention: a grid model's cells read cells after them, so it runs the parallel "
-                                 "pass only (training, eval.regime=parallel), not token-by-token decoding")
+                raise ValueError(GRID_PARALLEL_ONLY)
             return grid_attention(q, k, v)
         if cache is None:
             if W is None:
@@ -178,6 +177,12 @@ class CausalSelfAttention(nn.Module):
         if rows is None or rows.dtype == torch.bool:
             return F.scaled_dot_product_attention(q, ck, cv)
         return attend_rows(q, ck, cv, rows)
+
+
+# The one-line refusal of every token-by-token path on a grid model (Block.attend with a cache,
+# the lean decode step, which computes attention without Block.attend).
+GRID_PARALLEL_ONLY = ("model.attention: a grid model's cells read cells after them, so it runs the parallel pass "
+                      "only (training, eval.regime=parallel), not token-by-token decoding")
 
 
 def window_grid_side(T: int) -> int:

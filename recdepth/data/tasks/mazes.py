@@ -37,6 +37,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
+from recdepth.core.checks import is_number
 from recdepth.data.tasks.task import DIGITS, Instance, Task
 
 WALL, OPEN, START, END = "w", "o", "s", "e"
@@ -60,7 +61,7 @@ class Mazes(Task):
 
     def __post_init__(self):
         super().__post_init__()
-        if isinstance(self.branching, bool) or not isinstance(self.branching, int | float) or not 0 <= self.branching <= 1:
+        if not is_number(self.branching) or not 0 <= self.branching <= 1:
             raise ValueError(f"data.task.branching: expected a probability in [0, 1], got {self.branching!r}")
         for key in ("size", "extrapolation"):
             lo, hi = getattr(self, key)
